@@ -1,0 +1,151 @@
+"""CompressedCache: a transformers `Cache` that really stores the kvcompress format.
+
+Per layer and sequence it holds: fp16 sink tokens, an fp16 window of the most recent tokens,
+and the compressed store (packed int8/int4 key payload, fp16 outlier key channels, packed
+value payload, fp16 per-token value scale and min). A token is encoded, with the reference
+numerics and from its fp16 form, when it leaves the window. `update` hands attention the dequantized view.
+
+Semantics: after `update(k, v)` appends a chunk of C tokens, attention sees every cached
+token as stored *after* the append. For C = 1 (decoding) this is exactly DESIGN §3: the query
+at position t reads s in fp16 iff s < sink_tokens or t - s < window. For a chunk of C > 1
+tokens it is exact for the chunk's last query and slightly pessimistic for the others (a
+token that left the window during the chunk is read compressed by all of the chunk's
+queries). Sinks are the first cache slots (with left padding these are pad slots).
+
+    book = ScaleBook.load("runs/.../scalebook.safetensors")
+    cache = CompressedCache(book)
+    model.generate(input_ids, cache=cache, max_new_tokens=32)
+    cache.nbytes()  # bytes of the real tensors held
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from kvcompress import reference as ref
+from kvcompress.scalebook import ScaleBook
+
+_STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=-2)
+
+
+class CompressedLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, book: ScaleBook, layer_idx: int):
+        super().__init__()
+        self.p = book.key_params(layer_idx)
+        self.spec = book.spec
+        self.group = book.value_group
+        self.n_tokens = 0
+        self.sink_k = self.sink_v = self.win_k = self.win_v = None
+        self.store: dict[str, torch.Tensor | None] = dict.fromkeys(_STORE)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, H, n, D] tokens leaving the window
+        k_payload, k_out = ref.encode_keys(k, self.p)
+        v_payload, v_scale, v_min = ref.encode_values(v, self.spec.value.bits, self.group)
+        for name, t in zip(_STORE, (k_payload, k_out, v_payload, v_scale, v_min)):
+            self.store[name] = _cat(self.store[name], t)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states, value_states: [B, H, C, D] new post-RoPE tokens
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k, v = key_states, value_states
+        n_sink = self.sink_k.shape[-2] if self.sink_k is not None else 0
+        take = min(self.spec.sink_tokens - n_sink, k.shape[-2])
+        if take > 0:
+            self.sink_k = _cat(self.sink_k, k[..., :take, :].to(ref.HP_DTYPE))
+            self.sink_v = _cat(self.sink_v, v[..., :take, :].to(ref.HP_DTYPE))
+            k, v = k[..., take:, :], v[..., take:, :]
+        if k.shape[-2]:
+            self.win_k = _cat(self.win_k, k.to(ref.HP_DTYPE))
+            self.win_v = _cat(self.win_v, v.to(ref.HP_DTYPE))
+            spill = self.win_k.shape[-2] - self.spec.window
+            if spill > 0:  # the oldest tokens leave the window: encode them from their fp16 form
+                self._encode(self.win_k[..., :spill, :], self.win_v[..., :spill, :])
+                self.win_k, self.win_v = self.win_k[..., spill:, :], self.win_v[..., spill:, :]
+        self.n_tokens += key_states.shape[-2]
+        return self._view()
+
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized [B, H, n_tokens, D] keys and values, in the model's dtype."""
+        ks, vs = [], []
+        if self.sink_k is not None:
+            ks.append(self.sink_k.to(self.dtype))
+            vs.append(self.sink_v.to(self.dtype))
+        if self.store["k_payload"] is not None:
+            s = self.store
+            ks.append(ref.decode_keys(s["k_payload"], s["k_outliers"], self.p).to(self.dtype))
+            vs.append(ref.decode_values(s["v_payload"], s["v_scale"], s["v_min"], self.spec.value.bits, self.group).to(self.dtype))
+        if self.win_k is not None and self.win_k.shape[-2]:
+            ks.append(self.win_k.to(self.dtype))
+            vs.append(self.win_v.to(self.dtype))
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def nbytes(self) -> dict[str, int]:
+        def nb(t):
+            return 0 if t is None else t.nbytes
+
+        s = self.store
+        return {
+            "key_payload": nb(s["k_payload"]),
+            "key_outliers": nb(s["k_outliers"]),
+            "value_payload": nb(s["v_payload"]),
+            "value_meta": nb(s["v_scale"]) + nb(s["v_min"]),
+            "sinks": nb(self.sink_k) + nb(self.sink_v),
+            "window": nb(self.win_k) + nb(self.win_v),
+            "static": self.p.scale.nbytes + self.p.zero.nbytes + self.p.outlier_idx.nbytes,
+        }
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.n_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _Fp16Layer(DynamicLayer):
+    """The baseline (kv=fp16): a plain cache in the model's dtype."""
+
+    def nbytes(self) -> dict[str, int]:
+        n = 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.nbytes + self.values.nbytes
+        return {"fp16_tokens": n, "static": 0}
+
+
+class CompressedCache(Cache):
+    """A transformers Cache holding a ScaleBook's compressed format (see module docstring)."""
+
+    def __init__(self, book: ScaleBook):
+        n = book.geometry["n_layers"]
+        layers = [_Fp16Layer() for _ in range(n)] if book.spec.is_baseline else [CompressedLayer(book, i) for i in range(n)]
+        super().__init__(layers=layers)
+        self.book = book
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """Bytes of the real tensors held, by part, summed over layers."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            for k, v in layer.nbytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def nbytes(self, include_static: bool = False) -> int:
+        b = self.nbytes_breakdown()
+        return sum(v for k, v in b.items() if include_static or k != "static")
+
+    def bytes_per_token(self) -> float:
+        """Per-sequence bytes per cached token (static scales excluded)."""
+        n = self.get_seq_length()
+        return self.nbytes() / n if n else 0.0

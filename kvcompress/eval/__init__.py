@@ -1,0 +1,1 @@
+"""Evaluation on the serving path: one-pass compressed attention, metrics, tasks."""

@@ -1,0 +1,58 @@
+"""Quality metrics of compressed vs baseline next-token distributions on the same tokens."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+KL_POSITION_BIN = 64  # KL-vs-position curve resolution (tokens)
+
+
+@dataclass
+class QualityAccumulator:
+    """Streams (baseline logits, compressed logits, targets) windows into the report metrics."""
+
+    nll_base: float = 0.0
+    nll_comp: float = 0.0
+    n: int = 0
+    top1_agree: int = 0
+    kl_values: list = field(default_factory=list)
+    kl_pos_sum: dict = field(default_factory=dict)
+    kl_pos_n: dict = field(default_factory=dict)
+
+    def update(self, logits_base: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
+        """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
+        lb = torch.log_softmax(logits_base[:, :-1].float(), dim=-1)
+        lc = torch.log_softmax(logits_comp[:, :-1].float(), dim=-1)
+        tgt = ids[:, 1:].unsqueeze(-1)
+        self.nll_base += float(-lb.gather(-1, tgt).sum())
+        self.nll_comp += float(-lc.gather(-1, tgt).sum())
+        self.n += tgt.numel()
+        self.top1_agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
+        kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)  # [B, T-1]  KL(base || comp)
+        self.kl_values.append(kl.flatten().double())
+        pos_bin = torch.arange(kl.shape[1]) // KL_POSITION_BIN
+        for b in pos_bin.unique().tolist():
+            sel = kl[:, pos_bin == b]
+            self.kl_pos_sum[b] = self.kl_pos_sum.get(b, 0.0) + float(sel.sum())
+            self.kl_pos_n[b] = self.kl_pos_n.get(b, 0) + sel.numel()
+
+    def result(self) -> dict:
+        kl = torch.cat(self.kl_values) if self.kl_values else torch.zeros(1, dtype=torch.float64)
+        ppl_b = math.exp(self.nll_base / max(1, self.n))
+        ppl_c = math.exp(self.nll_comp / max(1, self.n))
+        return {
+            "tokens": self.n,
+            "ppl_baseline": ppl_b,
+            "ppl_compressed": ppl_c,
+            "ppl_delta": ppl_c - ppl_b,
+            "ppl_delta_rel": (ppl_c - ppl_b) / ppl_b,
+            "kl_mean": float(kl.mean()),
+            "kl_p99": float(torch.quantile(kl.float(), 0.99)) if kl.numel() > 1 else float(kl.max()),
+            "kl_max": float(kl.max()),
+            "top1_agree": self.top1_agree / max(1, self.n),
+            "kl_by_position": [
+                {"start": b * KL_POSITION_BIN + 1, "kl_mean": self.kl_pos_sum[b] / self.kl_pos_n[b]} for b in sorted(self.kl_pos_sum)
+            ],
+        }

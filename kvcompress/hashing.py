@@ -1,0 +1,46 @@
+"""Content hashes for cache keys and provenance."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole
+EDGE_BYTES = 16 << 20  # larger files: size + first and last 16 MiB
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of a file (whole up to 1 GiB; beyond that of its size and first/last 16 MiB)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    size = p.stat().st_size
+    with p.open("rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode())
+            h.update(f.read(EDGE_BYTES))
+            f.seek(size - EDGE_BYTES)
+            h.update(f.read(EDGE_BYTES))
+    return h.hexdigest()
+
+
+def dir_fingerprint(path: str | Path, patterns=("*.json", "*.safetensors", "*.gguf", "*.model")) -> str:
+    """Fingerprint of a model directory: its config/tokenizer/weight files, by name and content."""
+    p = Path(path)
+    h = hashlib.sha256()
+    for pat in patterns:
+        for f in sorted(p.glob(pat)):
+            h.update(f.name.encode())
+            h.update(file_fingerprint(f).encode())
+    return h.hexdigest()
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def obj_hash(obj) -> str:
+    """sha256 of a JSON-serialisable object (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()

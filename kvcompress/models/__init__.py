@@ -1,0 +1,31 @@
+"""Model sources: one registry, one file per source (`gguf_package`, `hf_dir`, `tiny`)."""
+from kvcompress.registry import Registry
+
+SOURCES: Registry = Registry("model.source")
+
+from kvcompress.models import gguf, hf_dir, tiny  # noqa: E402,F401  (register sources)
+from kvcompress.models.base import Geometry, LoadedModel  # noqa: E402
+
+
+def load_model(cfg, cache_dir) -> LoadedModel:
+    """Load the model a ModelConfig describes (nothing is downloaded)."""
+    return SOURCES.get(cfg.source)(cfg, cache_dir)
+
+
+__all__ = ["SOURCES", "Geometry", "LoadedModel", "load_model", "model_fingerprint"]
+
+
+def model_fingerprint(cfg) -> str:
+    """Content fingerprint of the model a ModelConfig names, without loading it (validates paths)."""
+    from kvcompress.hashing import dir_fingerprint, file_fingerprint, obj_hash
+
+    if cfg.source == "gguf_package":
+        p = gguf.gguf_path(cfg)
+        if not p.is_file():
+            from kvcompress.errors import UserError
+
+            raise UserError(f"model.path={str(p)!r} does not exist (expected a .gguf file)")
+        return file_fingerprint(p)
+    if cfg.source == "hf_dir":
+        return dir_fingerprint(hf_dir.check_dir(cfg))
+    return obj_hash(cfg.tiny.model_dump())

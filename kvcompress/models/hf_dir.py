@@ -1,0 +1,44 @@
+"""A local Hugging Face model directory (config.json + safetensors). Nothing is downloaded."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvcompress.errors import UserError
+from kvcompress.hashing import dir_fingerprint
+from kvcompress.models import SOURCES
+from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.tokenizer import HFTokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_dir(cfg) -> Path:
+    if not cfg.path:
+        raise UserError(
+            f"model.path is required for model={cfg.name} (a local Hugging Face safetensors directory); "
+            f"add model.path=/path/to/{cfg.name}"
+        )
+    p = Path(cfg.path)
+    if not p.is_dir():
+        raise UserError(f"model.path={cfg.path!r} does not exist or is not a directory")
+    if not (p / "config.json").is_file():
+        raise UserError(f"model.path={cfg.path!r} has no config.json (expected a Hugging Face model directory)")
+    return p
+
+
+@SOURCES.register("hf_dir")
+def load_hf_dir(cfg, cache_dir) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = check_dir(cfg)
+    kwargs = {"dtype": DTYPES[cfg.dtype], "local_files_only": True}
+    if cfg.device == "auto":
+        kwargs["device_map"] = "auto"  # accelerate spreads layers over the visible GPUs (and CPU)
+    model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    if cfg.device != "auto":
+        model = model.to(cfg.device)
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
+    return LoadedModel(model.eval(), tok, Geometry.from_hf_config(model.config), identity)

@@ -1,0 +1,55 @@
+"""Tiny random-initialised models built in code (tests, smoke runs). Seeded, so reproducible."""
+from __future__ import annotations
+
+import torch
+
+from kvcompress.hashing import obj_hash
+from kvcompress.models import SOURCES
+from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.tokenizer import ByteTokenizer
+
+
+def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    common = dict(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position,
+        bos_token_id=ByteTokenizer.bos_id,
+        eos_token_id=ByteTokenizer.bos_id,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        common["sliding_window"] = None
+    return classes[arch](**common)
+
+
+def build_tiny(arch="llama", layers=2, hidden=128, heads=6, kv_heads=2, head_dim=32, max_position=4096, seed=0, dtype=torch.float32):
+    """A random-init causal LM of family `arch` with GQA, deterministic for a given seed."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(arch, layers, hidden, heads, kv_heads, head_dim, max_position)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@SOURCES.register("tiny")
+def load_tiny(cfg, cache_dir) -> LoadedModel:
+    t = cfg.tiny
+    model = build_tiny(t.arch, t.layers, t.hidden, t.heads, t.kv_heads, t.head_dim, t.max_position, t.seed).to(cfg.device)
+    identity = {"name": cfg.name, "source": "tiny", "sha256": obj_hash(t.model_dump()), "tiny": t.model_dump()}
+    return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), identity)

@@ -1,0 +1,49 @@
+"""Shared pieces of the key observers: per-channel ranges and the outlier / RoPE-pair rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Per-channel key range to fit: k in [center - half, center + half]. Tensors [L, H, D]."""
+
+    center: torch.Tensor
+    half: torch.Tensor
+
+
+def channel_ranges(lo: torch.Tensor, hi: torch.Tensor, absmax: torch.Tensor, symmetric: bool) -> KeyRanges:
+    if symmetric:
+        return KeyRanges(torch.zeros_like(absmax), absmax.clone())
+    return KeyRanges((hi + lo) / 2, (hi - lo) / 2)
+
+
+def pick_outliers(half: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k channels by range per layer x head: [L, H, D] -> int64 [L, H, k] (sorted by channel)."""
+    if k == 0:
+        return torch.zeros(*half.shape[:2], 0, dtype=torch.int64)
+    return half.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor) -> KeyRanges:
+    """Make channel d and d + D/2 share one range (the union), ignoring channels kept in fp16.
+
+    A pair whose one member is an outlier takes the other member's range; the outlier's own
+    scale is then unused (it is stored in fp16) but still equal to its partner's.
+    """
+    D = r.half.shape[-1]
+    lo, hi = r.center - r.half, r.center + r.half
+    is_out = torch.zeros_like(r.half, dtype=torch.bool).scatter_(-1, outliers, True)
+    big = torch.finfo(lo.dtype).max
+    lo_m = torch.where(is_out, torch.full_like(lo, big), lo)
+    hi_m = torch.where(is_out, torch.full_like(hi, -big), hi)
+    a, b = slice(0, D // 2), slice(D // 2, D)
+    plo = torch.minimum(lo_m[..., a], lo_m[..., b])
+    phi = torch.maximum(hi_m[..., a], hi_m[..., b])
+    both_out = is_out[..., a] & is_out[..., b]
+    plo = torch.where(both_out, torch.minimum(lo[..., a], lo[..., b]), plo)
+    phi = torch.where(both_out, torch.maximum(hi[..., a], hi[..., b]), phi)
+    lo_t, hi_t = torch.cat([plo, plo], -1), torch.cat([phi, phi], -1)
+    return KeyRanges((hi_t + lo_t) / 2, (hi_t - lo_t) / 2)

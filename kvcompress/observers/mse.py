@@ -1,0 +1,53 @@
+"""mse: choose a clipping ratio per layer x kv-head that minimises the error of q.k scores.
+
+error(alpha) = mean over sampled (query, key) row pairs and the query heads of the group of
+    (q . k - q . k_hat(alpha))^2,   k_hat = dequant(quant(k; scale = alpha * half / Q))
+computed with the reference numerics on the raw sample kept by `profile`. Outlier channels are
+kept in fp16 and contribute no error. alpha is searched on ALPHA_GRID (1.0 included, so the
+result is never worse on the sample than the raw range).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompress.observers import OBSERVERS
+from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax
+
+ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
+
+
+def score_error(q: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.Tensor:
+    """Mean squared q.k score error per kv-head. q: [Hkv, g, N, D], k: [Hkv, N, D] -> [Hkv]."""
+    dk = (k - fake_quant_keys(k, params)).unsqueeze(1)  # [Hkv, 1, N, D]
+    err = q @ dk.transpose(-1, -2)  # [Hkv, g, N, N]
+    return err.pow(2).mean(dim=(1, 2, 3))
+
+
+@OBSERVERS.register("mse")
+def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
+    L, H, D = ranges.half.shape
+    n = stats.tensors["sample_k"].shape[1]
+    info = {"method": "mse", "error": "mean squared q.k score error on the profile sample", "grid": [round(a, 4) for a in ALPHA_GRID.tolist()], "sample_rows": n}
+    if n == 0:
+        info["fallback"] = "no raw sample in kv_stats (calib.sample_tokens=0): used the raw range"
+        return torch.ones(L, H), info
+    qmax = key_qmax(spec.key.bits)
+    best = torch.ones(L, H)
+    err_raw = torch.zeros(L, H)
+    err_best = torch.zeros(L, H)
+    for layer in range(L):
+        k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
+        q = stats.tensors["sample_q"][layer].transpose(0, 1).float()  # [Hq, N, D]
+        q = q.unflatten(0, (H, -1))  # [H, g, N, D]
+        errs = []
+        for alpha in ALPHA_GRID.tolist():
+            half = (ranges.half[layer] * alpha).clamp(min=1e-8)
+            p = KeyParams(spec.key.bits, half / qmax, ranges.center[layer], outliers[layer])
+            errs.append(score_error(q, k, p))
+        errs = torch.stack(errs)  # [n_alpha, H]
+        idx = errs.argmin(0)
+        best[layer] = ALPHA_GRID[idx]
+        err_raw[layer], err_best[layer] = errs[0], errs.gather(0, idx[None])[0]
+    info["score_mse_raw_range"] = err_raw.tolist()
+    info["score_mse_chosen"] = err_best.tolist()
+    return best, info

@@ -1,0 +1,42 @@
+"""Provenance recorded in every artifact and run directory."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+PACKAGES = ("kvcompress", "torch", "transformers", "safetensors", "gguf", "hydra-core", "pydantic", "triton")
+
+
+def package_versions() -> dict[str, str | None]:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def git_sha() -> str | None:
+    """The commit of the kvcompress checkout (with '-dirty' when it has local changes), if any."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if sha.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def base_provenance() -> dict:
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": package_versions(),
+        "python": platform.python_version(),
+        "git_sha": git_sha(),
+    }

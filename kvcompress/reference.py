@@ -1,0 +1,304 @@
+"""The single reference for every kvcompress number format (DESIGN §2).
+
+Fitting, validation, the transformers cache, the export and the kernels are all tested
+against these functions; their rounding points are the kernels' rounding points.
+
+Layout conventions (one layer):
+    k, v          : [..., H_kv, T, D]   float (post-RoPE keys, values)
+    key scale     : [H_kv, D] float32   static, from the ScaleBook
+    key zero      : [H_kv, D] float32   static offset (0 when symmetric)
+    outlier index : [H_kv, n_out] int64 key channels kept in fp16
+    value meta    : [..., H_kv, T, D // G] float16 (scale and min per token per group)
+
+Rounding: round-half-to-even everywhere (torch.round). fp16 metadata is rounded outward
+(min down, scale up) so that a group's range is always covered and nothing is clipped.
+
+int4 packing: two codes per byte along the last dim; element 2i goes to the LOW nibble,
+element 2i+1 to the HIGH nibble. Signed int4 key codes q in [-7, 7] are stored
+offset-binary as q + 8 (so 0 encodes to 8). int8 key codes are stored as int8.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HP_DTYPE = torch.float16  # dtype of the window, sinks, outlier side store and value metadata
+HP_BYTES = 2
+KEY_SCALE_BYTES = 4  # static per-channel key scale and zero point (fp32)
+OUTLIER_INDEX_BYTES = 8  # static outlier channel index (int64)
+INT4_KEY_OFFSET = 8
+
+
+def round_half_even(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties to even (torch.round's rule)."""
+    return torch.round(x)
+
+
+def key_qmax(bits: int) -> int:
+    """Largest symmetric key code: 127 for int8, 7 for int4."""
+    return 2 ** (bits - 1) - 1
+
+
+def value_levels(bits: int) -> int:
+    """Number of steps of an unsigned value code: 255 for int8, 15 for int4."""
+    return 2**bits - 1
+
+
+def to_hp(x: torch.Tensor) -> torch.Tensor:
+    """What the fp16 parts of the cache hand back: x rounded through float16, in x's dtype."""
+    return x.to(HP_DTYPE).to(x.dtype)
+
+
+# ---------------------------------------------------------------- int4 packing
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15], last dim even -> uint8 bytes, last dim halved (low nibble = even index)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even last dim, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: uint8 [..., D/2] -> uint8 codes [..., D]."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------- keys
+@dataclass(frozen=True)
+class KeyParams:
+    """Static key parameters of one layer (a slice of the ScaleBook)."""
+
+    bits: int
+    scale: torch.Tensor  # [H, D] float32
+    zero: torch.Tensor  # [H, D] float32
+    outlier_idx: torch.Tensor  # [H, n_out] int64 (n_out may be 0)
+
+
+def _bcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # p: [H, D] -> [H, 1, D] so that it broadcasts against x: [..., H, T, D]
+    return p.to(device=x.device, dtype=torch.float32).unsqueeze(-2)
+
+
+def quantize_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
+    """k: [..., H, T, D] -> int codes in [-Q, Q] (int8 tensor), outlier channels set to 0."""
+    qmax = key_qmax(p.bits)
+    q = round_half_even((k.float() - _bcast(p.zero, k)) / _bcast(p.scale, k)).clamp_(-qmax, qmax)
+    if p.outlier_idx.numel():
+        q.scatter_(-1, _expand_idx(p.outlier_idx, q), 0.0)
+    return q.to(torch.int8)
+
+
+def dequantize_keys(q: torch.Tensor, p: KeyParams, k_outliers: torch.Tensor | None = None) -> torch.Tensor:
+    """int codes [..., H, T, D] (+ fp16 outliers [..., H, T, n_out]) -> float32 keys."""
+    k = q.float() * _bcast(p.scale, q) + _bcast(p.zero, q)
+    if p.outlier_idx.numel():
+        k.scatter_(-1, _expand_idx(p.outlier_idx, k), k_outliers.float())
+    return k
+
+
+def key_clipped(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
+    """Bool mask of key elements outside the representable range (clipped), outliers excluded."""
+    qmax = key_qmax(p.bits)
+    z = (k.float() - _bcast(p.zero, k)) / _bcast(p.scale, k)
+    clipped = z.abs() > qmax + 0.5
+    if p.outlier_idx.numel():
+        clipped.scatter_(-1, _expand_idx(p.outlier_idx, clipped), False)
+    return clipped
+
+
+def _expand_idx(idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # idx: [H, n_out] -> [..., H, T, n_out] matching x: [..., H, T, D]
+    idx = idx.to(x.device).unsqueeze(-2)
+    return idx.expand(*x.shape[:-1], idx.shape[-1])
+
+
+def split_outliers(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
+    """The fp16 side store: k[..., H, T, idx] -> [..., H, T, n_out] float16."""
+    return torch.gather(k, -1, _expand_idx(p.outlier_idx, k)).to(HP_DTYPE)
+
+
+def encode_keys(k: torch.Tensor, p: KeyParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Storage form of keys: (payload, outliers). payload is int8 [.., D] or packed uint8 [.., D/2]."""
+    q = quantize_keys(k, p)
+    payload = pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if p.bits == 4 else q
+    return payload, split_outliers(k, p)
+
+
+def decode_keys(payload: torch.Tensor, outliers: torch.Tensor, p: KeyParams) -> torch.Tensor:
+    """Inverse of encode_keys (up to quantization): float32 keys [..., H, T, D]."""
+    q = unpack_int4(payload).to(torch.int16) - INT4_KEY_OFFSET if p.bits == 4 else payload
+    return dequantize_keys(q, p, outliers)
+
+
+def fake_quant_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
+    """decode(encode(k)) in k's dtype: what the compressed cache hands back for a stored key."""
+    return decode_keys(*encode_keys(k, p), p).to(k.dtype)
+
+
+# ---------------------------------------------------------------- values
+def _round_outward_fp16(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """Round float32 -> float16 toward -inf (direction=-inf) or +inf (direction=+inf)."""
+    h = x.to(HP_DTYPE)
+    off = (h.float() > x) if direction < 0 else (h.float() < x)
+    step = torch.full_like(h, direction)
+    return torch.where(off, torch.nextafter(h, step), h)
+
+
+def value_meta(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-group (scale, min) in float16, rounded outward. v: [..., T, D] -> [..., T, D//G] each."""
+    vg = v.float().unflatten(-1, (-1, group))  # [..., T, D//G, G]
+    vmin = _round_outward_fp16(vg.amin(-1), float("-inf"))
+    vmax = vg.amax(-1)
+    scale = _round_outward_fp16((vmax - vmin.float()) / value_levels(bits), float("inf"))
+    return scale, vmin
+
+
+def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """v: [..., T, D] -> (codes uint8 [..., T, D] in [0, 2**bits-1], scale fp16, min fp16 [..., T, D//G])."""
+    scale, vmin = value_meta(v, bits, group)
+    s = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+    vg = v.float().unflatten(-1, (-1, group))
+    q = round_half_even((vg - vmin.float().unsqueeze(-1)) / s).clamp_(0, value_levels(bits))
+    return q.flatten(-2).to(torch.uint8), scale, vmin
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int) -> torch.Tensor:
+    """codes uint8 [..., T, D], meta [..., T, D//G] -> float32 [..., T, D]:  q * scale + min."""
+    q = codes.float().unflatten(-1, (-1, group))
+    return (q * scale.float().unsqueeze(-1) + vmin.float().unsqueeze(-1)).flatten(-2)
+
+
+def encode_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Storage form of values: (payload uint8 [.., D] or packed [.., D/2], scale fp16, min fp16)."""
+    codes, scale, vmin = quantize_values(v, bits, group)
+    return (pack_int4(codes) if bits == 4 else codes), scale, vmin
+
+
+def decode_values(payload: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    codes = unpack_int4(payload) if bits == 4 else payload
+    return dequantize_values(codes, scale, vmin, group)
+
+
+def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """decode(encode(v)) in v's dtype."""
+    return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
+
+
+# ---------------------------------------------------------------- window / sinks
+def fp16_mask(q_pos: torch.Tensor, kv_len: int, sink_tokens: int, window: int) -> torch.Tensor:
+    """Which cached positions a query sees in fp16.
+
+    q_pos: [Tq] absolute positions of the queries. Returns bool [Tq, kv_len]:
+    True iff s < sink_tokens or q_pos - s < window (DESIGN §3). Causality is not applied here.
+    """
+    s = torch.arange(kv_len, device=q_pos.device)
+    return (s < sink_tokens).unsqueeze(0) | ((q_pos.unsqueeze(-1) - s.unsqueeze(0)) < window)
+
+
+def region_sizes(n_tokens: int, sink_tokens: int, window: int) -> tuple[int, int, int]:
+    """(sinks, compressed, window) token counts of a cache holding n_tokens positions."""
+    n_sink = min(n_tokens, sink_tokens)
+    n_win = min(n_tokens - n_sink, window)
+    return n_sink, n_tokens - n_sink - n_win, n_win
+
+
+# ---------------------------------------------------------------- byte accounting
+def cache_nbytes(
+    *,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    key_bits: int,
+    value_bits: int,
+    value_group: int,
+    outlier_channels: int,
+    sink_tokens: int,
+    window: int,
+    n_tokens: int,
+    batch: int = 1,
+) -> dict[str, int]:
+    """Exact bytes of every tensor a compressed cache holding n_tokens per sequence allocates.
+
+    Per layer, per kv-head, per sequence:
+      compressed token: D*kbits/8 key payload + n_out*2 outliers + D*vbits/8 value payload
+                        + (D/G)*2*2 value scale+min;
+      fp16 token (sink or window): 2*D*2 (K and V).
+    Static (per model, not per sequence): key scale D*4, zero D*4 and n_out*8 outlier index
+    per layer-head.
+    A 16-bit spec means the plain fp16 cache: every token is 2*D*2.
+    """
+    n_sink, n_comp, n_win = region_sizes(n_tokens, sink_tokens, window)
+    lh = n_layers * n_kv_heads * batch
+    if key_bits == 16:
+        return {"fp16_tokens": lh * n_tokens * 2 * head_dim * HP_BYTES, "static": 0}
+    return {
+        "key_payload": lh * n_comp * head_dim * key_bits // 8,
+        "key_outliers": lh * n_comp * outlier_channels * HP_BYTES,
+        "value_payload": lh * n_comp * head_dim * value_bits // 8,
+        "value_meta": lh * n_comp * (head_dim // value_group) * 2 * HP_BYTES,
+        "sinks": lh * n_sink * 2 * head_dim * HP_BYTES,
+        "window": lh * n_win * 2 * head_dim * HP_BYTES,
+        "static": n_layers * n_kv_heads * (head_dim * 2 * KEY_SCALE_BYTES + outlier_channels * OUTLIER_INDEX_BYTES),
+    }
+
+
+def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str, int]:
+    """cache_nbytes for a KVSpec and a model geometry (see kvcompress.models.base.Geometry)."""
+    return cache_nbytes(
+        n_layers=geometry.n_layers,
+        n_kv_heads=geometry.n_kv_heads,
+        head_dim=geometry.head_dim,
+        key_bits=spec.key.bits,
+        value_bits=spec.value.bits,
+        value_group=spec.value_group(geometry.head_dim),
+        outlier_channels=spec.outlier_channels,
+        sink_tokens=spec.sink_tokens,
+        window=spec.window,
+        n_tokens=n_tokens,
+        batch=batch,
+    )
+
+
+# ---------------------------------------------------------------- attention over a compressed cache
+def mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    sink_tokens: int,
+    window: int,
+    scaling: float,
+    key_mask: torch.Tensor | None = None,
+    q_block: int = 512,
+) -> torch.Tensor:
+    """Causal attention where query t reads (k, v) at s in fp16 iff fp16_mask, else (k_hat, v_hat).
+
+    q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
+    (cache slot index). key_mask: optional bool [B, S] (False = padding). Returns [B, Hq, Tq, D]
+    in float32. Queries are processed in blocks of q_block to bound memory at O(q_block * S).
+    """
+    B, Hq, Tq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qf = q.float().unflatten(1, (Hkv, g))  # [B, Hkv, g, Tq, D]
+    kf, vf, khf, vhf = (x.float().unsqueeze(2) for x in (k, v, k_hat, v_hat))  # [B, Hkv, 1, S, D]
+    out = torch.empty(B, Hkv, g, Tq, D, dtype=torch.float32, device=q.device)
+    s_idx = torch.arange(S, device=q.device)
+    for lo in range(0, Tq, q_block):
+        hi = min(Tq, lo + q_block)
+        qb, pos = qf[..., lo:hi, :], q_pos[lo:hi]
+        hp = fp16_mask(pos, S, sink_tokens, window)  # [tq, S]
+        scores = torch.where(hp, qb @ kf.transpose(-1, -2), qb @ khf.transpose(-1, -2)) * scaling
+        allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)  # causal [tq, S]
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, None, :]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        out[..., lo:hi, :] = (p * hp) @ vf + (p * ~hp) @ vhf
+    return out.flatten(1, 2)

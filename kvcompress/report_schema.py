@@ -1,0 +1,70 @@
+"""The schema of report.json (pydantic). Bump FORMAT_VERSION on any incompatible change."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+
+FORMAT_VERSION = 1
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KLBin(_M):
+    start: int  # first predicted position of the bin
+    kl_mean: float
+
+
+class Quality(_M):
+    """Compressed vs fp16 cache, same model, same held-out tokens (one-pass, decode-equivalent)."""
+
+    tokens: int
+    ppl_baseline: float
+    ppl_compressed: float
+    ppl_delta: float
+    ppl_delta_rel: float
+    kl_mean: float  # mean KL(fp16 || compressed) of next-token distributions, nats
+    kl_p99: float
+    kl_max: float
+    top1_agree: float  # fraction of positions with the same argmax
+    key_clip_rate: float  # fraction of compressed key elements outside the fitted range
+    kl_by_position: list[KLBin]
+    attn_rel_error_per_layer: list[float]  # ||o_hat - o|| / ||o|| of each layer's attention output
+
+
+class MemoryBreakdown(_M):
+    key_payload: float = 0
+    key_outliers: float = 0
+    value_payload: float = 0
+    value_meta: float = 0
+    sinks: float = 0
+    window: float = 0
+    fp16_tokens: float = 0
+
+
+class Memory(_M):
+    context: int  # sequence length at which sinks/window are amortised
+    bytes_per_token_fp16: float
+    bytes_per_token_compressed: float
+    compression_ratio: float
+    breakdown_per_token: MemoryBreakdown
+    static_bytes: int  # per model, not per sequence (key scales, zero points, outlier indices)
+    bits_per_element: float  # compressed bytes per token * 8 / (2 * layers * kv_heads * head_dim)
+
+
+class Report(_M):
+    format_version: int = FORMAT_VERSION
+    kind: str = "kvcompress.report"
+    model: dict
+    kv: dict
+    eval: dict
+    quality: Quality
+    memory: Memory
+    planner: dict  # {run_model: ..., llama70b: ...}
+    scalebook: dict
+    provenance: dict
+    verified: dict  # what this run verified and what it did not
+    notes: list[str] = []
+    runtime_s: Optional[float] = None

@@ -1,0 +1,72 @@
+"""ScaleBook: the fitted, static parameters of a compressed KV cache (output of `fit`).
+
+Tensors:
+    k_scale      [L, H, D] float32  static per-channel post-RoPE key scale
+    k_zero       [L, H, D] float32  per-channel key offset (all 0 when symmetric)
+    k_outliers   [L, H, n_out] int64 key channels kept in fp16 (n_out = spec.outlier_channels)
+    k_clip       [L, H] float32     clipping ratio chosen by the fit (1 = raw range)
+    k_range      [L, H, D] float32  the half-range the scales were fitted to (before clipping)
+Values have no static parameters: their scales are per token, computed at write time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcompress.artifacts import load_artifact, save_artifact
+from kvcompress.errors import ArtifactError
+from kvcompress.reference import KeyParams
+from kvcompress.spec import KVSpec
+
+FORMAT_VERSION = 1
+KIND = "scalebook"
+GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
+
+
+@dataclass
+class ScaleBook:
+    spec: KVSpec
+    geometry: dict
+    tensors: dict[str, torch.Tensor]
+    provenance: dict
+    fit_info: dict
+
+    def key_params(self, layer: int) -> KeyParams:
+        return KeyParams(
+            bits=self.spec.key.bits,
+            scale=self.tensors["k_scale"][layer],
+            zero=self.tensors["k_zero"][layer],
+            outlier_idx=self.tensors["k_outliers"][layer],
+        )
+
+    @property
+    def value_group(self) -> int:
+        return self.spec.value_group(self.geometry["head_dim"])
+
+    def save(self, path: str | Path) -> None:
+        header = {
+            "kind": KIND,
+            "format_version": FORMAT_VERSION,
+            "spec": self.spec.model_dump(),
+            "geometry": self.geometry,
+            "provenance": self.provenance,
+            "fit": self.fit_info,
+        }
+        save_artifact(path, self.tensors, header)
+
+    @classmethod
+    def load(cls, path: str | Path, geometry: dict | None = None) -> "ScaleBook":
+        """Load; with `geometry` (a model's), refuse a ScaleBook fitted for another shape."""
+        tensors, header = load_artifact(path, KIND, (FORMAT_VERSION,))
+        book = cls(KVSpec.model_validate(header["spec"]), header["geometry"], tensors, header["provenance"], header["fit"])
+        if geometry is not None:
+            book.check_geometry(geometry)
+        return book
+
+    def check_geometry(self, geometry: dict) -> None:
+        bad = {k: (self.geometry.get(k), geometry.get(k)) for k in GEOMETRY_KEYS if self.geometry.get(k) != geometry.get(k)}
+        if bad:
+            desc = ", ".join(f"{k}: scalebook {a} vs model {b}" for k, (a, b) in bad.items())
+            raise ArtifactError(f"scalebook geometry does not match the model ({desc})")

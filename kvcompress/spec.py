@@ -1,0 +1,78 @@
+"""The KV-cache quantization scheme: frozen, validated types (pydantic), nothing else.
+
+`KVSpec` is what `conf/kv/<name>.yaml` describes. Every field has a closed set of
+allowed values; a bad value fails with a message that names the key and what is allowed.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KeySpec(Frozen):
+    """Post-RoPE keys: static per-channel scale s[d] from calibration.
+
+    q = clamp(round_half_even((k - z[d]) / s[d]), -Q, Q), Q = 2**(bits-1) - 1;  k_hat = q * s[d] + z[d]
+    (z = 0 when symmetric).
+    """
+
+    bits: Literal[4, 8, 16] = 8
+    granularity: Literal["channel"] = "channel"
+    symmetric: bool = True
+    # how the clipping range is chosen: see kvcompress/observers
+    clip: Literal["minmax", "mse", "percentile"] = "mse"
+    clip_percentile: float = Field(99.99, gt=50.0, le=100.0)
+    # scale[d] == scale[d + D/2]: commutes with RoPE (needed for the exact export fold)
+    tie_rope_pairs: bool = True
+
+
+class ValueSpec(Frozen):
+    """Values: per-token scales computed at write time, in channel groups, asymmetric.
+
+    scale = (max - min) / (2**bits - 1), q = clamp(round_half_even((v - min) / scale), 0, 2**bits - 1)
+    """
+
+    bits: Literal[4, 8, 16] = 4
+    granularity: Literal["token"] = "token"
+    group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
+    symmetric: Literal[False] = False
+
+
+class KVSpec(Frozen):
+    name: str
+    key: KeySpec = KeySpec()
+    value: ValueSpec = ValueSpec()
+    window: int = Field(128, ge=0)  # most recent tokens kept in fp16
+    sink_tokens: int = Field(4, ge=0)  # first tokens kept in fp16
+    outlier_channels: int = Field(0, ge=0)  # key channels per kv-head kept in fp16 (0 = off)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "KVSpec":
+        if (self.key.bits == 16) != (self.value.bits == 16):
+            raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
+        return self
+
+    @property
+    def is_baseline(self) -> bool:
+        """fp16 everywhere: the cache is a no-op."""
+        return self.key.bits == 16
+
+    def check_geometry(self, head_dim: int) -> None:
+        """Raise UserError if the spec cannot apply to a head of this size."""
+        from kvcompress.errors import UserError
+
+        g = self.value.group_size or head_dim
+        if head_dim % g:
+            raise UserError(f"kv.value.group_size={self.value.group_size} must divide head_dim={head_dim}")
+        if self.outlier_channels >= head_dim:
+            raise UserError(f"kv.outlier_channels={self.outlier_channels} must be < head_dim={head_dim}")
+        if head_dim % 2:
+            raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
+
+    def value_group(self, head_dim: int) -> int:
+        return self.value.group_size or head_dim

@@ -1,0 +1,1 @@
+"""Pipeline stages: plain typed functions over artifacts (profile -> fit -> validate)."""

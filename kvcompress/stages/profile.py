@@ -1,0 +1,57 @@
+"""profile: run calibration windows through the model and stream KVStats (post-RoPE K/V)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from kvcompress.data import TextSet, token_windows
+from kvcompress.models.base import LoadedModel
+from kvcompress.models.observe import ObservingCache, attention_hook, prerope_key_hooks
+from kvcompress.provenance import base_provenance
+from kvcompress.stats import KVStats, StatsAccumulator
+
+
+def sample_positions(n_rows: int, seq_len: int, per_row: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_row distinct random positions in [1, seq_len) for each of n_rows rows: (rows, pos) [n]."""
+    per_row = min(per_row, seq_len - 1)
+    pos = torch.stack([torch.randperm(seq_len - 1, generator=gen)[:per_row] + 1 for _ in range(n_rows)])
+    rows = torch.arange(n_rows).repeat_interleave(per_row)
+    return rows, pos.flatten()
+
+
+@torch.no_grad()
+def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KVStats:
+    """Stream statistics of the K/V the model caches over calibration windows -> KVStats."""
+    g = lm.geometry
+    windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)  # [N, T]
+    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens)
+    per_row = math.ceil(calib.sample_tokens / calib.n_samples) if calib.sample_tokens else 0
+    gen = torch.Generator().manual_seed(calib.seed)
+    device = lm.device
+    with attention_hook(lm.model, acc.observe_q), prerope_key_hooks(lm.model, acc.observe_prerope_k):
+        batches = range(0, windows.shape[0], calib.batch_size)
+        for lo in tqdm(batches, desc="profile", unit="batch", disable=not progress):
+            ids = windows[lo : lo + calib.batch_size].to(device)
+            if per_row:
+                acc.set_sample_positions(*sample_positions(ids.shape[0], ids.shape[1], per_row, gen))
+            cache = ObservingCache(g.n_layers, acc.observe_kv)
+            lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            acc.end_batch()
+    header = {
+        "geometry": g.to_dict(),
+        "provenance": {
+            **base_provenance(),
+            "model": lm.identity,
+            "calib": {
+                "origin": texts.origin,
+                "sha256": texts.sha256,
+                "n_samples": int(windows.shape[0]),
+                "seq_len": int(windows.shape[1]),
+                "tokens": int(windows.numel()),
+                "seed": calib.seed,
+            },
+        },
+    }
+    return acc.finish(header)

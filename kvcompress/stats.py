@@ -1,0 +1,159 @@
+"""KVStats: streaming statistics of the post-RoPE keys and the values a model caches.
+
+Per layer x kv-head x channel: absmax, min, max, sum, sum of squares, a fixed histogram of
+|x|; per layer x kv-head a histogram of per-token L2 norms; token counts; and a small bounded
+sample of raw (q, k, v) rows for the fit's error search. Never all activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvcompress.artifacts import load_artifact, save_artifact
+from kvcompress.errors import ArtifactError
+
+FORMAT_VERSION = 1
+KIND = "kv_stats"
+# Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
+# values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
+HIST_EDGES = 2.0 ** torch.arange(-12.0, 12.01, 0.25)
+N_BINS = HIST_EDGES.numel() + 1
+NORM_EDGES = 2.0 ** torch.arange(-6.0, 14.01, 0.25)
+N_NORM_BINS = NORM_EDGES.numel() + 1
+
+CHANNEL_STATS = ("absmax", "min", "max", "sum", "sumsq")
+
+
+@dataclass
+class KVStats:
+    """Tensors are [L, H, D] (channel stats), [L, H, D, N_BINS] (hist), [L, N, H*, D] (samples)."""
+
+    tensors: dict[str, torch.Tensor]
+    header: dict = field(default_factory=dict)
+
+    @property
+    def geometry(self) -> dict:
+        return self.header["geometry"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def mean(self, which: str) -> torch.Tensor:
+        return self[f"{which}_sum"] / self["count"].view(-1, 1, 1).clamp(min=1)
+
+    def std(self, which: str) -> torch.Tensor:
+        m = self.mean(which)
+        return (self[f"{which}_sumsq"] / self["count"].view(-1, 1, 1).clamp(min=1) - m * m).clamp(min=0).sqrt()
+
+    def quantile_abs(self, which: str, q: float) -> torch.Tensor:
+        """Upper bound of the q-th percentile (0..100) of |x| per [L, H, D], from the histogram."""
+        hist = self[f"{which}_hist"].double()
+        cdf = hist.cumsum(-1) / hist.sum(-1, keepdim=True).clamp(min=1)
+        idx = (cdf < q / 100.0).sum(-1).clamp(max=N_BINS - 1)
+        upper = torch.cat([HIST_EDGES, HIST_EDGES[-1:] * 2]).double()
+        return torch.minimum(upper[idx], self[f"{which}_absmax"].double()).float()
+
+    def save(self, path: str | Path) -> None:
+        save_artifact(path, self.tensors, {"kind": KIND, "format_version": FORMAT_VERSION, **self.header})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KVStats":
+        tensors, header = load_artifact(path, KIND, (FORMAT_VERSION,))
+        missing = [f"{w}_{s}" for w in ("k", "v") for s in CHANNEL_STATS if f"{w}_{s}" not in tensors]
+        if missing:
+            raise ArtifactError(f"{str(path)!r} lacks tensors {missing}")
+        return cls(tensors, header)
+
+
+class StatsAccumulator:
+    """Streams K/V (and a q/k/v row sample) into KVStats. One instance per profiling run."""
+
+    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int):
+        L, H, D = n_layers, n_kv_heads, head_dim
+        self.shape = (L, H, D)
+        self.t: dict[str, torch.Tensor] = {"count": torch.zeros(L, dtype=torch.int64)}
+        for w in ("k", "v"):
+            self.t[f"{w}_absmax"] = torch.zeros(L, H, D)
+            self.t[f"{w}_min"] = torch.full((L, H, D), float("inf"))
+            self.t[f"{w}_max"] = torch.full((L, H, D), float("-inf"))
+            self.t[f"{w}_sum"] = torch.zeros(L, H, D, dtype=torch.float64)
+            self.t[f"{w}_sumsq"] = torch.zeros(L, H, D, dtype=torch.float64)
+            self.t[f"{w}_hist"] = torch.zeros(L, H, D, N_BINS, dtype=torch.int64)
+            self.t[f"{w}_norm_hist"] = torch.zeros(L, H, N_NORM_BINS, dtype=torch.int64)
+        self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
+        self.t["sample_q"] = torch.zeros(L, sample_capacity, n_heads, D)
+        self.t["sample_k"] = torch.zeros(L, sample_capacity, H, D)
+        self.t["sample_v"] = torch.zeros(L, sample_capacity, H, D)
+        self.n_sampled = torch.zeros(L, dtype=torch.int64)
+        self.prerope_seen = False
+        self.rows: torch.Tensor | None = None  # [n] batch row of each sampled position in the current batch
+        self.pos: torch.Tensor | None = None  # [n] position of each sampled row
+
+    def set_sample_positions(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Which (batch row, position) pairs of the next forward pass go into the raw sample."""
+        self.rows, self.pos = rows, pos
+
+    def _channel(self, w: str, layer: int, x: torch.Tensor) -> None:
+        # x: [B, H, T, D] float32
+        t, L = self.t, layer
+        t[f"{w}_absmax"][L] = torch.maximum(t[f"{w}_absmax"][L], x.abs().amax(dim=(0, 2)))
+        t[f"{w}_min"][L] = torch.minimum(t[f"{w}_min"][L], x.amin(dim=(0, 2)))
+        t[f"{w}_max"][L] = torch.maximum(t[f"{w}_max"][L], x.amax(dim=(0, 2)))
+        xd = x.double()
+        t[f"{w}_sum"][L] += xd.sum(dim=(0, 2))
+        t[f"{w}_sumsq"][L] += (xd * xd).sum(dim=(0, 2))
+        H, D = x.shape[1], x.shape[3]
+        bins = torch.bucketize(x.abs().contiguous(), HIST_EDGES.to(x.device))  # [B, H, T, D]
+        flat = (torch.arange(H * D, device=x.device).view(1, H, 1, D) * N_BINS + bins).flatten()
+        t[f"{w}_hist"][L] += torch.bincount(flat, minlength=H * D * N_BINS).view(H, D, N_BINS).cpu()
+        nb = torch.bucketize(x.norm(dim=-1).contiguous(), NORM_EDGES.to(x.device))  # [B, H, T]
+        flat = (torch.arange(H, device=x.device).view(1, H, 1) * N_NORM_BINS + nb).flatten()
+        t[f"{w}_norm_hist"][L] += torch.bincount(flat, minlength=H * N_NORM_BINS).view(H, N_NORM_BINS).cpu()
+
+    def _sample(self, name: str, layer: int, x: torch.Tensor) -> None:
+        # x: [B, H*, T, D]; rows at (self.rows, self.pos) -> sample_<name>[layer, n0:n0+n]
+        if self.rows is None or not self.rows.numel():
+            return
+        cap = self.t[f"sample_{name}"].shape[1]
+        n0 = int(self.n_sampled[layer])
+        n = min(self.rows.numel(), cap - n0)
+        if n <= 0:
+            return
+        rows = x[self.rows[:n].to(x.device), :, self.pos[:n].to(x.device)]  # [n, H*, D]
+        self.t[f"sample_{name}"][layer, n0 : n0 + n] = rows.float().cpu()
+
+    def observe_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, H_kv, T, D] post-RoPE, exactly what the model caches."""
+        k, v = k.detach().float(), v.detach().float()
+        self._channel("k", layer, k)
+        self._channel("v", layer, v)
+        self.t["count"][layer] += k.shape[0] * k.shape[2]
+        self._sample("k", layer, k)
+        self._sample("v", layer, v)
+
+    def observe_q(self, layer: int, q: torch.Tensor) -> None:
+        """q: [B, H_q, T, D] post-RoPE queries."""
+        self._sample("q", layer, q.detach())
+
+    def observe_prerope_k(self, layer: int, k_lin: torch.Tensor) -> None:
+        """k_lin: [B, T, H_kv * D], the k_proj output before RoPE."""
+        L, H, D = self.shape
+        a = k_lin.detach().float().abs().amax(dim=(0, 1)).view(H, D).cpu()
+        self.t["k_prerope_absmax"][layer] = torch.maximum(self.t["k_prerope_absmax"][layer], a)
+        self.prerope_seen = True
+
+    def end_batch(self) -> None:
+        """Advance the sample cursor after all layers saw the batch."""
+        if self.rows is not None:
+            cap = self.t["sample_k"].shape[1]
+            self.n_sampled = (self.n_sampled + self.rows.numel()).clamp(max=cap)
+
+    def finish(self, header: dict) -> KVStats:
+        n = int(self.n_sampled.min())
+        t = dict(self.t)
+        for name in ("q", "k", "v"):
+            t[f"sample_{name}"] = t[f"sample_{name}"][:, :n].contiguous()
+        header = {**header, "prerope_observed": self.prerope_seen, "sample_rows": n}
+        return KVStats(t, header)

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny in-code models, a fitted ScaleBook for them, CLI runner."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcompress.config import CalibConfig
+from kvcompress.data import load_texts
+from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.tiny import build_tiny
+from kvcompress.models.tokenizer import ByteTokenizer
+from kvcompress.spec import KVSpec
+from kvcompress.stages.fit import fit
+from kvcompress.stages.profile import profile
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_CALIB = CalibConfig(name="smoke", n_samples=4, seq_len=64, batch_size=4, sample_tokens=64)
+
+
+def tiny_lm(arch="llama", heads=6, kv_heads=2, head_dim=32, layers=2, seed=0) -> LoadedModel:
+    model = build_tiny(arch, layers=layers, hidden=16 * heads, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=seed)
+    return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": f"tiny_{arch}"})
+
+
+def fitted_book(lm: LoadedModel, **spec_kw):
+    spec = KVSpec(name=spec_kw.pop("name", "test"), **spec_kw)
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    return fit(stats, spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedModel:
+    return tiny_lm("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_stats(tiny_llama):
+    return profile(tiny_llama, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+
+
+def run_cli(*args: str, cache_dir: Path | None = None, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """python -m kvcompress ARGS, returning the completed process (never raises on failure)."""
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["KVCOMPRESS_CACHE"] = str(cache_dir)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcompress", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT, timeout=timeout
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
