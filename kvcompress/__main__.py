@@ -1,6 +1,7 @@
 """`python -m kvcompress ...`: Hydra glue only. Config -> RunConfig -> pipeline.run."""
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from omegaconf import OmegaConf
 from kvcompress.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("model", "kv", "calib", "eval", "export")
+GROUPS = ("model", "kv", "calib", "eval")
 
 
 def fail(msg: str) -> None:
@@ -19,16 +20,32 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def check_group_overrides(argv: list[str]) -> None:
-    """`kv=int3` -> one clear line naming the allowed options (Hydra's own message is long)."""
-    for arg in argv:
-        key, sep, val = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS:
-            continue
-        allowed = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
-        for option in val.split(","):
-            if option and option not in allowed:
-                fail(f"{key}={option} is not a known {key} config; allowed: {', '.join(allowed)}")
+def check_overrides(argv: list[str]) -> None:
+    """One clear line for unknown group options (`kv=int3`) and unknown keys (`kv.foo=1`).
+
+    Hydra's own messages for these span several lines.
+    """
+    top = OmegaConf.load(CONF_DIR / "config.yaml")
+    selected = {k: v for d in top.defaults if OmegaConf.is_dict(d) for k, v in d.items()}
+    pairs = [a.partition("=") for a in argv if "=" in a and not a.startswith(("+", "~", "hydra", "-"))]
+    for key, _, val in pairs:
+        if key in GROUPS:
+            allowed = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            for option in val.split(","):
+                if option not in allowed:
+                    fail(f"{key}={option} is not a known {key} config; allowed: {', '.join(allowed)}")
+            selected[key] = val.split(",")[0]
+    for key, _, val in pairs:
+        group, _, rest = key.partition(".")
+        if group in GROUPS and rest:
+            node = OmegaConf.load(CONF_DIR / group / f"{selected[group]}.yaml")
+            parent, _, leaf = rest.rpartition(".")
+            sub = OmegaConf.select(node, parent) if parent else node
+            if not OmegaConf.is_dict(sub) or leaf not in sub:
+                known = ", ".join(sub.keys()) if OmegaConf.is_dict(sub) else "(none)"
+                fail(f"{key} is not a known key of {group}={selected[group]}; known keys here: {known}")
+        elif group not in GROUPS and key not in top:
+            fail(f"{key} is not a known key; known top-level keys: {', '.join(k for k in top if k != 'defaults')}, {', '.join(GROUPS)}")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -36,15 +53,24 @@ def hydra_main(cfg) -> None:
     from kvcompress.config import to_run_config
     from kvcompress.pipeline import run
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         run_cfg = to_run_config(OmegaConf.to_container(cfg, resolve=True))
-        run(run_cfg, HydraConfig.get().runtime.output_dir)
+        run(run_cfg, run_dir)
     except UserError as e:
+        remove_if_empty(run_dir)
         fail(str(e))
 
 
+def remove_if_empty(run_dir: Path) -> None:
+    """A run that failed on user input leaves no directory behind (Hydra creates it first)."""
+    leftovers = [p for p in run_dir.iterdir() if p.name != ".hydra" and p.suffix != ".log"] if run_dir.is_dir() else [1]
+    if not leftovers:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main() -> None:
-    check_group_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     hydra_main()
 
 

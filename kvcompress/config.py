@@ -65,6 +65,8 @@ class PlannerConfig(Frozen):
     gpu_name: str = "H200"
     gpu_mem_gb: float = Field(141.0, gt=0)
     reserve_frac: float = Field(0.1, ge=0, lt=1)  # activations, workspace, fragmentation
+    # 1 = FP8 weights (how a 70B model fits one 141 GB H200); 2 = fp16/bf16 weights
+    weight_bytes_per_param: float = Field(1.0, gt=0)
     contexts: list[int] = [4096, 32768]
     batch: int = Field(1, ge=1)
 

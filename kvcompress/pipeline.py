@@ -57,6 +57,7 @@ class Run:
         if cached.is_file():
             log.info("profile: reusing cached kv_stats %s (same model, calibration text and settings)", cached)
         else:
+            self.cfg.kv.check_geometry(self.lm.geometry.head_dim)  # fail before profiling, not after
             stats = profile(self.lm, self.cfg.calib, texts, progress=self.progress)
             stats.save(cached)
         tmp = out.with_name(f".{out.name}.tmp")

@@ -281,14 +281,16 @@ def mixed_attention(
 
     q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
     (cache slot index). key_mask: optional bool [B, S] (False = padding). Returns [B, Hq, Tq, D]
-    in float32. Queries are processed in blocks of q_block to bound memory at O(q_block * S).
+    in float32 (float64 for float64 inputs). Queries are processed in blocks of q_block to bound
+    memory at O(q_block * S).
     """
     B, Hq, Tq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    qf = q.float().unflatten(1, (Hkv, g))  # [B, Hkv, g, Tq, D]
-    kf, vf, khf, vhf = (x.float().unsqueeze(2) for x in (k, v, k_hat, v_hat))  # [B, Hkv, 1, S, D]
-    out = torch.empty(B, Hkv, g, Tq, D, dtype=torch.float32, device=q.device)
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(dt).unflatten(1, (Hkv, g))  # [B, Hkv, g, Tq, D]
+    kf, vf, khf, vhf = (x.to(dt).unsqueeze(2) for x in (k, v, k_hat, v_hat))  # [B, Hkv, 1, S, D]
+    out = torch.empty(B, Hkv, g, Tq, D, dtype=dt, device=q.device)
     s_idx = torch.arange(S, device=q.device)
     for lo in range(0, Tq, q_block):
         hi = min(Tq, lo + q_block)

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import os
+
+import torch
+
+# Triton kernels run under the interpreter on CPU; this must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcompress.config import CalibConfig
 from kvcompress.data import load_texts

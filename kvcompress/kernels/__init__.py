@@ -1,0 +1,1 @@
+"""Fused kernels (Triton): append into the compressed cache and decode attention over it."""

@@ -1,0 +1,159 @@
+"""Ahead-of-time compilation of the Triton kernels for NVIDIA targets, on a machine without a GPU.
+
+    python -m kvcompress.kernels.aot --arch sm_90 --out DIR [--variants default]
+
+For every variant (kv format x head geometry) and kernel it writes DIR/<name>.ptx and
+DIR/<name>.cubin, and DIR/kernels.json with the signature, constexprs, launch shape, shared
+memory and cuobjdump's resource report of the cubin (registers, stack, local memory = spills). The plugin bundle of the
+export reuses this output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvcompress.kernels.ops import decode_launch_params
+from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
+
+ARCHS = {"sm_80": 80, "sm_90": 90}
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic shared memory per block
+REGS_LIMIT = 255
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One specialisation: kv format and head geometry (G = query heads per kv head)."""
+
+    name: str
+    head_dim: int
+    gqa: int
+    key_bits: int
+    value_bits: int
+    group: int
+    n_sink: int
+    window: int
+    n_out: int
+    splits: int = 8
+    block_t: int = 32
+    decode_warps: int = 8
+
+
+VARIANTS = {
+    "default": [
+        # Llama-3-70B / 8B: head dim 128, 8 query heads per kv head
+        Variant("d128_g8_int8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0),
+        Variant("d128_g8_int8", 128, 8, 8, 8, 128, 4, 128, 0),
+        Variant("d128_g8_int4", 128, 8, 4, 4, 32, 4, 128, 2),
+        # SmolLM2-135M: head dim 64, 3 query heads per kv head
+        Variant("d64_g3_int8k_int4v", 64, 3, 8, 4, 32, 4, 128, 0),
+    ],
+}
+
+PTR = {"kp8": "*i8", "kp4": "*u8"}
+
+
+def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
+    """(kernel name, jit fn, signature, constexprs, num_warps) for the three kernels of a variant."""
+    kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
+    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*u8", "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
+    common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
+    launch = decode_launch_params(v.gqa, v.n_sink, v.n_out, v.splits, v.block_t)
+    n_out_pad = launch["N_OUT_PAD"]
+    append_sig = {"KN": "*fp16", "VN": "*fp16", "KS": "*fp32", "KZ": "*fp32", "OIDX": "*i32", **store, "H": "i32", "CAP": "i32"}
+    split_sig = {"Q": "*fp16", "KS": "*fp32", "KZM": "*fp32", "OIDX": "*i32", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32"}
+    reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32"}
+    return [
+        ("kv_append", kv_append_kernel, append_sig, {**common, "N_OUT_PAD": n_out_pad}, 2),
+        ("decode_split", decode_split_kernel, split_sig, {**common, **launch}, v.decode_warps),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim, "SPLITS": v.splits, "SPLITS_PAD": triton.next_power_of_2(v.splits)}, 1),
+    ]
+
+
+def _cuobjdump() -> str:
+    """Triton's bundled cuobjdump, else the CUDA toolkit's on PATH."""
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    found = str(bundled) if bundled.is_file() else shutil.which("cuobjdump")
+    if found is None:
+        raise RuntimeError("no cuobjdump found (Triton's bundled one or the CUDA toolkit's)")
+    return found
+
+
+def resource_usage(cubin: Path) -> dict:
+    """Registers, stack and local (spill) memory of the compiled cubin, as cuobjdump reports them."""
+    r = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    if r.returncode:
+        raise RuntimeError(f"cuobjdump failed on {cubin.name}: {text.strip()[-400:]}")
+
+    def grab(key: str) -> int:
+        m = re.search(rf"{key}:(\d+)", text)
+        if m is None:
+            raise RuntimeError(f"cuobjdump reported no {key} for {cubin.name}: {text.strip()[-300:]}")
+        return int(m.group(1))
+
+    # spilled registers live in local memory: LOCAL > 0 (or a stack frame) means spills
+    return {"registers": grab("REG"), "stack": grab("STACK"), "local": grab("LOCAL"), "spills": grab("LOCAL") > 0 or grab("STACK") > 0}
+
+
+def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
+    target = GPUTarget("cuda", ARCHS[arch], 32)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for v in variants:
+        for kname, fn, sig, consts, warps in _specs(v):
+            full_sig = {**sig, **{k: "constexpr" for k in consts}}
+            src = ASTSource(fn=fn, signature=full_sig, constexprs=consts)
+            ck = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
+            name = f"{kname}_{v.name}"
+            (out / f"{name}.ptx").write_text(ck.asm["ptx"])
+            (out / f"{name}.cubin").write_bytes(ck.asm["cubin"])
+            entry = {
+                "name": name,
+                "kernel": kname,
+                "function": ck.metadata.name,
+                "variant": asdict(v),
+                "signature": sig,
+                "constexprs": consts,
+                "num_warps": warps,
+                "shared": ck.metadata.shared,
+                "smem_limit": SMEM_LIMIT[arch],
+                **resource_usage(out / f"{name}.cubin"),
+            }
+            entries.append(entry)
+    meta = {"arch": arch, "triton": triton.__version__, "kernels": entries}
+    (out / "kernels.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, help=f"one of {', '.join(ARCHS)}")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--variants", default="default", help=f"one of {', '.join(VARIANTS)}")
+    a = ap.parse_args(argv)
+    if a.arch not in ARCHS:
+        print(f"kvcompress: error: --arch={a.arch} is not supported; allowed: {', '.join(ARCHS)}", file=sys.stderr)
+        return 2
+    if a.variants not in VARIANTS:
+        print(f"kvcompress: error: --variants={a.variants} is unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    meta = compile_all(a.arch, a.out, VARIANTS[a.variants])
+    for e in meta["kernels"]:
+        print(f"{e['name']:<36} regs {e['registers']:>3}  stack {e['stack']}  local {e['local']}  smem {e['shared']:>6} B")
+    print(f"wrote {len(meta['kernels'])} kernels for {a.arch} to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

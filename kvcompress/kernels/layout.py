@@ -1,0 +1,94 @@
+"""The kernels' cache layout for one layer: fixed-capacity buffers, a batch of variable lengths.
+
+For sequence b holding n = lens[b] tokens (positions 0..n-1), with NS sink slots and a window of W:
+    positions p < NS                -> sink_k/sink_v[b, h, p]                      fp16
+    compressed positions            -> index c = p - NS in the compressed store     packed
+    the last min(n - NS, W) tokens  -> window ring slot (p - NS) % W                fp16
+A token enters the ring when appended and is encoded (reference numerics) when the ring slot
+is reused W tokens later; with W = 0 it is encoded on append.
+
+Buffers ([B, H, *, *], contiguous):
+    sink_k, sink_v  [B, H, NS, D] fp16          win_k, win_v [B, H, W, D] fp16
+    k_payload       [B, H, CAP, D] int8 | [B, H, CAP, D/2] uint8 (int4, offset-binary, low nibble = even)
+    k_outliers      [B, H, CAP, N_OUT] fp16     v_payload [B, H, CAP, D] uint8 | [.., D/2] (int4)
+    v_scale, v_min  [B, H, CAP, D/G] fp16       lens [B] int32
+`PackedKV.from_reference` builds one from plain K/V with the reference numerics, so tests
+compare kernels with the reference on identical bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress import reference as ref
+from kvcompress.reference import KeyParams
+
+
+@dataclass
+class PackedKV:
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    win_k: torch.Tensor
+    win_v: torch.Tensor
+    k_payload: torch.Tensor
+    k_outliers: torch.Tensor
+    v_payload: torch.Tensor
+    v_scale: torch.Tensor
+    v_min: torch.Tensor
+    lens: torch.Tensor
+    key_bits: int
+    value_bits: int
+    group: int
+
+    @property
+    def n_sink(self) -> int:
+        return self.sink_k.shape[2]
+
+    @property
+    def window(self) -> int:
+        return self.win_k.shape[2]
+
+    @classmethod
+    def empty(cls, B, H, D, cap, *, n_sink, window, n_out, key_bits, value_bits, group, device="cpu") -> "PackedKV":
+        f16 = dict(dtype=torch.float16, device=device)
+        kd = D // 2 if key_bits == 4 else D
+        vd = D // 2 if value_bits == 4 else D
+        return cls(
+            sink_k=torch.zeros(B, H, n_sink, D, **f16),
+            sink_v=torch.zeros(B, H, n_sink, D, **f16),
+            win_k=torch.zeros(B, H, window, D, **f16),
+            win_v=torch.zeros(B, H, window, D, **f16),
+            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.uint8 if key_bits == 4 else torch.int8, device=device),
+            k_outliers=torch.zeros(B, H, cap, n_out, **f16),
+            v_payload=torch.zeros(B, H, cap, vd, dtype=torch.uint8, device=device),
+            v_scale=torch.zeros(B, H, cap, D // group, **f16),
+            v_min=torch.zeros(B, H, cap, D // group, **f16),
+            lens=torch.zeros(B, dtype=torch.int32, device=device),
+            key_bits=key_bits,
+            value_bits=value_bits,
+            group=group,
+        )
+
+    @classmethod
+    def from_reference(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], p: KeyParams, *, n_sink, window, value_bits, group, cap=None) -> "PackedKV":
+        """Sequences of different lengths (k: [H, n_b, D] each) -> buffers written by the reference."""
+        B, (H, _, D) = len(ks), ks[0].shape
+        cap = cap or max(1, max(k.shape[1] for k in ks))
+        out = cls.empty(B, H, D, cap, n_sink=n_sink, window=window, n_out=p.outlier_idx.shape[-1], key_bits=p.bits, value_bits=value_bits, group=group, device=ks[0].device)
+        for b, (k, v) in enumerate(zip(ks, vs)):
+            n = k.shape[1]
+            kh, vh = k.to(torch.float16), v.to(torch.float16)
+            ns, nc, nw = ref.region_sizes(n, n_sink, window)
+            out.sink_k[b, :, :ns], out.sink_v[b, :, :ns] = kh[:, :ns], vh[:, :ns]
+            if nc:
+                kc, vc = kh[:, ns : ns + nc], vh[:, ns : ns + nc]
+                payload, outl = ref.encode_keys(kc, p)
+                out.k_payload[b, :, :nc], out.k_outliers[b, :, :nc] = payload, outl
+                vp, vsc, vmn = ref.encode_values(vc, value_bits, group)
+                out.v_payload[b, :, :nc], out.v_scale[b, :, :nc], out.v_min[b, :, :nc] = vp, vsc, vmn
+            for pos in range(ns + nc, n):
+                slot = (pos - n_sink) % window
+                out.win_k[b, :, slot], out.win_v[b, :, slot] = kh[:, pos], vh[:, pos]
+            out.lens[b] = n
+        return out

@@ -1,0 +1,101 @@
+"""Host side of the Triton kernels: launch parameters and the reference they are tested against.
+
+On a CPU tensor the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before
+triton is imported); on a CUDA tensor they run natively.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from kvcompress import reference as ref
+from kvcompress.kernels.layout import PackedKV
+from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
+from kvcompress.reference import KeyParams
+
+MIN_DOT = 16  # tl.dot needs every dimension >= 16 on tensor cores
+
+
+def _pad(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(max(n, 1)))
+
+
+def kernel_key_params(p: KeyParams, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, zero, zero with outlier channels zeroed, outlier idx int32) on `device`."""
+    scale = p.scale.to(device, torch.float32).contiguous()
+    zero = p.zero.to(device, torch.float32).contiguous()
+    zm = zero.clone()
+    if p.outlier_idx.numel():
+        zm.scatter_(-1, p.outlier_idx.to(device), 0.0)
+    idx = p.outlier_idx.to(device, torch.int32).contiguous()
+    return scale, zero, zm, idx
+
+
+def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams) -> None:
+    """Append one token per sequence (k_new, v_new: [B, H, D]) in place; lens += 1."""
+    B, H, D = k_new.shape
+    scale, zero, _, idx = kernel_key_params(p, k_new.device)
+    n_out = idx.shape[-1]
+    kv_append_kernel[(B, H)](
+        k_new.contiguous(), v_new.contiguous(), scale, zero, idx,
+        kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
+        H, kv.k_payload.shape[2],
+        D=D, NS=kv.n_sink, W=kv.window, N_OUT=n_out, N_OUT_PAD=_pad(n_out),
+        KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
+    )
+    kv.lens += 1
+
+
+def decode_launch_params(G: int, n_sink: int, n_out: int, splits: int, block_t: int = 64) -> dict:
+    return dict(G=G, G_PAD=_pad(G, MIN_DOT), NS_PAD=_pad(n_sink, MIN_DOT), N_OUT_PAD=_pad(n_out), BLOCK_T=block_t, SPLITS=splits)
+
+
+def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float, splits: int = 4, block_t: int = 64) -> torch.Tensor:
+    """q: [B, HQ, D] one query per sequence -> [B, HQ, D] float32, over sinks + compressed + window."""
+    B, HQ, D = q.shape
+    H = kv.sink_k.shape[1]
+    scale, _, zm, idx = kernel_key_params(p, q.device)
+    mo = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
+    lo = torch.empty_like(mo)
+    ao = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+    decode_split_kernel[(B, H, splits)](
+        q.contiguous(), scale, zm, idx,
+        kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
+        mo, lo, ao, sm_scale, H, kv.k_payload.shape[2],
+        D=D, NS=kv.n_sink, W=kv.window, N_OUT=idx.shape[-1], KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
+        **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], splits, block_t),
+    )
+    out = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device)
+    decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, D=D, SPLITS=splits, SPLITS_PAD=_pad(splits))
+    return out
+
+
+def unpack_reference(kv: PackedKV, p: KeyParams, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's keys and values [H, n, D] float32, decoded with the reference numerics."""
+    n = int(kv.lens[b])
+    ns, nc, nw = ref.region_sizes(n, kv.n_sink, kv.window)
+    ks = [kv.sink_k[b, :, :ns].float()]
+    vs = [kv.sink_v[b, :, :ns].float()]
+    if nc:
+        ks.append(ref.decode_keys(kv.k_payload[b, :, :nc], kv.k_outliers[b, :, :nc], p))
+        vs.append(ref.decode_values(kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc], kv.v_min[b, :, :nc], kv.value_bits, kv.group))
+    slots = [(pos - kv.n_sink) % kv.window for pos in range(ns + nc, n)] if kv.window else []
+    if slots:
+        ks.append(kv.win_k[b, :, slots].float())
+        vs.append(kv.win_v[b, :, slots].float())
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def decode_attention_reference(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float) -> torch.Tensor:
+    """What decode_attention must compute: softmax(q k_hat^T * scale) v_hat per sequence, float32."""
+    B, HQ, D = q.shape
+    out = torch.zeros(B, HQ, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        k, v = unpack_reference(kv, p, b)  # [H, n, D]
+        if k.shape[1] == 0:
+            continue
+        g = HQ // k.shape[0]
+        kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        w = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) * sm_scale, -1)  # [HQ, n]
+        out[b] = (w.unsqueeze(1) @ vv).squeeze(1)
+    return out

@@ -1,0 +1,278 @@
+"""Triton kernels on the layout of kvcompress.kernels.layout (one layer per launch).
+
+* `kv_append_kernel`: one new token per sequence; writes it to the sinks or the fp16 ring and
+  encodes the token that leaves the ring (keys: static per-channel scale, round-half-even,
+  outlier channels to the fp16 side store; values: per-token groups, fp16 scale/min rounded
+  outward) -- the rounding points of kvcompress.reference.
+* `decode_split_kernel`: one query token per sequence, all query heads of a kv head in one
+  program (GQA), split-K over the compressed store (flash-decoding). Key scales are folded into
+  the query (q * s_k), the zero point into a per-query constant; int8/int4 codes and value
+  codes are dequantized in registers. Sinks and the window are read as fp16 by the last split.
+* `decode_reduce_kernel`: combines the splits' (max, sum, acc).
+No kernel writes fp16 K/V of the compressed region anywhere.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fp16_down(x):
+    """float32 -> float16 rounded toward -inf (torch.nextafter step when nearest rounded up)."""
+    h = x.to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True)
+    stepped = tl.where(h > 0, bits - 1, tl.where(h < 0, bits + 1, tl.full(bits.shape, -32767, tl.int16)))
+    return tl.where(h.to(tl.float32) > x, stepped.to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
+def _fp16_up(x):
+    """float32 -> float16 rounded toward +inf."""
+    h = x.to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True)
+    stepped = tl.where(h > 0, bits + 1, tl.where(h < 0, bits - 1, tl.full(bits.shape, 1, tl.int16)))
+    return tl.where(h.to(tl.float32) < x, stepped.to(tl.float16, bitcast=True), h)
+
+
+@triton.jit
+def _encode_token(
+    k_even, k_odd, v_even, v_odd, c, bh, KS, KZ, OIDX, KP, KO, VP, VS, VM, h,
+    CAP, D: tl.constexpr, N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Encode one fp16 token (given as even/odd channel halves, float32) at compressed index c."""
+    HALF: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
+    ie = 2 * tl.arange(0, HALF)
+    io = ie + 1
+    # ---- keys: q = clamp(rhe((k - z) / s), -Q, Q); outlier channels -> 0 and to the fp16 side store
+    QMAX: tl.constexpr = 2 ** (KEY_BITS - 1) - 1
+    qe = _round_half_even((k_even - tl.load(KZ + h * D + ie)) / tl.load(KS + h * D + ie))
+    qo = _round_half_even((k_odd - tl.load(KZ + h * D + io)) / tl.load(KS + h * D + io))
+    qe = tl.minimum(tl.maximum(qe, -QMAX), QMAX)
+    qo = tl.minimum(tl.maximum(qo, -QMAX), QMAX)
+    if N_OUT > 0:
+        jo = tl.arange(0, N_OUT_PAD)
+        oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=-1)
+        is_out_e = tl.sum((ie[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
+        is_out_o = tl.sum((io[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
+        qe = tl.where(is_out_e, 0.0, qe)
+        qo = tl.where(is_out_o, 0.0, qo)
+        ko = tl.sum(tl.where(ie[:, None] == oidx[None, :], k_even[:, None], 0.0), axis=0) + tl.sum(
+            tl.where(io[:, None] == oidx[None, :], k_odd[:, None], 0.0), axis=0
+        )
+        tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
+    if KEY_BITS == 4:
+        byte = (qe + 8).to(tl.uint8) | ((qo + 8).to(tl.uint8) << 4)
+        tl.store(KP + (bh * CAP + c) * HALF + tl.arange(0, HALF), byte)
+    else:
+        tl.store(KP + (bh * CAP + c) * D + ie, qe.to(tl.int8))
+        tl.store(KP + (bh * CAP + c) * D + io, qo.to(tl.int8))
+    # ---- values: per group min (rounded down), scale = (max - min) / levels (rounded up)
+    LEVELS: tl.constexpr = 2**VAL_BITS - 1
+    ge = ie // GROUP
+    go = io // GROUP
+    se = tl.zeros([HALF], tl.float32)
+    so = tl.zeros([HALF], tl.float32)
+    me = tl.zeros([HALF], tl.float32)
+    mo = tl.zeros([HALF], tl.float32)
+    for g in tl.static_range(NG):
+        gmin = tl.minimum(tl.min(tl.where(ge == g, v_even, float("inf"))), tl.min(tl.where(go == g, v_odd, float("inf"))))
+        gmax = tl.maximum(tl.max(tl.where(ge == g, v_even, float("-inf"))), tl.max(tl.where(go == g, v_odd, float("-inf"))))
+        mn16 = _fp16_down(gmin)
+        sc16 = _fp16_up((gmax - mn16.to(tl.float32)) / LEVELS)
+        tl.store(VS + (bh * CAP + c) * NG + g, sc16)
+        tl.store(VM + (bh * CAP + c) * NG + g, mn16)
+        sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+        se = tl.where(ge == g, sc, se)
+        so = tl.where(go == g, sc, so)
+        me = tl.where(ge == g, mn16.to(tl.float32), me)
+        mo = tl.where(go == g, mn16.to(tl.float32), mo)
+    ce = tl.minimum(tl.maximum(_round_half_even((v_even - me) / se), 0.0), LEVELS)
+    co = tl.minimum(tl.maximum(_round_half_even((v_odd - mo) / so), 0.0), LEVELS)
+    if VAL_BITS == 4:
+        tl.store(VP + (bh * CAP + c) * HALF + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
+    else:
+        tl.store(VP + (bh * CAP + c) * D + ie, ce.to(tl.uint8))
+        tl.store(VP + (bh * CAP + c) * D + io, co.to(tl.uint8))
+
+
+@triton.jit
+def kv_append_kernel(
+    KN, VN,  # [B, H, D] new tokens (any float dtype)
+    KS, KZ, OIDX,  # [H, D] fp32, [H, D] fp32, [H, N_OUT] int32
+    SK, SV, WK, WV,  # [B, H, NS, D], [B, H, W, D] fp16
+    KP, KO, VP, VS, VM, LENS,
+    H, CAP,
+    D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr, N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    bh = b * H + h
+    p = tl.load(LENS + b)
+    HALF: tl.constexpr = D // 2
+    ie = 2 * tl.arange(0, HALF)
+    io = ie + 1
+    # the new token, rounded to fp16 (its stored form)
+    kn_e = tl.load(KN + bh * D + ie).to(tl.float16)
+    kn_o = tl.load(KN + bh * D + io).to(tl.float16)
+    vn_e = tl.load(VN + bh * D + ie).to(tl.float16)
+    vn_o = tl.load(VN + bh * D + io).to(tl.float16)
+    if p < NS:
+        tl.store(SK + (bh * NS + p) * D + ie, kn_e)
+        tl.store(SK + (bh * NS + p) * D + io, kn_o)
+        tl.store(SV + (bh * NS + p) * D + ie, vn_e)
+        tl.store(SV + (bh * NS + p) * D + io, vn_o)
+    else:
+        j = p - NS
+        if W > 0:
+            slot = j % W
+            if j >= W:  # the token at this slot (position p - W) leaves the window: encode it
+                ok_e = tl.load(WK + (bh * W + slot) * D + ie).to(tl.float32)
+                ok_o = tl.load(WK + (bh * W + slot) * D + io).to(tl.float32)
+                ov_e = tl.load(WV + (bh * W + slot) * D + ie).to(tl.float32)
+                ov_o = tl.load(WV + (bh * W + slot) * D + io).to(tl.float32)
+                _encode_token(ok_e, ok_o, ov_e, ov_o, j - W, bh, KS, KZ, OIDX, KP, KO, VP, VS, VM, h,
+                              CAP, D, N_OUT, N_OUT_PAD, KEY_BITS, VAL_BITS, GROUP)
+            tl.store(WK + (bh * W + slot) * D + ie, kn_e)
+            tl.store(WK + (bh * W + slot) * D + io, kn_o)
+            tl.store(WV + (bh * W + slot) * D + ie, vn_e)
+            tl.store(WV + (bh * W + slot) * D + io, vn_o)
+        else:
+            _encode_token(kn_e.to(tl.float32), kn_o.to(tl.float32), vn_e.to(tl.float32), vn_o.to(tl.float32), j, bh,
+                          KS, KZ, OIDX, KP, KO, VP, VS, VM, h, CAP, D, N_OUT, N_OUT_PAD, KEY_BITS, VAL_BITS, GROUP)
+
+
+@triton.jit
+def _load_codes(base, rows, d, mask, BITS: tl.constexpr, D: tl.constexpr, SIGNED_OFFSET: tl.constexpr):
+    """[BLOCK_T, D] float32 codes from int8 rows or packed int4 rows (low nibble = even channel)."""
+    if BITS == 4:
+        byte = tl.load(base + rows[:, None] * (D // 2) + (d // 2)[None, :], mask=mask[:, None], other=0)
+        code = ((byte >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 0xF).to(tl.float32)
+        return code - SIGNED_OFFSET
+    else:
+        return tl.load(base + rows[:, None] * D + d[None, :], mask=mask[:, None], other=0).to(tl.float32)
+
+
+@triton.jit
+def decode_split_kernel(
+    Q,  # [B, HQ, D]
+    KS, KZM, OIDX,  # key scale [H, D] fp32; zero with outlier channels zeroed [H, D] fp32; [H, N_OUT] int32
+    SK, SV, WK, WV, KP, KO, VP, VS, VM, LENS,
+    MO, LO, AO,  # [B, HQ, SPLITS] fp32, [B, HQ, SPLITS] fp32, [B, HQ, SPLITS, D] fp32
+    sm_scale, H, CAP,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
+    N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    bh = b * H + h
+    n = tl.load(LENS + b)
+    n_sink = tl.minimum(n, NS)
+    n_comp = tl.maximum(n - NS - W, 0)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G_PAD)
+    gmask = gi < G
+    q = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    qs = (q * tl.load(KS + h * D + d)[None, :]).to(tl.float16)  # key scale folded into the query
+    qz = tl.sum(q * tl.load(KZM + h * D + d)[None, :], axis=1)  # zero point: one constant per query
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    # ---- the compressed store: this split's share
+    per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
+    lo = split * per
+    hi = tl.minimum(lo + per, n_comp)
+    NG: tl.constexpr = D // GROUP
+    if N_OUT > 0:
+        jo = tl.arange(0, N_OUT_PAD)
+        oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=0)
+        q_out = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + oidx[None, :], mask=gmask[:, None] & (jo < N_OUT)[None, :], other=0.0).to(tl.float32)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        tmask = rows < hi
+        kq = _load_codes(KP, bh * CAP + rows, d, tmask, KEY_BITS, D, 8.0)
+        s = tl.dot(qs, tl.trans(kq.to(tl.float16)))  # [G_PAD, BLOCK_T]
+        if N_OUT > 0:
+            ko = tl.load(KO + (bh * CAP + rows[:, None]) * N_OUT + jo[None, :], mask=tmask[:, None] & (jo < N_OUT)[None, :], other=0.0).to(tl.float32)
+            s += tl.sum(q_out[:, None, :] * ko[None, :, :], axis=2)
+        s = (s + qz[:, None]) * sm_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vc = _load_codes(VP, bh * CAP + rows, d, tmask, VAL_BITS, D, 0.0)
+        vsc = tl.load(VS + (bh * CAP + rows[:, None]) * NG + (d // GROUP)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        vmn = tl.load(VM + (bh * CAP + rows[:, None]) * NG + (d // GROUP)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+    # ---- fp16 sinks and window: the last split
+    if split == SPLITS - 1:
+        q16 = q.to(tl.float16)
+        if NS > 0:
+            srow = tl.arange(0, NS_PAD)
+            smask = srow < n_sink
+            ks_ = tl.load(SK + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+            ss = tl.dot(q16, tl.trans(ks_)) * sm_scale
+            ss = tl.where(smask[None, :], ss, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(ss, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            ps = tl.exp(ss - m_new[:, None])
+            ps = tl.where(smask[None, :], ps, 0.0)
+            l_i = l_i * alpha + tl.sum(ps, axis=1)
+            vs_ = tl.load(SV + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(ps.to(tl.float16), vs_)
+            m_i = m_new
+        if W > 0:
+            w_start = n_sink + n_comp
+            for t0 in range(w_start, n, BLOCK_T):
+                pos = t0 + tl.arange(0, BLOCK_T)
+                wmask = pos < n
+                slot = (pos - NS) % W
+                kw = tl.load(WK + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
+                sw = tl.dot(q16, tl.trans(kw)) * sm_scale
+                sw = tl.where(wmask[None, :], sw, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sw, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                pw = tl.exp(sw - m_new[:, None])
+                pw = tl.where(wmask[None, :], pw, 0.0)
+                l_i = l_i * alpha + tl.sum(pw, axis=1)
+                vw = tl.load(WV + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(pw.to(tl.float16), vw)
+                m_i = m_new
+    row = (b * H + h) * G + gi
+    tl.store(MO + row * SPLITS + split, m_i, mask=gmask)
+    tl.store(LO + row * SPLITS + split, l_i, mask=gmask)
+    tl.store(AO + (row[:, None] * SPLITS + split) * D + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def decode_reduce_kernel(MO, LO, AO, OUT, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out = sum_i exp(m_i - m) acc_i / sum_i exp(m_i - m) l_i  over the splits of one query row."""
+    row = tl.program_id(0)
+    si = tl.arange(0, SPLITS_PAD)
+    smask = si < SPLITS
+    m = tl.load(MO + row * SPLITS + si, mask=smask, other=float("-inf"))
+    lsum = tl.load(LO + row * SPLITS + si, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+    d = tl.arange(0, D)
+    acc = tl.load(AO + (row * SPLITS + si[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(lsum * w, axis=0)
+    tl.store(OUT + row * D + d, num / tl.where(den == 0.0, 1.0, den))

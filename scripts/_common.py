@@ -1,0 +1,39 @@
+"""Helpers for the scripts: build typed configs from conf/ YAML without Hydra (scripts stay thin)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvcompress.config import CalibConfig, EvalConfig, ModelConfig  # noqa: E402
+from kvcompress.spec import KVSpec  # noqa: E402
+
+
+def _load(group: str, name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"), resolve=True)
+
+
+def model_config(name: str) -> ModelConfig:
+    return ModelConfig.model_validate(_load("model", name))
+
+
+def kv_spec(name: str) -> KVSpec:
+    return KVSpec.model_validate(_load("kv", name))
+
+
+def calib_config(name: str) -> CalibConfig:
+    return CalibConfig.model_validate(_load("calib", name))
+
+
+def eval_config(name: str) -> EvalConfig:
+    return EvalConfig.model_validate(_load("eval", name))
+
+
+def cache_dir() -> str:
+    from kvcompress.paths import default_cache_dir
+
+    return str(default_cache_dir())

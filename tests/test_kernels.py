@@ -1,0 +1,132 @@
+"""Triton kernels against the reference numerics (interpreter on CPU, native on a GPU)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvcompress.kernels import ops
+from kvcompress.kernels.layout import PackedKV
+from kvcompress.reference import KeyParams, key_qmax
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+W = 16  # window used by these tests; lengths below cross it
+# Decode attention runs its dots on fp16 inputs (q * s_k, probabilities, dequantized values:
+# relative rounding 2^-11 each) with fp32 accumulation; outputs are O(1): 3e-3 covers that.
+DECODE_TOL = dict(atol=3e-3, rtol=3e-3)
+
+
+def make_params(H, D, key_bits, n_out, ks, asym=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    absmax = torch.stack([k.abs().amax(1) for k in ks]).amax(0)  # [H, D]
+    zero = (torch.rand(H, D, generator=g) - 0.5) * 0.2 if asym else torch.zeros(H, D)
+    scale = 0.9 * (absmax + zero.abs()) / key_qmax(key_bits)  # 0.9: some values clip, as after an MSE fit
+    idx = torch.stack([torch.randperm(D, generator=g)[:n_out].sort().values for _ in range(H)]) if n_out else torch.zeros(H, 0, dtype=torch.long)
+    return KeyParams(key_bits, scale, zero, idx)
+
+
+def make_seqs(lens, H, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(H, n, D, generator=g) * 2 for n in lens]
+    for k in ks:
+        if k.shape[1]:
+            k[:, :, 3] *= 8  # an outlier-like channel
+    vs = [torch.randn(H, n, D, generator=g) for n in lens]
+    return ks, vs
+
+
+DECODE_CASES = [
+    # lens (a batch of mixed lengths), H_kv, GQA, D, key bits, value bits, group, outliers, sinks
+    ([1, 7, W - 1, W, W + 1], 2, 3, 64, 8, 4, 32, 0, 4),
+    ([1, 7, W - 1, W, W + 1], 2, 3, 64, 8, 4, 32, 2, 0),
+    ([1170, 5], 1, 8, 128, 8, 4, 32, 0, 4),
+    ([1170], 2, 1, 128, 4, 4, 32, 2, 4),
+    ([3001, 40], 1, 8, 128, 8, 4, 32, 0, 4),
+    ([300, 21], 3, 1, 64, 8, 8, 64, 0, 0),
+    ([W + 1, 2 * W + 3], 1, 8, 64, 4, 8, 64, 1, 2),
+]
+
+
+@pytest.mark.parametrize("lens,H,G,D,kb,vb,group,n_out,n_sink", DECODE_CASES)
+def test_decode_attention_matches_reference(lens, H, G, D, kb, vb, group, n_out, n_sink):
+    ks, vs = make_seqs(lens, H, D)
+    p = make_params(H, D, kb, n_out, ks)
+    kv = PackedKV.from_reference(ks, vs, p, n_sink=n_sink, window=W, value_bits=vb, group=group)
+    kv = _to(kv, DEVICE)
+    q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = ops.decode_attention(q, kv, p, D**-0.5, splits=4, block_t=32)
+    torch.testing.assert_close(out, ops.decode_attention_reference(q, kv, p, D**-0.5), **DECODE_TOL)
+
+
+def test_decode_asymmetric_keys_fold_the_zero_point():
+    lens, H, D = [100, 33], 2, 64
+    ks, vs = make_seqs(lens, H, D)
+    p = make_params(H, D, 8, 2, ks, asym=True)
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=4, window=W, value_bits=4, group=32), DEVICE)
+    q = torch.randn(2, H * 3, D).to(DEVICE)
+    torch.testing.assert_close(ops.decode_attention(q, kv, p, 0.125, splits=3), ops.decode_attention_reference(q, kv, p, 0.125), **DECODE_TOL)
+
+
+def test_decode_never_reads_a_wrong_region():
+    """Guard: zeroing the compressed payload must change the output (the kernel reads it)."""
+    ks, vs = make_seqs([200], 1, 64)
+    p = make_params(1, 64, 8, 0, ks)
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=4, window=W, value_bits=4, group=32), DEVICE)
+    q = torch.randn(1, 3, 64).to(DEVICE)
+    before = ops.decode_attention(q, kv, p, 0.125)
+    kv.v_payload.zero_()
+    assert (ops.decode_attention(q, kv, p, 0.125) - before).abs().max() > 1e-2
+
+
+APPEND_CASES = [
+    # key bits, value bits, group, window, sinks, outliers, asymmetric keys
+    (8, 4, 32, W, 4, 0, False),
+    (4, 4, 32, W, 0, 2, False),
+    (8, 8, 64, 0, 4, 2, True),
+    (4, 8, 64, 1, 2, 1, False),
+]
+
+
+@pytest.mark.parametrize("kb,vb,group,window,n_sink,n_out,asym", APPEND_CASES)
+def test_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, n_out, asym):
+    """Token-by-token appends produce the same bytes as the reference encoder, for mixed lengths."""
+    H, D, lens = 2, 64, [45, 3, 20]
+    ks, vs = make_seqs(lens, H, D, seed=2)
+    p = make_params(H, D, kb, n_out, ks, asym=asym)
+    T = max(lens)
+    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=n_out, key_bits=kb, value_bits=vb, group=group), DEVICE)
+    # sequences of different lengths: append in lockstep, then compare each sequence's prefix
+    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
+    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
+    for t in range(T):
+        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), p)
+    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T)
+    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens"):
+        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+
+
+def _to(kv: PackedKV, device) -> PackedKV:
+    if device == "cpu":
+        return kv
+    return PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_aot_compiles_without_spills_within_shared_memory(tmp_path, arch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", arch, "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    meta = json.loads((tmp_path / "kernels.json").read_text())
+    assert meta["arch"] == arch and len(meta["kernels"]) >= 12
+    for k in meta["kernels"]:
+        assert (tmp_path / f"{k['name']}.cubin").stat().st_size > 0 and (tmp_path / f"{k['name']}.ptx").is_file()
+        assert not k["spills"] and k["local"] == 0 and k["stack"] == 0, k["name"]
+        assert k["shared"] <= k["smem_limit"], k["name"]
+        assert 0 < k["registers"] <= 255
+
+
+def test_aot_rejects_unknown_arch(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_75", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode == 2 and "allowed: sm_80, sm_90" in p.stderr and "Traceback" not in p.stderr
