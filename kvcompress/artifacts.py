@@ -43,7 +43,7 @@ def save_artifact(path: str | Path, tensors: dict[str, torch.Tensor], header: di
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata={HEADER_KEY: json.dumps(header, default=str)})
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, tmp, metadata={HEADER_KEY: json.dumps(header, default=str)})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

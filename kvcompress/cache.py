@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from kvcompress import reference as ref
+from kvcompress.errors import UserError
 from kvcompress.scalebook import ScaleBook
 
 _STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
@@ -128,6 +129,11 @@ class CompressedCache(Cache):
     """A transformers Cache holding a ScaleBook's compressed format (see module docstring)."""
 
     def __init__(self, book: ScaleBook):
+        if book.spec.is_native:
+            raise UserError(
+                f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "
+                "validate simulates it exactly, CompressedCache holds the kvcompress format only"
+            )
         n = book.geometry["n_layers"]
         layers = [_Fp16Layer() for _ in range(n)] if book.spec.is_baseline else [CompressedLayer(book, i) for i in range(n)]
         super().__init__(layers=layers)

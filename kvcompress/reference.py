@@ -187,6 +187,26 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
 
 
+# ---------------------------------------------------------------- TensorRT-LLM's native KV formats
+NATIVE_QMAX = {"native_int8": 127.0, "native_fp8": 448.0}
+
+
+def native_fake_quant(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) -> torch.Tensor:
+    """TensorRT-LLM's per-tensor KV cache: one dequant scale s per layer (kv_cache_scaling_factor).
+
+    native_int8: q = clamp(round_half_even(x / s), -127, 127) (s = amax / 127, as its converter sets);
+    native_fp8:  q = float8_e4m3fn(clamp(x / s, -448, 448)) (s = amax / 448);  x_hat = q * s.
+    """
+    xf = x.float() / scale
+    if fmt == "native_int8":
+        q = round_half_even(xf).clamp_(-127, 127)
+    elif fmt == "native_fp8":
+        q = xf.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    else:
+        raise ValueError(f"unknown native format {fmt!r}; allowed: {', '.join(NATIVE_QMAX)}")
+    return (q * scale).to(x.dtype)
+
+
 # ---------------------------------------------------------------- window / sinks
 def fp16_mask(q_pos: torch.Tensor, kv_len: int, sink_tokens: int, window: int) -> torch.Tensor:
     """Which cached positions a query sees in fp16.
@@ -232,6 +252,8 @@ def cache_nbytes(
     """
     n_sink, n_comp, n_win = region_sizes(n_tokens, sink_tokens, window)
     lh = n_layers * n_kv_heads * batch
+    if key_bits == "native":  # TensorRT-LLM INT8/FP8: one byte per element, one fp32 scale per layer
+        return {"key_payload": lh * n_tokens * head_dim, "value_payload": lh * n_tokens * head_dim, "static": n_layers * 4}
     if key_bits == 16:
         return {"fp16_tokens": lh * n_tokens * 2 * head_dim * HP_BYTES, "static": 0}
     return {
@@ -251,7 +273,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         n_layers=geometry.n_layers,
         n_kv_heads=geometry.n_kv_heads,
         head_dim=geometry.head_dim,
-        key_bits=spec.key.bits,
+        key_bits="native" if spec.is_native else spec.key.bits,
         value_bits=spec.value.bits,
         value_group=spec.value_group(geometry.head_dim),
         outlier_channels=spec.outlier_channels,

@@ -44,7 +44,20 @@ class ValueSpec(Frozen):
 
 
 class KVSpec(Frozen):
+    """A KV-cache format.
+
+    format=kvcompress: the full format (per-channel keys, per-token values, window, sinks, outliers).
+    format=native_int8 / native_fp8: TensorRT-LLM's own KV cache, simulated exactly: one scale per
+    layer shared by K and V, no window, no sinks (key/value bits and groups are then unused). With
+    fold_keys (fold_values), per-channel key (value) factors tied across RoPE pairs are folded into
+    W_q/W_k (W_v/W_o) first, so the single scale sees equalised channels.
+    """
+
     name: str
+    format: Literal["kvcompress", "native_int8", "native_fp8"] = "kvcompress"
+    fold_keys: bool = False
+    fold_values: bool = False
+    fold_strength: float = Field(1.0, ge=0.0, le=1.0)  # 0 = no migration, 1 = full equalisation
     key: KeySpec = KeySpec()
     value: ValueSpec = ValueSpec()
     window: int = Field(128, ge=0)  # most recent tokens kept in fp16
@@ -55,12 +68,20 @@ class KVSpec(Frozen):
     def _consistent(self) -> "KVSpec":
         if (self.key.bits == 16) != (self.value.bits == 16):
             raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
+        if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
+            raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
+        if (self.fold_keys or self.fold_values) and not self.is_native:
+            raise ValueError("kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8) only")
         return self
+
+    @property
+    def is_native(self) -> bool:
+        return self.format != "kvcompress"
 
     @property
     def is_baseline(self) -> bool:
         """fp16 everywhere: the cache is a no-op."""
-        return self.key.bits == 16
+        return self.key.bits == 16 and not self.is_native
 
     def check_geometry(self, head_dim: int) -> None:
         """Raise UserError if the spec cannot apply to a head of this size."""

@@ -130,3 +130,12 @@ def test_aot_compiles_without_spills_within_shared_memory(tmp_path, arch):
 def test_aot_rejects_unknown_arch(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_75", "--out", str(tmp_path)], capture_output=True, text=True)
     assert p.returncode == 2 and "allowed: sm_80, sm_90" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_script_smoke_runs_on_cpu(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "scripts/bench_decode_attention.py", "--smoke", "--out", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["kvc_bytes"] < r["fp16_bytes"] for r in rows)

@@ -56,8 +56,19 @@ _CTX: dict[str, _Ctx] = {}
 
 
 def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: int):
-    """(k_hp, v_hp, k_hat, v_hat): the fp16 and the compressed view of every position."""
+    """(k_hp, v_hp, k_hat, v_hat): the fp16 and the compressed view of every position.
+
+    Native formats: k_hat = sigma * Q(k / sigma) with TensorRT-LLM's per-tensor quantizer Q; this is
+    what the folded checkpoint caches (q.k is unchanged by the fold, so scores are computed on the
+    unfolded query against sigma-rescaled keys).
+    """
     k_hp, v_hp = ref.to_hp(key), ref.to_hp(value)
+    if book.spec.is_native:
+        t = book.tensors
+        sk, sv = t["fold_k"][layer].to(key.device).unsqueeze(-2), t["fold_v"][layer].to(key.device).unsqueeze(-2)  # [H, 1, D]
+        s = float(t["native_scale"][layer])
+        fmt = book.spec.format
+        return k_hp, v_hp, (ref.native_fake_quant(k_hp / sk, s, fmt) * sk).to(key.dtype), (ref.native_fake_quant(v_hp / sv, s, fmt) * sv).to(value.dtype)
     k_hat = ref.fake_quant_keys(k_hp, book.key_params(layer))
     v_hat = ref.fake_quant_values(v_hp, book.spec.value.bits, book.value_group)
     return k_hp, v_hp, k_hat, v_hat
@@ -86,9 +97,10 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
         e.attn_ref_sq[layer] += float(exact.pow(2).sum())
         # keys that end up compressed: positions outside the sinks and the window of the last query
         comp = (torch.arange(S, device=key.device) >= spec.sink_tokens) & (torch.arange(S, device=key.device) <= S - 1 - spec.window)
-        clipped = ref.key_clipped(k_hp, ctx.book.key_params(layer))[..., comp, :]
-        e.clipped[layer] += float(clipped.sum())
-        e.quantized[layer] += clipped.numel()
+        if not spec.is_native:
+            clipped = ref.key_clipped(k_hp, ctx.book.key_params(layer))[..., comp, :]
+            e.clipped[layer] += float(clipped.sum())
+            e.quantized[layer] += clipped.numel()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
