@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from kvcompress.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("model", "kv", "calib", "eval")
+GROUPS = ("model", "kv", "calib", "eval", "export")
 
 
 def fail(msg: str) -> None:

@@ -72,3 +72,18 @@ def load_artifact(path: str | Path, kind: str, versions: tuple[int, ...]) -> tup
             f"{str(path)!r} has format_version={header.get('format_version')!r}; this kvcompress reads {', '.join(map(str, versions))}"
         )
     return tensors, header
+
+
+def save_plain_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A plain safetensors file for other tools (no kvcompress header), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, model_validator
 from kvcompress.errors import UserError
 from kvcompress.spec import Frozen, KVSpec
 
-STAGES = ("profile", "fit", "validate")
+STAGES = ("profile", "fit", "validate", "export")
 
 
 class TinyModelConfig(Frozen):
@@ -85,12 +85,27 @@ class EvalConfig(Frozen):
     planner: PlannerConfig = PlannerConfig()
 
 
+class ExportConfig(Frozen):
+    """export=trtllm: native TensorRT-LLM checkpoint(s) + HF FP8-KV checkpoint + custom-tier plugin bundle."""
+
+    name: Literal["none", "trtllm"] = "none"
+    tp_sizes: list[int] = [1]
+    native_kv: Literal["INT8", "FP8"] = "INT8"  # kv_cache_quant_algo of trtllm_ckpt/
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    fold_keys: bool = True
+    fold_values: bool = True
+    fold_strength: float = Field(1.0, ge=0.0, le=1.0)
+    archs: list[Literal["sm_80", "sm_90"]] = ["sm_80", "sm_90"]
+    build_engine: Literal["auto", "never", "always"] = "auto"
+
+
 class RunConfig(Frozen):
     model: ModelConfig
     kv: KVSpec
     calib: CalibConfig
     eval: EvalConfig
-    stages: list[Literal["profile", "fit", "validate"]] = ["profile", "fit"]
+    export: ExportConfig = ExportConfig()
+    stages: list[Literal["profile", "fit", "validate", "export"]] = ["profile", "fit"]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
     seed: int = 0

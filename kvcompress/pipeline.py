@@ -79,7 +79,7 @@ class Run:
 
 
 def needs_model(cfg: RunConfig) -> bool:
-    return "validate" in cfg.stages or ("profile" in cfg.stages and not cfg.stats)
+    return "validate" in cfg.stages or "export" in cfg.stages or ("profile" in cfg.stages and not cfg.stats)
 
 
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
@@ -93,6 +93,10 @@ def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
 def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
     """Run cfg.stages in order; returns the artifact paths written."""
     run_dir = Path(run_dir)
+    if "export" in cfg.stages:
+        from kvcompress.stages.export import engine_status
+
+        engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
         model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,4 +118,8 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         from kvcompress.stages.validate import validate_run
 
         out |= validate_run(r, out.get("scalebook"))
+    if "export" in cfg.stages:
+        from kvcompress.stages.export import export_run
+
+        out |= export_run(r, out.get("scalebook"), stats_path)
     return out

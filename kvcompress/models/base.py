@@ -35,7 +35,7 @@ class Geometry:
             vocab_size=cfg.vocab_size,
             max_position=getattr(cfg, "max_position_embeddings", 2048),
             rope_theta=float(theta),
-            architecture=(cfg.architectures or [type(cfg).__name__])[0] if getattr(cfg, "architectures", None) else cfg.model_type,
+            architecture=(getattr(cfg, "architectures", None) or [cfg.model_type])[0],
         )
 
     def to_dict(self) -> dict:

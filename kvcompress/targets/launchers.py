@@ -1,0 +1,71 @@
+"""C launchers for the AOT-compiled Triton kernels (CUDA driver API, cubin embedded).
+
+For each kernel in kernels.json: `kvc_<name>_load()` loads the embedded cubin and
+`kvc_<name>_launch(stream, gx, gy, gz, <typed kernel args>)` launches it with the block size and
+shared memory Triton compiled it for. Triton kernels take two trailing scratch pointers
+(global and profile scratch), passed as null since these kernels need none.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+C_TYPES = {"i32": "int32_t", "fp32": "float"}
+
+
+def _ctype(t: str) -> str:
+    return "CUdeviceptr" if t.startswith("*") else C_TYPES[t]
+
+
+def generate(kernel_dir: Path) -> list[Path]:
+    """Write kvc_launchers.h and one .c per kernel next to the cubins; returns the paths."""
+    meta = json.loads((kernel_dir / "kernels.json").read_text())
+    header = ["/* kvcompress AOT kernel launchers (generated; do not edit). */", "#pragma once", "#include <cuda.h>", "#include <stdint.h>", ""]
+    files = []
+    for k in meta["kernels"]:
+        name = k["name"]
+        params = ", ".join(f"{_ctype(t)} {a}" for a, t in k["signature"].items())
+        header += [f"CUresult kvc_{name}_load(void);", f"CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned gz, {params});", ""]
+        cubin = (kernel_dir / f"{name}.cubin").read_bytes()
+        data = ",".join(str(b) for b in cubin)
+        args = ", ".join(f"&{a}" for a in k["signature"]) + ", &global_scratch, &profile_scratch"
+        src = f"""/* {name}: Triton kernel `{k['function']}` for {meta['arch']}, {k['num_warps']} warps, {k['shared']} B shared memory.
+   constexprs: {json.dumps(k['constexprs'])} */
+#include "kvc_launchers.h"
+
+static const unsigned char CUBIN[{len(cubin)}] = {{{data}}};
+static CUmodule module_ = 0;
+static CUfunction function_ = 0;
+
+CUresult kvc_{name}_load(void) {{
+  if (function_) return CUDA_SUCCESS;
+  CUresult r = cuModuleLoadData(&module_, CUBIN);
+  if (r != CUDA_SUCCESS) return r;
+  r = cuModuleGetFunction(&function_, module_, "{k['function']}");
+  if (r != CUDA_SUCCESS) return r;
+  if ({k['shared']} > 49152)
+    r = cuFuncSetAttribute(function_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {k['shared']});
+  return r;
+}}
+
+CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned gz, {params}) {{
+  CUdeviceptr global_scratch = 0, profile_scratch = 0;
+  void *args[] = {{{args}}};
+  if (!function_) {{ CUresult r = kvc_{name}_load(); if (r != CUDA_SUCCESS) return r; }}
+  return cuLaunchKernel(function_, gx, gy, gz, {32 * k['num_warps']}, 1, 1, {k['shared']}, stream, args, NULL);
+}}
+"""
+        path = kernel_dir / f"kvc_{name}.c"
+        path.write_text(src)
+        files.append(path)
+    h = kernel_dir / "kvc_launchers.h"
+    h.write_text("\n".join(header) + "\n")
+    return [h, *files]
+
+
+def cuda_include_dirs() -> list[Path]:
+    """Where cuda.h is: the CUDA toolkit, else the copy Triton ships."""
+    import triton
+
+    cands = [Path("/usr/local/cuda/include"), Path(triton.__file__).parent / "backends" / "nvidia" / "include"]
+    return [p for p in cands if (p / "cuda.h").is_file()]

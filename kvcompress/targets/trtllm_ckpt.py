@@ -1,0 +1,126 @@
+"""Writer of a TensorRT-LLM 1.2.x checkpoint (Llama family): config.json + rank{r}.safetensors.
+
+Format followed: TensorRT-LLM's `docs/source/legacy/architecture/checkpoint.md` and its Llama
+converter `tensorrt_llm/models/llama/convert.py` (1.2 line), read through the project's notes
+(shared/notes/trtllm_export.md §1.2). Names and splits:
+    transformer.vocab_embedding.weight                      [V, hidden]            replicated
+    transformer.layers.{i}.input_layernorm.weight           [hidden]               replicated
+    transformer.layers.{i}.attention.qkv.weight             [(nh+2nkv)*hd/tp, hidden]  q|k|v of this rank's heads
+    transformer.layers.{i}.attention.dense.weight           [hidden, nh*hd/tp]     split on columns
+    transformer.layers.{i}.attention.kv_cache_scaling_factor [1] fp32 dequant scale (amax/127 INT8, amax/448 FP8)
+    transformer.layers.{i}.post_layernorm.weight            [hidden]
+    transformer.layers.{i}.mlp.fc.weight   <- HF gate_proj  [inter/tp, hidden]     (the naming trap:
+    transformer.layers.{i}.mlp.gate.weight <- HF up_proj    [inter/tp, hidden]      fc is gate_proj)
+    transformer.layers.{i}.mlp.proj.weight <- HF down_proj  [hidden, inter/tp]
+    transformer.ln_f.weight, lm_head.weight                 [V/tp, hidden]         split on rows
+KV heads are duplicated up to tp when nkv < tp, as the converter does.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvcompress.artifacts import atomic_write_json, save_plain_safetensors
+from kvcompress.errors import UserError
+
+TRTLLM_VERSION = "1.2.1"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_tp(geom, tp: int) -> None:
+    if geom.n_heads % tp:
+        raise UserError(f"export.tp_sizes contains {tp}: the model's {geom.n_heads} attention heads do not split over {tp} ranks")
+    if geom.n_kv_heads % tp and tp % geom.n_kv_heads:
+        raise UserError(f"export.tp_sizes contains {tp}: {geom.n_kv_heads} kv heads neither split over nor duplicate to {tp} ranks")
+
+
+def _split(w: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tensor:
+    return torch.chunk(w, tp, dim=dim)[rank].contiguous()
+
+
+def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
+    """[nkv*hd, hidden] -> [tp*hd, hidden]: each kv head repeated tp/nkv times (converter's dup_kv_weight)."""
+    if nkv >= tp:
+        return w
+    return w.unflatten(0, (nkv, -1)).repeat_interleave(tp // nkv, dim=0).flatten(0, 1)
+
+
+def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")} if rope.get("rope_type", "default") != "default" else None
+    if scaling is not None:
+        scaling["type"] = rope["rope_type"]
+    return {
+        "architecture": "LlamaForCausalLM",
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": geom.vocab_size,
+        "max_position_embeddings": geom.max_position,
+        "hidden_size": geom.hidden_size,
+        "num_hidden_layers": geom.n_layers,
+        "num_attention_heads": geom.n_heads,
+        "num_key_value_heads": geom.n_kv_heads,
+        "head_size": geom.head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": hf_cfg.intermediate_size,
+        "norm_epsilon": hf_cfg.rms_norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": geom.rope_theta,
+        "rotary_scaling": scaling,
+        "tie_word_embeddings": bool(hf_cfg.tie_word_embeddings),
+        "mlp_bias": bool(getattr(hf_cfg, "mlp_bias", False)),
+        "attn_bias": bool(getattr(hf_cfg, "attention_bias", False)),
+        "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
+    }
+
+
+def rank_weights(state: dict[str, torch.Tensor], geom, tp: int, rank: int, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One rank's tensors from a (folded) HF Llama state dict."""
+    out: dict[str, torch.Tensor] = {}
+    hd, nkv = geom.head_dim, geom.n_kv_heads
+    emb = state["model.embed_tokens.weight"]
+    out["transformer.vocab_embedding.weight"] = emb
+    lm = state.get("lm_head.weight", emb)
+    pad = (-lm.shape[0]) % tp
+    if pad:
+        lm = torch.cat([lm, lm.new_zeros(pad, lm.shape[1])])
+    out["lm_head.weight"] = _split(lm, tp, rank, 0)
+    out["transformer.ln_f.weight"] = state["model.norm.weight"]
+    for i in range(geom.n_layers):
+        p, t = f"model.layers.{i}.", f"transformer.layers.{i}."
+        wq = state[p + "self_attn.q_proj.weight"]
+        wk = _dup_kv(state[p + "self_attn.k_proj.weight"], nkv, tp)
+        wv = _dup_kv(state[p + "self_attn.v_proj.weight"], nkv, tp)
+        assert wk.shape[0] % (tp * hd) == 0
+        out[t + "attention.qkv.weight"] = torch.cat([_split(wq, tp, rank, 0), _split(wk, tp, rank, 0), _split(wv, tp, rank, 0)])
+        if p + "self_attn.q_proj.bias" in state:
+            bq, bk, bv = (state[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+            bk, bv = (_dup_kv(b.unsqueeze(1), nkv, tp).squeeze(1) for b in (bk, bv))
+            out[t + "attention.qkv.bias"] = torch.cat([_split(bq, tp, rank, 0), _split(bk, tp, rank, 0), _split(bv, tp, rank, 0)])
+        out[t + "attention.dense.weight"] = _split(state[p + "self_attn.o_proj.weight"], tp, rank, 1)
+        out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
+        out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+        out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
+        out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)
+        out[t + "mlp.proj.weight"] = _split(state[p + "mlp.down_proj.weight"], tp, rank, 1)
+        if kv_scales is not None:
+            out[t + "attention.kv_cache_scaling_factor"] = kv_scales[i].reshape(1).float()
+    return {k: (v.to(dtype) if v.is_floating_point() and "scaling_factor" not in k else v) for k, v in out.items()}
+
+
+def write_checkpoint(model, geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None, kv_scales: torch.Tensor | None) -> Path:
+    """Write config.json and rank{r}.safetensors for tensor parallel size tp."""
+    check_tp(geom, tp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in range(tp):
+        save_plain_safetensors(out_dir / f"rank{r}.safetensors", rank_weights(state, geom, tp, r, kv_scales, DTYPES[dtype]))
+    atomic_write_json(out_dir / "config.json", trtllm_config(model.config, geom, tp, dtype, kv_algo))
+    return out_dir
+
+
+def read_config(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / "config.json").read_text())

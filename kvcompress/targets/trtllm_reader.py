@@ -1,0 +1,92 @@
+"""A pure-PyTorch reader of a TensorRT-LLM Llama checkpoint: the CPU proof of the weight mapping.
+
+It merges the rank shards back (any tp size) and runs the Llama forward from TensorRT-LLM's
+names and layouts alone (fused q|k|v per rank, GPT-NeoX RoPE, GQA, SiLU-gated MLP with
+fc = gate and gate = up), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
+compare its logits with the Hugging Face model's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from kvcompress import reference as ref
+from kvcompress.targets.trtllm_ckpt import read_config
+
+
+def merge_shards(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, merged tensors in float32): q, k, v un-fused, kv-head duplicates dropped."""
+    cfg = read_config(ckpt)
+    tp = cfg["mapping"]["tp_size"]
+    ranks = [load_file(str(Path(ckpt) / f"rank{r}.safetensors")) for r in range(tp)]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]
+    kv_per_rank = max(1, nkv // tp)
+    merged: dict[str, torch.Tensor] = {}
+    for name in ranks[0]:
+        parts = [r[name].float() for r in ranks]
+        if name.endswith("attention.qkv.weight") or name.endswith("attention.qkv.bias"):
+            q = torch.cat([p[: nh // tp * hd] for p in parts])
+            ks = [p[nh // tp * hd : nh // tp * hd + kv_per_rank * hd] for p in parts]
+            vs = [p[nh // tp * hd + kv_per_rank * hd :] for p in parts]
+            step = max(1, tp // nkv)  # duplicated kv heads: keep one copy per original head
+            merged[name.replace("qkv", "q")] = q
+            merged[name.replace("qkv", "k")] = torch.cat(ks[::step])
+            merged[name.replace("qkv", "v")] = torch.cat(vs[::step])
+        elif name.endswith(("attention.dense.weight", "mlp.proj.weight")):
+            merged[name] = torch.cat(parts, dim=1)
+        elif name.endswith(("mlp.fc.weight", "mlp.gate.weight")) or name == "lm_head.weight":
+            merged[name] = torch.cat(parts, dim=0)
+        else:
+            merged[name] = parts[0]
+    merged["lm_head.weight"] = merged["lm_head.weight"][: cfg["vocab_size"]]
+    return cfg, merged
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """GPT-NeoX rotary embedding: channel pairs (d, d + D/2). x: [B, H, T, D]."""
+    D = x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    ang = pos.float()[:, None] * inv[None, :]  # [T, D/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    rot = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
+    return x * cos + rot * sin
+
+
+@torch.no_grad()
+def forward(ckpt: Path, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.Tensor:
+    """Logits [B, T, V] of the checkpoint on ids [B, T] (float32).
+
+    simulate_kv_quant: round K and V through the checkpoint's kv_cache_quant_algo with its
+    per-layer kv_cache_scaling_factor before attention (what TensorRT-LLM caches).
+    """
+    cfg, w = merge_shards(ckpt)
+    nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"], cfg["norm_epsilon"]
+    algo = (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
+    B, T = ids.shape
+    pos = torch.arange(T)
+    x = w["transformer.vocab_embedding.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        t = f"transformer.layers.{i}."
+        h = _rms(x, w[t + "input_layernorm.weight"], eps)
+        q = F.linear(h, w[t + "attention.q.weight"], w.get(t + "attention.q.bias")).view(B, T, nh, hd).transpose(1, 2)
+        k = F.linear(h, w[t + "attention.k.weight"], w.get(t + "attention.k.bias")).view(B, T, nkv, hd).transpose(1, 2)
+        v = F.linear(h, w[t + "attention.v.weight"], w.get(t + "attention.v.bias")).view(B, T, nkv, hd).transpose(1, 2)
+        q, k = _rope(q, pos, cfg["rotary_base"]), _rope(k, pos, cfg["rotary_base"])
+        if simulate_kv_quant and algo:
+            s = w[t + "attention.kv_cache_scaling_factor"].item()
+            fmt = {"INT8": "native_int8", "FP8": "native_fp8"}[algo]
+            k, v = ref.native_fake_quant(ref.to_hp(k), s, fmt), ref.native_fake_quant(ref.to_hp(v), s, fmt)
+        g = nh // nkv
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True, scale=1 / math.sqrt(hd))
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), w[t + "attention.dense.weight"])
+        h = _rms(x, w[t + "post_layernorm.weight"], eps)
+        x = x + F.linear(F.silu(F.linear(h, w[t + "mlp.fc.weight"])) * F.linear(h, w[t + "mlp.gate.weight"]), w[t + "mlp.proj.weight"])
+    return F.linear(_rms(x, w["transformer.ln_f.weight"], eps), w["lm_head.weight"])
