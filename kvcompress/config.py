@@ -71,6 +71,23 @@ class PlannerConfig(Frozen):
     batch: int = Field(1, ge=1)
 
 
+class TasksConfig(Frozen):
+    """Generated long-context tasks (kvcompress/eval/tasks): names x lengths x depths x seeds."""
+
+    names: list[Literal["passkey", "multikey", "vartrack", "copy_uuid", "copy_json"]] = []
+    lengths: list[int] = [1024, 2048]
+    depths: list[float] = [0.1, 0.5, 0.9]
+    seeds: int = Field(2, ge=1)
+    greedy: bool = True  # also generate greedily through the real CompressedCache
+
+
+class Gate(Frozen):
+    """A release gate: the report fails when `metric` exceeds `max`."""
+
+    name: Literal["ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree", "retrieval_drop", "exact_match_drop"]
+    max: float
+
+
 class EvalConfig(Frozen):
     name: str
     source: Literal["builtin", "files"] = "builtin"
@@ -83,6 +100,9 @@ class EvalConfig(Frozen):
     seed: int = 1
     context_for_bytes: int = Field(4096, ge=1)  # context at which window/sink bytes are amortised
     planner: PlannerConfig = PlannerConfig()
+    tasks: TasksConfig = TasksConfig()
+    gates: list[Gate] = []
+    fail_on_gate: bool = False
 
 
 class ExportConfig(Frozen):

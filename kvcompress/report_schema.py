@@ -54,6 +54,13 @@ class Memory(_M):
     bits_per_element: float  # compressed bytes per token * 8 / (2 * layers * kv_heads * head_dim)
 
 
+class GateResult(_M):
+    name: str
+    threshold: float
+    value: Optional[float]  # None: the metric was not measured (the gate then fails)
+    passed: bool
+
+
 class Report(_M):
     format_version: int = FORMAT_VERSION
     kind: str = "kvcompress.report"
@@ -66,5 +73,9 @@ class Report(_M):
     scalebook: dict
     provenance: dict
     verified: dict  # what this run verified and what it did not
+    tasks: Optional[dict] = None  # long-context retrieval and exact-reproduction tasks
+    gates: list[GateResult] = []
+    verdict: str = "pass"  # "pass" iff every gate passed (no gates: "pass", stated in notes)
+    export: Optional[dict] = None
     notes: list[str] = []
     runtime_s: Optional[float] = None

@@ -17,6 +17,9 @@ from kvcompress.artifacts import atomic_write_json
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import LayerErrors, compressed_attention
+from kvcompress.eval.gates import evaluate_gates
+from kvcompress.eval.retrieval import run_tasks
+from kvcompress.stages.report import write_report_files
 from kvcompress.eval.metrics import QualityAccumulator
 from kvcompress.models.base import Geometry
 from kvcompress.planner import KNOWN, plan_pair
@@ -71,6 +74,11 @@ def validate(lm, book: ScaleBook, eval_cfg, calib_sha: str | None = None, progre
         raise UserError("eval text is the calibration text; validation needs held-out text (eval.split=heldout or other eval.paths)")
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
     quality, errors = evaluate_quality(lm.model, book, windows, eval_cfg.batch_size, progress)
+    tasks = None
+    if eval_cfg.tasks.names:
+        corpus = [i for t in texts.texts for i in lm.tokenizer.encode(t)]
+        tasks = run_tasks(lm, book, corpus, eval_cfg.tasks, progress)
+    gates, verdict = evaluate_gates(eval_cfg.gates, quality, tasks)
     geom = lm.geometry
     n_params = sum(p.numel() for p in lm.model.parameters())
     planner = {lm.identity.get("name", "model"): plan_pair(BASELINE, book.spec, geom, n_params, eval_cfg.planner)}
@@ -98,6 +106,10 @@ def validate(lm, book: ScaleBook, eval_cfg, calib_sha: str | None = None, progre
             "kernels": "not exercised by this report",
             "tensorrt_engine": "not built",
         },
+        tasks=tasks,
+        gates=gates,
+        verdict=verdict,
+        notes=[] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"],
         runtime_s=time.time() - t0,
     )
 
@@ -105,11 +117,15 @@ def validate(lm, book: ScaleBook, eval_cfg, calib_sha: str | None = None, progre
 def print_summary(report: Report) -> None:
     q, m = report.quality, report.memory
     lines = [
+        f"verdict: {report.verdict.upper()}" + "".join(f"  [{g.name} {'ok' if g.passed else 'FAIL'}: {g.value if g.value is None else f'{g.value:.4g}'} <= {g.threshold}]" for g in report.gates),
         f"validate  kv={report.kv['name']}  tokens={q.tokens}",
         f"  ppl      fp16 {q.ppl_baseline:.4f}  compressed {q.ppl_compressed:.4f}  delta {q.ppl_delta:+.4f} ({100 * q.ppl_delta_rel:+.3f}%)",
         f"  KL mean  {q.kl_mean:.3e}  p99 {q.kl_p99:.3e}   top-1 agree {100 * q.top1_agree:.2f}%   key clip rate {q.key_clip_rate:.2e}",
         f"  memory   {m.bytes_per_token_fp16:.0f} -> {m.bytes_per_token_compressed:.1f} B/token at {m.context} tokens ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/elem)",
     ]
+    if report.tasks:
+        t = report.tasks
+        lines.append(f"  tasks    retrieval fp16 {t['retrieval_fp16']} compressed {t['retrieval_compressed']}   exact copy fp16 {t['exact_fp16']} compressed {t['exact_compressed']}")
     for line in lines:
         log.info(line)
 
@@ -126,4 +142,10 @@ def validate_run(run, scalebook_path: Path | None) -> dict[str, Path]:
     atomic_write_json(out, report.model_dump(mode="json"))
     print_summary(report)
     log.info("validate: wrote %s", out)
+    stats = run.dir / "kv_stats.safetensors"
+    paths = write_report_files(report, run.dir, stats if stats.is_file() else None)
+    log.info("report: wrote %s", ", ".join(str(p) for p in paths))
+    if report.verdict == "fail" and run.cfg.eval.fail_on_gate:
+        failed = [g.name for g in report.gates if not g.passed]
+        raise UserError(f"validate: gates failed: {', '.join(failed)} (eval.fail_on_gate=true); see {out}")
     return {"report": out}

@@ -1,0 +1,51 @@
+"""Shared pieces: samples, haystacks of real text, placing facts at a depth outside the window."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    length: int
+    depth: float
+    seed: int
+    prompt: list[int]
+    answer: list[int]
+    needle_pos: int  # token index where the first fact starts
+
+
+def haystack(tokenizer, corpus_ids: list[int], n: int, rng: random.Random) -> list[int]:
+    """n tokens of real held-out text from a random offset (wrapping)."""
+    start = rng.randrange(len(corpus_ids))
+    return [corpus_ids[(start + i) % len(corpus_ids)] for i in range(n)]
+
+
+def assemble(tokenizer, corpus_ids, length, depth, facts: list[str], question: str, answer: str, rng, window: int, task: str, seed: int) -> Sample:
+    """Haystack of `length` tokens with facts inserted at `depth` (fraction of the haystack), then the question.
+
+    The facts end at least `window` + 16 tokens before the last prompt token, so the last query reads
+    them from the compressed store, never from the fp16 window.
+    """
+    fact_ids = [tokenizer.encode(" " + f + " ") for f in facts]
+    q_ids = tokenizer.encode(question)
+    a_ids = tokenizer.encode(answer)
+    body = max(1, length - len(q_ids) - sum(map(len, fact_ids)))
+    hay = haystack(tokenizer, corpus_ids, body, rng)
+    latest = body - window - 16 - sum(map(len, fact_ids))
+    pos = max(0, min(int(depth * body), latest))
+    # spread several facts over [pos, latest]
+    cuts = sorted({pos + int(i * max(0, latest - pos) / max(1, len(fact_ids))) for i in range(len(fact_ids))})
+    while len(cuts) < len(fact_ids):
+        cuts.append(cuts[-1])
+    prompt, last = [], 0
+    for cut, f in zip(cuts, fact_ids):
+        prompt += hay[last:cut] + f
+        last = cut
+    prompt += hay[last:] + q_ids
+    return Sample(task, length, depth, seed, prompt, a_ids, cuts[0])
+
+
+def random_digits(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(n))
