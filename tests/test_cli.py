@@ -93,3 +93,18 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     planner = r["planner"]["llama70b"]["rows"]
     row32k = next(x for x in planner if x["context"] == 32768)
     assert row32k["capacity_multiplier"] > 2.0
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_end_to_end(tmp_path):
+    """The real embedded model through profile, fit and validate (small calibration and eval sets)."""
+    run = tmp_path / "run"
+    p = run_cli("calib=smoke", "eval=smoke", f"hydra.run.dir={run}", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = report(run)
+    assert r["model"]["name"] == "smollm2_135m" and r["model"]["geometry"]["n_layers"] == 30
+    assert r["model"]["geometry"]["n_kv_heads"] == 3 and r["model"]["geometry"]["head_dim"] == 64
+    q = r["quality"]
+    assert 1.0 < q["ppl_baseline"] < 100 and abs(q["ppl_delta_rel"]) < 0.05 and q["top1_agree"] > 0.9
+    assert (run / "report.html").is_file() and (run / "scalebook.safetensors").is_file()
+    assert r["provenance"]["scalebook"]["stats"]["model"]["sha256"]

@@ -70,3 +70,19 @@ def test_html_report_loads_in_headless_chromium(tmp_path):
     assert "Verdict: PASS" in dom.stdout and "<svg" in dom.stdout and "Quality" in dom.stdout
     shot = subprocess.run([CHROMIUM, *flags, f"--screenshot={tmp_path / 'shot.png'}", "--window-size=1200,1600", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert shot.returncode == 0 and (tmp_path / "shot.png").stat().st_size > 10_000
+
+
+def test_sweep_and_summary(tmp_path):
+    """Hydra multirun over kv configs, then the summary names the most aggressive passing config."""
+    sweep = tmp_path / "sweep"
+    p = run_cli("-m", "model=tiny_llama", "calib=smoke", "eval=smoke", "kv=int8,int4", "+eval.gates=[{name: kl_mean, max: 1.0}]",
+                f"hydra.sweep.dir={sweep}", cache_dir=tmp_path / "c", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(list(sweep.rglob("report.json"))) == 2
+    from kvcompress.summary import best, collect
+
+    rows = collect(sweep, "tiny_llama")
+    assert {r["kv"] for r in rows} == {"int8", "int4"}
+    assert best(rows)["kv"] == "int4"  # fewer bytes, and the (loose) gate passes
+    out = subprocess.run([__import__("sys").executable, "-m", "kvcompress.summary", str(sweep)], capture_output=True, text=True)
+    assert out.returncode == 0 and "most aggressive config passing every gate: int4" in out.stdout
