@@ -165,6 +165,19 @@ def _load_codes(base, rows, d, mask, BITS: tl.constexpr, D: tl.constexpr, SIGNED
 
 
 @triton.jit
+def _attend_fp16(q16, k, v, valid, m_i, l_i, acc, sm_scale):
+    """One online-softmax step over fp16 rows k, v [N, D] (valid: [N]) for queries q16 [G, D]."""
+    s = tl.dot(q16, tl.trans(k)) * sm_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_split_kernel(
     Q,  # [B, HQ, D]
     KS, KZM, OIDX,  # key scale [H, D] fp32; zero with outlier channels zeroed [H, D] fp32; [H, N_OUT] int32
@@ -227,16 +240,8 @@ def decode_split_kernel(
             srow = tl.arange(0, NS_PAD)
             smask = srow < n_sink
             ks_ = tl.load(SK + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-            ss = tl.dot(q16, tl.trans(ks_)) * sm_scale
-            ss = tl.where(smask[None, :], ss, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(ss, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            ps = tl.exp(ss - m_new[:, None])
-            ps = tl.where(smask[None, :], ps, 0.0)
-            l_i = l_i * alpha + tl.sum(ps, axis=1)
             vs_ = tl.load(SV + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(ps.to(tl.float16), vs_)
-            m_i = m_new
+            m_i, l_i, acc = _attend_fp16(q16, ks_, vs_, smask, m_i, l_i, acc, sm_scale)
         if W > 0:
             w_start = n_sink + n_comp
             for t0 in range(w_start, n, BLOCK_T):
@@ -244,16 +249,8 @@ def decode_split_kernel(
                 wmask = pos < n
                 slot = (pos - NS) % W
                 kw = tl.load(WK + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
-                sw = tl.dot(q16, tl.trans(kw)) * sm_scale
-                sw = tl.where(wmask[None, :], sw, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sw, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                pw = tl.exp(sw - m_new[:, None])
-                pw = tl.where(wmask[None, :], pw, 0.0)
-                l_i = l_i * alpha + tl.sum(pw, axis=1)
                 vw = tl.load(WV + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(pw.to(tl.float16), vw)
-                m_i = m_new
+                m_i, l_i, acc = _attend_fp16(q16, kw, vw, wmask, m_i, l_i, acc, sm_scale)
     row = (b * H + h) * G + gi
     tl.store(MO + row * SPLITS + split, m_i, mask=gmask)
     tl.store(LO + row * SPLITS + split, l_i, mask=gmask)
