@@ -38,17 +38,7 @@ def atomic_write_json(path: str | Path, obj) -> None:
 
 def save_artifact(path: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> None:
     """Write tensors + header atomically. header must hold `kind` and `format_version`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, tmp, metadata={HEADER_KEY: json.dumps(header, default=str)})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_safetensors(path, tensors, {HEADER_KEY: json.dumps(header, default=str)})
 
 
 def load_artifact(path: str | Path, kind: str, versions: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -76,12 +66,17 @@ def load_artifact(path: str | Path, kind: str, versions: tuple[int, ...]) -> tup
 
 def save_plain_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """A plain safetensors file for other tools (no kvcompress header), written atomically."""
+    _atomic_safetensors(path, tensors, {"format": "pt", **(metadata or {})})
+
+
+def _atomic_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
+        # clone: tensors that share storage (e.g. one `ones` reused) cannot be saved as views
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -33,7 +33,6 @@ def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> N
 
     for attn in attention_modules(model):
         L = attn.layer_idx
-        D = attn.head_dim
         g = attn.num_key_value_groups
         if sigma is not None:
             s = sigma[L].to(attn.k_proj.weight)  # [H, D]
@@ -50,4 +49,3 @@ def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> N
             if attn.v_proj.bias is not None:
                 attn.v_proj.bias.div_(t.reshape(-1))
             attn.o_proj.weight.mul_(t.repeat_interleave(g, 0).reshape(1, -1))
-        assert attn.k_proj.weight.shape[0] % D == 0

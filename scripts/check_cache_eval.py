@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args()
+    missing = [f for f in ("report.json", "config.json", "scalebook.safetensors") if not (a.run_dir / f).is_file()]
+    if missing:
+        sys.exit(f"kvcompress: error: {str(a.run_dir)!r} is not a validated run directory (missing {', '.join(missing)})")
     report = json.loads((a.run_dir / "report.json").read_text())
     cfg = json.loads((a.run_dir / "config.json").read_text())
     lm = load_model(model_config(cfg["model"]["name"]), cache_dir())

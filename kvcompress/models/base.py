@@ -6,6 +6,8 @@ from typing import Any, Protocol
 
 import torch
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class Geometry:

@@ -18,11 +18,8 @@ from safetensors.torch import save_file
 from kvcompress.errors import UserError
 from kvcompress.hashing import file_fingerprint
 from kvcompress.models import SOURCES
-from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.tokenizer import HFTokenizer
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def gguf_path(cfg) -> Path:
     """The GGUF file: model.path if given, else `model.file` inside the installed `model.package`."""

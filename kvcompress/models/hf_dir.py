@@ -3,16 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from kvcompress.errors import UserError
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
-from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.tokenizer import HFTokenizer
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def check_dir(cfg) -> Path:
     if not cfg.path:

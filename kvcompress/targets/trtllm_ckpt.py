@@ -24,9 +24,9 @@ import torch
 
 from kvcompress.artifacts import atomic_write_json, save_plain_safetensors
 from kvcompress.errors import UserError
+from kvcompress.models.base import DTYPES
 
 TRTLLM_VERSION = "1.2.1"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def check_tp(geom, tp: int) -> None:
