@@ -53,13 +53,19 @@ def hydra_main(cfg) -> None:
     from kvcompress.config import to_run_config
     from kvcompress.pipeline import run
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    overridden = {o.partition("=")[0].lstrip("+~") for o in hc.overrides.task}
     try:
-        run_cfg = to_run_config(OmegaConf.to_container(cfg, resolve=True))
+        run_cfg = to_run_config(OmegaConf.to_container(cfg, resolve=True), overridden)
         run(run_cfg, run_dir)
     except UserError as e:
         remove_if_empty(run_dir)
         fail(str(e))
+    except KeyboardInterrupt:
+        # stages write to temporary names and rename when complete: nothing half-written remains
+        print(f"kvcompress: interrupted; nothing partial was left in {run_dir}", file=sys.stderr)
+        sys.exit(130)
 
 
 def remove_if_empty(run_dir: Path) -> None:

@@ -5,12 +5,14 @@ and the compressed store (packed int8/int4 key payload, fp16 outlier key channel
 value payload, fp16 per-token value scale and min). A token is encoded, with the reference
 numerics and from its fp16 form, when it leaves the window. `update` hands attention the dequantized view.
 
-Semantics: after `update(k, v)` appends a chunk of C tokens, attention sees every cached
-token as stored *after* the append. For C = 1 (decoding) this is exactly DESIGN §3: the query
-at position t reads s in fp16 iff s < sink_tokens or t - s < window. For a chunk of C > 1
-tokens it is exact for the chunk's last query and slightly pessimistic for the others (a
-token that left the window during the chunk is read compressed by all of the chunk's
-queries). Sinks are the first cache slots (with left padding these are pad slots).
+Semantics, as serving engines run them (two named modes, one reference each in
+`kvcompress.reference`):
+* a call with C = 1 token is a **generation step** (decode-equivalent): the query at position t
+  reads s in fp16 iff s < sink_tokens or t - s < window, else the compressed value (DESIGN §3);
+* a call with C > 1 tokens is a **context-phase chunk** (prefill): the chunk's queries attend to
+  the chunk's own tokens exactly (model dtype, as an engine's context-phase attention does on
+  the fresh K/V), and to older tokens as the cache holds them after the chunk is stored.
+Sinks are the first cache slots (with left padding these are pad slots).
 
     book = ScaleBook.load("runs/.../scalebook.safetensors")
     cache = CompressedCache(book)
@@ -75,7 +77,12 @@ class CompressedLayer(CacheLayerMixin):
                 self._encode(self.win_k[..., :spill, :], self.win_v[..., :spill, :])
                 self.win_k, self.win_v = self.win_k[..., spill:, :], self.win_v[..., spill:, :]
         self.n_tokens += key_states.shape[-2]
-        return self._view()
+        k_view, v_view = self._view()
+        C = key_states.shape[-2]
+        if C > 1:  # context phase: the chunk reads itself exactly
+            k_view = torch.cat([k_view[..., :-C, :], key_states.to(self.dtype)], dim=-2)
+            v_view = torch.cat([v_view[..., :-C, :], value_states.to(self.dtype)], dim=-2)
+        return k_view, v_view
 
     def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized [B, H, n_tokens, D] keys and values, in the model's dtype."""

@@ -11,7 +11,7 @@ from typing import Literal, Optional
 from pydantic import Field, ValidationError, model_validator
 
 from kvcompress.errors import UserError
-from kvcompress.spec import Frozen, KVSpec
+from kvcompress.spec import NATIVE_ALGO, Frozen, KVSpec, native_spec
 
 STAGES = ("profile", "fit", "validate", "export")
 
@@ -106,17 +106,24 @@ class EvalConfig(Frozen):
 
 
 class ExportConfig(Frozen):
-    """export=trtllm: native TensorRT-LLM checkpoint(s) + HF FP8-KV checkpoint + custom-tier plugin bundle."""
+    """export=trtllm: native TensorRT-LLM checkpoint(s) + HF FP8-KV checkpoint + custom-tier plugin bundle.
 
-    name: Literal["none", "trtllm"] = "none"
+    Every artifact is written from a ScaleBook that `validate` measured; the fold settings live in
+    those ScaleBooks (chosen in fit), not here.
+    """
+
+    name: Literal["none", "trtllm"] = "trtllm"
     tp_sizes: list[int] = [1]
-    native_kv: Literal["INT8", "FP8"] = "INT8"  # kv_cache_quant_algo of trtllm_ckpt/
+    # kv_cache_quant_algo of trtllm_ckpt/: auto = the kv format when it is native, else INT8
+    native_kv: Literal["auto", "INT8", "FP8"] = "auto"
     dtype: Literal["float16", "bfloat16"] = "float16"
-    fold_keys: bool = True
-    fold_values: bool = True
-    fold_strength: float = Field(1.0, ge=0.0, le=1.0)
     archs: list[Literal["sm_80", "sm_90"]] = ["sm_80", "sm_90"]
     build_engine: Literal["auto", "never", "always"] = "auto"
+    shard_mb: float = Field(2000, gt=0)  # Hugging Face checkpoint shard size (MB)
+    # the exported TensorRT-LLM checkpoint, re-measured, must match the validated KL within
+    # max(rel * KL, abs)
+    recheck_rel_tol: float = Field(0.1, ge=0)
+    recheck_abs_tol: float = Field(1e-4, ge=0)
 
 
 class RunConfig(Frozen):
@@ -125,7 +132,8 @@ class RunConfig(Frozen):
     calib: CalibConfig
     eval: EvalConfig
     export: ExportConfig = ExportConfig()
-    stages: list[Literal["profile", "fit", "validate", "export"]] = ["profile", "fit"]
+    # None: profile, fit, validate, plus export unless export=none (resolved in to_run_config)
+    stages: list[Literal["profile", "fit", "validate", "export"]]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
     seed: int = 0
@@ -136,7 +144,31 @@ class RunConfig(Frozen):
             raise ValueError(f"stages must name at least one of {', '.join(STAGES)}")
         if self.stats and not Path(self.stats).is_file():
             raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
+        if "export" in self.stages and self.export.name == "none":
+            raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
+        if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
+            raise ValueError(
+                f"export.native_kv={self.export.native_kv} contradicts kv={self.kv.name} ({NATIVE_ALGO[self.kv.format]}); "
+                "the exported checkpoint must be the validated format: use export.native_kv=auto"
+            )
         return self
+
+    def validated_specs(self) -> dict[str, KVSpec]:
+        """Every format this run fits and validates: the kv format, plus the native fallbacks that
+        export writes (trtllm_ckpt: export.native_kv; hf_ckpt: FP8). Keys are ScaleBook roles."""
+        specs = {"primary": self.kv}
+        if self.export.name == "none" or "export" not in self.stages:
+            return specs
+        for role, fmt in (("trtllm", self.trtllm_format()), ("hf", "native_fp8")):
+            if fmt != self.kv.format and fmt not in {s.format for s in specs.values()}:
+                specs[role] = native_spec(fmt)
+        return specs
+
+    def trtllm_format(self) -> str:
+        """native_int8 | native_fp8: the KV format of trtllm_ckpt/."""
+        if self.kv.is_native:
+            return self.kv.format
+        return "native_fp8" if self.export.native_kv == "FP8" else "native_int8"
 
 
 def _format_error(err: ValidationError, data: dict) -> str:
@@ -150,8 +182,24 @@ def _format_error(err: ValidationError, data: dict) -> str:
     return msg if not loc else f"{loc}: {msg}"
 
 
-def to_run_config(data: dict) -> RunConfig:
+def resolve_stages(data: dict, overridden: set[str] = frozenset()) -> dict:
+    """stages=null -> profile, fit, validate (+ export unless export=none).
+
+    `overridden` names the keys the user set on the command line: selecting export=trtllm while
+    giving a stages list without export is a contradiction (one-line error), not silently nothing.
+    """
+    data = dict(data)
+    target = (data.get("export") or {}).get("name", "none")
+    if data.get("stages") is None:
+        data["stages"] = ["profile", "fit", "validate"] + (["export"] if target != "none" else [])
+    elif "export" in overridden and target != "none" and "export" not in data["stages"]:
+        raise UserError(f"export={target} was selected but stages={data['stages']} has no export stage; add export to stages")
+    return data
+
+
+def to_run_config(data: dict, overridden: set[str] = frozenset()) -> RunConfig:
     """Validate a plain (resolved) config dict; raise UserError with one line on failure."""
+    data = resolve_stages(data, overridden)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

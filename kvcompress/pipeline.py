@@ -1,8 +1,10 @@
 """The pipeline: run the selected stages over typed configs, writing artifacts into a run dir."""
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from kvcompress.artifacts import atomic_write_json
@@ -29,6 +31,7 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: bool = True):
         self.cfg, self.dir, self.progress = cfg, Path(run_dir), progress
         self._lm = None
+        self.baseline = None  # (windows, baseline log-probs) kept by validate for export's re-measurement
 
     @property
     def lm(self):
@@ -66,13 +69,19 @@ class Run:
         log.info("profile: wrote %s", out)
         return out
 
-    def fit(self, stats_path: Path) -> Path:
+    def book_paths(self) -> dict[str, Path]:
+        """{role: path} of the ScaleBooks of this run: the kv format and the native fallbacks."""
+        return {role: self.dir / (SCALEBOOK_FILE if role == "primary" else f"scalebook.{spec.name}.safetensors")
+                for role, spec in self.cfg.validated_specs().items()}
+
+    def fit(self, stats_path: Path) -> dict[str, Path]:
         stats = KVStats.load(stats_path)
-        book = fit(stats, self.cfg.kv)
-        out = self.dir / SCALEBOOK_FILE
-        book.save(out)
-        log.info("fit: wrote %s (%s)", out, book.fit_info.get("method"))
-        return out
+        paths = self.book_paths()
+        for role, spec in self.cfg.validated_specs().items():
+            book = fit(stats, spec)
+            book.save(paths[role])
+            log.info("fit: wrote %s (%s, %s)", paths[role], spec.name, book.fit_info.get("method"))
+        return paths
 
     def scalebook(self, path: Path) -> ScaleBook:
         return ScaleBook.load(path, self.lm.geometry.to_dict())
@@ -91,7 +100,7 @@ def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
-    """Run cfg.stages in order; returns the artifact paths written."""
+    """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
     run_dir = Path(run_dir)
     if "export" in cfg.stages:
         from kvcompress.stages.export import engine_status
@@ -103,9 +112,18 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     write_run_header(cfg, run_dir)
     r = Run(cfg, run_dir, progress)
     out: dict[str, Path] = {}
+    times: dict[str, float] = {}
     stats_path = Path(cfg.stats) if cfg.stats else None
+
+    def timed(stage, fn):
+        t0 = time.time()
+        res = fn()
+        times[stage] = round(time.time() - t0, 1)
+        log.info("%s: %.1f s", stage, times[stage])
+        return res
+
     if "profile" in cfg.stages and stats_path is None:
-        stats_path = out["kv_stats"] = r.profile()
+        stats_path = out["kv_stats"] = timed("profile", r.profile)
     if "fit" in cfg.stages:
         if stats_path is None:
             stats_path = r.dir / STATS_FILE
@@ -113,13 +131,45 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
                 from kvcompress.errors import UserError
 
                 raise UserError("stage fit needs kv_stats: add profile to stages or give stats=<path to kv_stats.safetensors>")
-        out["scalebook"] = r.fit(stats_path)
+        out |= timed("fit", lambda: {"scalebook": r.fit(stats_path)["primary"]})
     if "validate" in cfg.stages:
         from kvcompress.stages.validate import validate_run
 
-        out |= validate_run(r, out.get("scalebook"))
+        out |= timed("validate", lambda: validate_run(r, r.book_paths()))
     if "export" in cfg.stages:
         from kvcompress.stages.export import export_run
 
-        out |= export_run(r, out.get("scalebook"), stats_path)
+        out |= timed("export", lambda: export_run(r, r.book_paths()))
+    finish(r, times)
     return out
+
+
+def finish(r: Run, times: dict[str, float]) -> None:
+    """Record the stage times in report.json (re-rendering the report) and print the closing summary."""
+    report = r.dir / "report.json"
+    data = json.loads(report.read_text()) if report.is_file() else None
+    if data is not None:
+        from kvcompress.report_schema import Report
+        from kvcompress.stages.report import write_report_files
+
+        data["stage_times_s"] = times
+        atomic_write_json(report, data)
+        stats = r.dir / STATS_FILE
+        write_report_files(Report.model_validate(data), r.dir, stats if stats.is_file() else None)
+    lines = ["", "=" * 78, f"kvcompress run {r.dir}"]
+    lines.append("stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f" (total {sum(times.values()):.0f} s)")
+    if data is not None:
+        lines.append(f"verdict {data['kv']['name']} (primary, {data['verdict_basis'] and ', '.join(data['verdict_basis']) or 'no gates'}): {data['verdict'].upper()}")
+        for fb in data.get("fallbacks", []):
+            lines.append(f"verdict {fb['name']} ({fb['tier']} fallback for {fb['role']}_ckpt): {fb['verdict'].upper()}")
+        ex = data.get("export")
+        if ex:
+            lines.append(f"exported to {r.dir / 'export'}:")
+            for name, art in ex.get("artifacts", {}).items():
+                lines.append(f"  {name}: {art['what']}")
+            lines.append(f"on a GPU host: {ex.get('next_step_on_gpu_host')}")
+            lines.append(f"operator fallback (fp16 KV, same weights): {ex.get('fallback_fp16_kv')}")
+        lines.append(f"report: {r.dir / 'report.html'}")
+    lines.append("=" * 78)
+    for line in lines:
+        log.info(line)

@@ -207,6 +207,12 @@ def native_fake_quant(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) ->
     return (q * scale).to(x.dtype)
 
 
+def native_saturated(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) -> torch.Tensor:
+    """Bool mask of elements that TensorRT-LLM's per-tensor quantizer saturates (clamps)."""
+    z = (x.float() / scale).abs()
+    return z > 127.5 if fmt == "native_int8" else z > NATIVE_QMAX[fmt]
+
+
 # ---------------------------------------------------------------- window / sinks
 def fp16_mask(q_pos: torch.Tensor, kv_len: int, sink_tokens: int, window: int) -> torch.Tensor:
     """Which cached positions a query sees in fp16.
@@ -216,6 +222,27 @@ def fp16_mask(q_pos: torch.Tensor, kv_len: int, sink_tokens: int, window: int) -
     """
     s = torch.arange(kv_len, device=q_pos.device)
     return (s < sink_tokens).unsqueeze(0) | ((q_pos.unsqueeze(-1) - s.unsqueeze(0)) < window)
+
+
+def context_phase_sources(q_pos: torch.Tensor, kv_len: int, chunk_start: torch.Tensor, sink_tokens: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serving semantics of chunked prefill + decode (what `CompressedCache` does per call).
+
+    q_pos: [Tq] query positions; chunk_start: [Tq] first position of each query's chunk (a decode
+    step is a chunk of one token, chunk_start == q_pos). Returns (exact, hp) bool [Tq, kv_len]:
+    exact: s is in the query's own chunk of C > 1 tokens (read in the model's dtype);
+    hp: otherwise s is read in fp16 iff s < sink_tokens or (end of the query's chunk) - s < window,
+    i.e. as stored after the chunk was appended; all other positions are read compressed.
+    Causality is not applied here.
+    """
+    s = torch.arange(kv_len, device=q_pos.device)
+    # the last position of each query's chunk: the largest position sharing its chunk start
+    end = torch.zeros_like(q_pos)
+    for i in range(q_pos.numel()):
+        end[i] = q_pos[chunk_start == chunk_start[i]].max()
+    multi = end > chunk_start  # chunks of more than one token
+    exact = multi.unsqueeze(-1) & (s.unsqueeze(0) >= chunk_start.unsqueeze(-1))
+    hp = (s < sink_tokens).unsqueeze(0) | ((end.unsqueeze(-1) - s.unsqueeze(0)) < window)
+    return exact, hp & ~exact
 
 
 def region_sizes(n_tokens: int, sink_tokens: int, window: int) -> tuple[int, int, int]:
@@ -297,12 +324,78 @@ def mixed_attention(
     window: int,
     scaling: float,
     key_mask: torch.Tensor | None = None,
-    q_block: int = 512,
+    q_block: int = 1024,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention where query t reads (k, v) at s in fp16 iff fp16_mask, else (k_hat, v_hat).
 
     q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
-    (cache slot index). key_mask: optional bool [B, S] (False = padding). Returns [B, Hq, Tq, D]
+    (cache slot index). key_mask: optional bool [B, S] (False = padding). sliding_window: a layer
+    that attends only to t - s < sliding_window (transformers' convention). Returns [B, Hq, Tq, D]
+    in float32 (float64 for float64 inputs).
+
+    softmax over the union of two disjoint key sets (compressed: k_hat/v_hat; fp16: k/v) equals
+    the log-sum-exp weighted merge of the two partial attentions; on CPU each part is one fused
+    flash-attention call (which returns its log-sum-exp), queries in blocks of q_block to bound
+    the masks' memory. Elsewhere `_mixed_attention_explicit` computes the same thing (tested equal).
+    """
+    if q.device.type != "cpu":
+        return _mixed_attention_explicit(q, k, v, k_hat, v_hat, q_pos, sink_tokens=sink_tokens, window=window, scaling=scaling,
+                                         key_mask=key_mask, sliding_window=sliding_window)
+    B, Hq, Tq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    dt = torch.promote_types(q.dtype, torch.float32)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    kv = [tuple(x.to(dt).repeat_interleave(g, 1) for x in pair) for pair in ((k_hat, v_hat), (k, v))]  # [B, Hq, S, D]
+    qf = q.to(dt)
+    out = torch.empty(B, Hq, Tq, D, dtype=dt, device=q.device)
+    s_idx = torch.arange(S, device=q.device)
+    for lo in range(0, Tq, q_block):
+        hi = min(Tq, lo + q_block)
+        pos = q_pos[lo:hi]
+        allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)  # causal [tq, S]
+        if sliding_window is not None:
+            allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
+        allowed = allowed.expand(B, 1, *allowed.shape)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+        hp = fp16_mask(pos, S, sink_tokens, window)
+        parts = []
+        for (kk, vv), m in zip(kv, (allowed & ~hp, allowed & hp)):
+            if not m.any():
+                continue
+            o, lse = flash(qf[:, :, lo:hi], kk, vv, 0.0, False, attn_mask=torch.zeros(m.shape, dtype=dt).masked_fill_(~m, float("-inf")), scale=scaling)
+            parts.append((o, lse.masked_fill(~m.any(-1), float("-inf"))))  # a row with no key here: weight 0
+        if not parts:
+            out[:, :, lo:hi] = 0
+            continue
+        total = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)  # [B, Hq, tq]
+        safe = total.masked_fill(total == float("-inf"), 0.0)
+        out[:, :, lo:hi] = sum(o * torch.exp(lse - safe).unsqueeze(-1) for o, lse in parts)
+    return out
+
+
+def _mixed_attention_explicit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    sink_tokens: int,
+    window: int,
+    scaling: float,
+    key_mask: torch.Tensor | None = None,
+    q_block: int = 256,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention where query t reads (k, v) at s in fp16 iff fp16_mask, else (k_hat, v_hat).
+
+    q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
+    (cache slot index). key_mask: optional bool [B, S] (False = padding). sliding_window: a layer
+    that attends only to t - s < sliding_window (transformers' convention). Returns [B, Hq, Tq, D]
     in float32 (float64 for float64 inputs). Queries are processed in blocks of q_block to bound
     memory at O(q_block * S).
     """
@@ -311,18 +404,31 @@ def mixed_attention(
     g = Hq // Hkv
     dt = torch.promote_types(q.dtype, torch.float32)
     qf = q.to(dt).unflatten(1, (Hkv, g))  # [B, Hkv, g, Tq, D]
-    kf, vf, khf, vhf = (x.to(dt).unsqueeze(2) for x in (k, v, k_hat, v_hat))  # [B, Hkv, 1, S, D]
+    khf, vhf = k_hat.to(dt), v_hat.to(dt)  # [B, Hkv, S, D]
+    # fp16 positions are read as k_hat + (k - k_hat): only the (few) columns some query of a block
+    # reads in fp16 (sinks and the band of the window) need the correction
+    dk, dv = k.to(dt) - khf, v.to(dt) - vhf
     out = torch.empty(B, Hkv, g, Tq, D, dtype=dt, device=q.device)
     s_idx = torch.arange(S, device=q.device)
     for lo in range(0, Tq, q_block):
         hi = min(Tq, lo + q_block)
-        qb, pos = qf[..., lo:hi, :], q_pos[lo:hi]
+        tq, pos = hi - lo, q_pos[lo:hi]
+        qb = qf[..., lo:hi, :].flatten(2, 3)  # [B, Hkv, g*tq, D]: the query heads of a kv head as rows
         hp = fp16_mask(pos, S, sink_tokens, window)  # [tq, S]
-        scores = torch.where(hp, qb @ kf.transpose(-1, -2), qb @ khf.transpose(-1, -2)) * scaling
+        cols = hp.any(0).nonzero().squeeze(-1)
+        scores = qb @ khf.transpose(-1, -2)  # [B, Hkv, g*tq, S]
+        if cols.numel():
+            hpc = hp[:, cols].repeat(g, 1)
+            scores[..., cols] += (qb @ dk[..., cols, :].transpose(-1, -2)) * hpc
         allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)  # causal [tq, S]
+        if sliding_window is not None:
+            allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
+        allowed = allowed.repeat(g, 1)  # [g*tq, S]
         if key_mask is not None:
-            allowed = allowed & key_mask[:, None, None, None, :]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-        out[..., lo:hi, :] = (p * hp) @ vf + (p * ~hp) @ vhf
+            allowed = allowed & key_mask[:, None, None, :]
+        p = torch.softmax((scores * scaling).masked_fill_(~allowed, float("-inf")), dim=-1).nan_to_num_(0.0)
+        ob = p @ vhf
+        if cols.numel():
+            ob += (p[..., cols] * hpc) @ dv[..., cols, :]
+        out[..., lo:hi, :] = ob.unflatten(2, (g, tq))
     return out.flatten(1, 2)

@@ -5,7 +5,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class _M(BaseModel):
@@ -18,8 +18,9 @@ class KLBin(_M):
 
 
 class Quality(_M):
-    """Compressed vs fp16 cache, same model, same held-out tokens (one-pass, decode-equivalent)."""
+    """Compressed vs unquantized cache, same model, same held-out tokens (one-pass, decode-equivalent)."""
 
+    semantics: str  # which attention semantics these numbers use
     tokens: int
     ppl_baseline: float
     ppl_compressed: float
@@ -29,7 +30,8 @@ class Quality(_M):
     kl_p99: float
     kl_max: float
     top1_agree: float  # fraction of positions with the same argmax
-    key_clip_rate: float  # fraction of compressed key elements outside the fitted range
+    key_clip_rate: float  # fraction of compressed key elements outside the fitted range (saturated)
+    value_clip_rate: float = 0.0  # native formats: V elements saturating the per-tensor scale
     kl_by_position: list[KLBin]
     attn_rel_error_per_layer: list[float]  # ||o_hat - o|| / ||o|| of each layer's attention output
 
@@ -57,8 +59,31 @@ class Memory(_M):
 class GateResult(_M):
     name: str
     threshold: float
-    value: Optional[float]  # None: the metric was not measured (the gate then fails)
-    passed: bool
+    value: Optional[float]  # None: not measured
+    status: str  # pass | fail | inconclusive | not measured
+    ci_low: Optional[float] = None  # paired 95% interval of a drop gate
+    ci_high: Optional[float] = None
+    n: Optional[int] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+class FormatResult(_M):
+    """One validated format: what it is, its numbers, its gates and verdict."""
+
+    name: str
+    tier: str  # custom | native | baseline
+    role: str  # primary | trtllm (fallback written to trtllm_ckpt) | hf (FP8 fallback written to hf_ckpt)
+    kv: dict
+    quality: Quality
+    memory: Memory
+    tasks: Optional[dict] = None
+    gates: list[GateResult] = []
+    verdict: str = "pass"  # pass | fail | inconclusive
+    verdict_basis: list[str] = []  # the gates the verdict rests on (measured ones)
+    fit: dict = {}
 
 
 class Report(_M):
@@ -75,7 +100,11 @@ class Report(_M):
     verified: dict  # what this run verified and what it did not
     tasks: Optional[dict] = None  # long-context retrieval and exact-reproduction tasks
     gates: list[GateResult] = []
-    verdict: str = "pass"  # "pass" iff every gate passed (no gates: "pass", stated in notes)
+    verdict: str = "pass"  # pass | fail | inconclusive (over measured gates; no gates: pass, stated in notes)
+    verdict_basis: list[str] = []
+    fallbacks: list[FormatResult] = []  # the native formats export writes, validated on the same windows
+    self_check: dict = {}  # the evaluation path with nothing compressed vs the model's own forward
     export: Optional[dict] = None
     notes: list[str] = []
     runtime_s: Optional[float] = None
+    stage_times_s: dict = {}

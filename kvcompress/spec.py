@@ -5,7 +5,7 @@ allowed values; a bad value fails with a message that names the key and what is 
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,14 +50,16 @@ class KVSpec(Frozen):
     format=native_int8 / native_fp8: TensorRT-LLM's own KV cache, simulated exactly: one scale per
     layer shared by K and V, no window, no sinks (key/value bits and groups are then unused). With
     fold_keys (fold_values), per-channel key (value) factors tied across RoPE pairs are folded into
-    W_q/W_k (W_v/W_o) first, so the single scale sees equalised channels.
+    W_q/W_k (W_v/W_o) first, so the single scale sees equalised channels. "auto" (the default) lets
+    `fit` decide each fold and its strength by measuring the error on the calibration sample; the
+    decision is recorded in the ScaleBook.
     """
 
     name: str
     format: Literal["kvcompress", "native_int8", "native_fp8"] = "kvcompress"
-    fold_keys: bool = False
-    fold_values: bool = False
-    fold_strength: float = Field(1.0, ge=0.0, le=1.0)  # 0 = no migration, 1 = full equalisation
+    fold_keys: Union[bool, Literal["auto"]] = "auto"
+    fold_values: Union[bool, Literal["auto"]] = "auto"
+    fold_strength: Union[float, Literal["auto"]] = "auto"  # 0 = no migration, 1 = full equalisation
     key: KeySpec = KeySpec()
     value: ValueSpec = ValueSpec()
     window: int = Field(128, ge=0)  # most recent tokens kept in fp16
@@ -70,13 +72,20 @@ class KVSpec(Frozen):
             raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
         if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
             raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
-        if (self.fold_keys or self.fold_values) and not self.is_native:
+        if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
             raise ValueError("kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8) only")
+        if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
+            raise ValueError(f"kv.fold_strength={self.fold_strength} must be 'auto' or in [0, 1]")
         return self
 
     @property
     def is_native(self) -> bool:
         return self.format != "kvcompress"
+
+    @property
+    def tier(self) -> str:
+        """'native' (stock TensorRT-LLM KV format), 'custom' (the kvcompress format) or 'baseline'."""
+        return "native" if self.is_native else ("baseline" if self.is_baseline else "custom")
 
     @property
     def is_baseline(self) -> bool:
@@ -97,3 +106,11 @@ class KVSpec(Frozen):
 
     def value_group(self, head_dim: int) -> int:
         return self.value.group_size or head_dim
+
+
+NATIVE_ALGO = {"native_int8": "INT8", "native_fp8": "FP8"}  # TensorRT-LLM kv_cache_quant_algo
+
+
+def native_spec(fmt: str) -> KVSpec:
+    """The stock TensorRT-LLM KV format `fmt` (native_int8 | native_fp8), fold decided in fit."""
+    return KVSpec(name=fmt, format=fmt, window=0, sink_tokens=0)

@@ -21,7 +21,7 @@ def collect(root: Path, model: str | None) -> list[dict]:
         if model and r["model"].get("name") != model:
             continue
         q, m, t = r["quality"], r["memory"], r.get("tasks") or {}
-        drop = None if t.get("retrieval_fp16") is None else t["retrieval_fp16"] - t["retrieval_compressed"]
+        drop = (t.get("retrieval") or {}).get("drop", {}).get("drop")
         rows.append({
             "run": str(p.parent), "model": r["model"].get("name"), "kv": r["kv"]["name"], "bits": m["bits_per_element"],
             "bytes": m["bytes_per_token_compressed"], "ratio": m["compression_ratio"], "ppl_rel": q["ppl_delta_rel"],

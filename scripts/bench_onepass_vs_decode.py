@@ -26,8 +26,8 @@ from kvcompress.stages.profile import profile
 
 @torch.no_grad()
 def onepass(model, book, ids):
-    with compressed_attention(model, book):
-        return model(input_ids=ids, use_cache=False).logits
+    with compressed_attention(model, book) as kw:
+        return model(input_ids=ids, use_cache=False, **kw).logits
 
 
 @torch.no_grad()

@@ -96,3 +96,46 @@ def test_public_api_loads_saved_scalebook(tmp_path, lm_book):
     with torch.no_grad():
         lm.model(input_ids=torch.randint(0, 256, (1, 30)), cache=cache, use_cache=True)
     assert cache.nbytes() == sum(v for k, v in ref.spec_cache_nbytes(loaded.spec, lm.geometry, 30).items() if k != "static")
+
+
+@pytest.mark.parametrize("chunks", [[20, 1, 1, 1, 5, 1], [1, 1, 12, 9, 1], [33]])
+def test_chunked_calls_follow_the_context_phase_reference(lm_book, chunks):
+    """Every call's returned view against reference.context_phase_sources: a chunk of C > 1 tokens
+    reads itself exactly, older tokens as stored after the append (fp16 if sink/window, else the
+    reference fake-quantized value); a 1-token call is a decode step (reads itself as stored)."""
+    lm, book = lm_book
+    layer = CompressedCache(book).layers[0]
+    p = book.key_params(0)
+    g = torch.Generator().manual_seed(len(chunks))
+    H, D = book.geometry["n_kv_heads"], book.geometry["head_dim"]
+    n = sum(chunks)
+    k, v = torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g)
+    k_stored = ref.fake_quant_keys(ref.to_hp(k), p)
+    v_stored = ref.fake_quant_values(ref.to_hp(v), book.spec.value.bits, book.value_group)
+    start = 0
+    for c in chunks:
+        kv_k, kv_v = layer.update(k[..., start : start + c, :], v[..., start : start + c, :])
+        end = start + c
+        q_pos = torch.arange(start, end)
+        exact, hp = ref.context_phase_sources(q_pos, end, torch.full((c,), start), book.spec.sink_tokens, book.spec.window)
+        # the view is shared by the chunk's queries: each of them must agree with it
+        for row in range(c):
+            want_k = torch.where(exact[row][:, None], k[0, :, :end], torch.where(hp[row][:, None], ref.to_hp(k[0, :, :end]), k_stored[0, :, :end]))
+            want_v = torch.where(exact[row][:, None], v[0, :, :end], torch.where(hp[row][:, None], ref.to_hp(v[0, :, :end]), v_stored[0, :, :end]))
+            torch.testing.assert_close(kv_k[0], want_k, atol=0, rtol=0)
+            torch.testing.assert_close(kv_v[0], want_v, atol=0, rtol=0)
+        start = end
+
+
+def test_context_phase_prefill_then_decode_differs_from_decode_equivalent(lm_book):
+    """The two named semantics really differ: a prompt prefilled in one chunk reads itself exactly,
+    decode-equivalent prefill (token by token) reads older prompt tokens compressed."""
+    lm, book = lm_book
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        chunk = lm.model(input_ids=ids, cache=CompressedCache(book), use_cache=True).logits
+        plain = lm.model(input_ids=ids).logits
+        cache = CompressedCache(book)
+        steps = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30)], 1)
+    torch.testing.assert_close(chunk, plain, atol=1e-5, rtol=1e-5)  # context phase: the prompt is exact
+    assert (steps - plain).abs().max() > 1e-3

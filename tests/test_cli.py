@@ -18,6 +18,9 @@ BAD = [
     (["kv.foo=1"], "kv.foo is not a known key"),
     (["stages=[fit]", "stats=/nope.safetensors"], "stats='/nope.safetensors'"),
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
+    (["export=none", "stages=[profile,fit,validate,export]"], "stages contains export but export=none"),
+    (["export=trtllm", "stages=[profile,fit,validate]"], "export=trtllm was selected but stages="),
+    (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
 ]
 
 
@@ -74,7 +77,7 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     runs = {}
     for name, extra in {"fp16": ["kv=fp16"], "full_window": ["kv.window=100000"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
         runs[name] = tmp_path / name
-        p = run_cli(*TINY, *extra, f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
+        p = run_cli(*TINY, *extra, "export=none", f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
         assert p.returncode == 0, p.stderr
     r = report(runs["w128"])
     for key in ("ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "top1_agree"):
@@ -95,13 +98,39 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     assert row32k["capacity_multiplier"] > 2.0
 
 
+def test_default_command_runs_every_stage_and_ends_with_a_summary(tmp_path):
+    """No stages given: profile, fit, validate and export; the console ends with verdicts, artifacts, next steps."""
+    run = tmp_path / "r"
+    p = run_cli(*TINY, "export.archs=[sm_90]", f"hydra.run.dir={run}", cache_dir=tmp_path / "cache", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    for needle in ("stage times: profile", "verdict int8k_int4v (primary", "verdict native_int8 (native fallback for trtllm_ckpt)",
+                   "exported to", "on a GPU host:", "operator fallback (fp16 KV, same weights)"):
+        assert needle in out, needle
+    r = report(run)
+    assert set(r["stage_times_s"]) == {"profile", "fit", "validate", "export"}
+    assert [f["name"] for f in r["fallbacks"]] == ["native_int8", "native_fp8"]
+    m = json.loads((run / "export" / "manifest.json").read_text())
+    assert set(m["artifacts"]) == {"plugin_bundle", "trtllm_ckpt", "hf_ckpt"} and all(c["status"] == "passed" for c in m["checks"])
+    assert not list(run.glob(".export*"))
+    p = run_cli(*TINY, "export=none", f"hydra.run.dir={tmp_path / 'r2'}", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0 and not (tmp_path / "r2" / "export").exists()
+
+
 @pytest.mark.slow
 def test_embedded_smollm2_end_to_end(tmp_path):
-    """The real embedded model through profile, fit and validate (small calibration and eval sets)."""
+    """The real embedded model through every stage (small calibration and eval sets), from an EMPTY
+    weights cache: the first-run path of a fresh machine (GGUF dequantization included)."""
     run = tmp_path / "run"
-    p = run_cli("calib=smoke", "eval=smoke", f"hydra.run.dir={run}", timeout=900)
+    p = run_cli("calib=smoke", "eval=smoke", "export.archs=[sm_90]", f"hydra.run.dir={run}", cache_dir=tmp_path / "fresh_cache", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf once" in p.stdout + p.stderr
     r = report(run)
+    assert r["model"]["architecture"] == "LlamaForCausalLM" and r["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert r["self_check"]["passed"] and r["self_check"]["kl_mean"] < 1e-6
+    for art in ("trtllm_ckpt", "hf_ckpt"):
+        c = r["export"]["artifacts"][art]["remeasured"]
+        assert c["passed"] and abs(c["remeasured_kl"] - c["validated_kl"]) <= max(0.1 * c["validated_kl"], 1e-4)
     assert r["model"]["name"] == "smollm2_135m" and r["model"]["geometry"]["n_layers"] == 30
     assert r["model"]["geometry"]["n_kv_heads"] == 3 and r["model"]["geometry"]["head_dim"] == 64
     q = r["quality"]

@@ -30,8 +30,8 @@ def decode_logits(model, book, ids):
 
 @torch.no_grad()
 def onepass_logits(model, book, ids):
-    with compressed_attention(model, book):
-        return model(input_ids=ids, use_cache=False).logits
+    with compressed_attention(model, book) as kw:
+        return model(input_ids=ids, use_cache=False, **kw).logits
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,44 @@ def smollm2():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LlamaRMSNorm, "forward", _rmsnorm_float64)
         yield lm, book
+
+
+def test_sliding_window_layers_are_simulated_and_self_check_passes():
+    """A Mistral-style model whose layers attend within a sliding window of 8: the evaluation path
+    with nothing compressed must reproduce the model's own (SDPA, masked) forward; ignoring the
+    window (the previous behaviour) fails the same check."""
+    from kvcompress.stages.validate import self_check
+
+    lm = tiny_lm("mistral", heads=6, kv_heads=2, head_dim=32)
+    lm.model.config.sliding_window = 8
+    lm.model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert self_check(lm.model, ids, "tiny_mistral_sw8")["passed"]
+    with torch.no_grad():
+        own = lm.model(input_ids=ids).logits
+        lm.model.config.sliding_window = None  # what ignoring the window computes
+        full = lm.model(input_ids=ids).logits
+    assert (own - full).abs().max() > 1e-3  # the window matters on 40 tokens: the check above can fail
+
+
+def test_self_check_fails_with_one_line_when_the_path_cannot_reproduce_the_model(monkeypatch):
+    from kvcompress import reference as ref
+    from kvcompress.errors import UserError
+    from kvcompress.stages.validate import self_check
+
+    lm = tiny_lm("llama")
+    real = ref.mixed_attention
+    monkeypatch.setattr(ref, "mixed_attention", lambda *a, **k: real(*a, **{**k, "scaling": k["scaling"] * 1.5}))
+    with pytest.raises(UserError) as e:
+        self_check(lm.model, torch.randint(0, 256, (1, 32)), "tiny_llama")
+    assert "differs from the model's own forward" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_softcapping_models_are_refused_before_any_work():
+    from kvcompress.errors import UserError
+    from kvcompress.eval.attention import check_supported
+
+    lm = tiny_lm("llama")
+    lm.model.config.attn_logit_softcapping = 50.0
+    with pytest.raises(UserError, match="soft-caps attention logits"):
+        check_supported(lm.model, "tiny")

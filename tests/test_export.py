@@ -3,12 +3,13 @@ import copy
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import run_cli, tiny_lm
+from conftest import ROOT, run_cli, tiny_lm
 from kvcompress.fold import apply_fold, fold_factors
 from kvcompress.targets import launchers, trtllm_reader
 from kvcompress.targets.hf_ckpt import read_kv_scales
@@ -81,34 +82,171 @@ def test_mlp_naming_trap_is_what_the_reader_checks(tmp_path, lm):
         assert (trtllm_reader.forward(tmp_path, ids) - lm.model(input_ids=ids).logits).abs().max() > 1e-3
 
 
-def test_export_cli_writes_both_tiers_and_says_engine_not_built(tmp_path):
-    run = tmp_path / "run"
-    p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "export=trtllm", "export.tp_sizes=[1,2]", "export.archs=[sm_90]",
-                "stages=[profile,fit,validate,export]", f"hydra.run.dir={run}", cache_dir=tmp_path / "cache", timeout=600)
+def _export_run(tmp_path, *extra, name="run"):
+    run = tmp_path / name
+    p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "export.tp_sizes=[1,2]", "export.archs=[sm_90]", *extra,
+                f"hydra.run.dir={run}", cache_dir=tmp_path / "cache", timeout=600)
+    return p, run
+
+
+@pytest.mark.parametrize("kv,algo", [("int8k_int4v", "INT8"), ("native_int8", "INT8"), ("native_fp8", "FP8")])
+def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo):
+    """kv=native_fp8 exports FP8, native_int8 INT8; the written checkpoints, read back, re-measure
+    within 10% (or 1e-4) of the validated KL; the manifest lists only checks that ran."""
+    p, run = _export_run(tmp_path, f"kv={kv}")
     assert p.returncode == 0, p.stderr[-3000:]
     out = run / "export"
     for tp in (1, 2):
         cfg = json.loads((out / "trtllm_ckpt" / f"tp{tp}" / "config.json").read_text())
-        assert cfg["quantization"]["kv_cache_quant_algo"] == "INT8" and cfg["mapping"]["tp_size"] == tp
+        assert cfg["quantization"]["kv_cache_quant_algo"] == algo and cfg["mapping"]["tp_size"] == tp
     from safetensors import safe_open
 
     with safe_open(str(out / "trtllm_ckpt" / "tp1" / "rank0.safetensors"), "pt") as f:
-        s = f.get_tensor("transformer.layers.0.attention.kv_cache_scaling_factor")
+        s = f.get_tensor("transformers.layers.0.attention.kv_cache_scaling_factor".replace("transformers", "transformer"))
         assert s.shape == (1,) and s.dtype == torch.float32 and float(s) > 0
         assert f.get_tensor("transformer.layers.0.attention.qkv.weight").dtype == torch.float16
-    scales = read_kv_scales(out / "hf_ckpt")
-    assert len(scales) == 2 * 2 and all(v > 0 for v in scales.values())
-    assert json.loads((out / "hf_ckpt" / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "FP8"
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["engine_built"] is False and "lacks" in manifest["engine_reason"]
-    assert "custom" in manifest["tiers"] and (out / "plugin_bundle" / "kernels" / "sm_90" / "kvc_launchers.h").is_file()
-    assert "NOT BUILT" in p.stderr + p.stdout
     report = json.loads((run / "report.json").read_text())
-    assert report["export"]["engine_built"] is False
-    # the folded INT8 checkpoint, read back with TensorRT-LLM's per-tensor KV quantization, still predicts
-    ids = torch.randint(0, 256, (1, 12))
-    logits = trtllm_reader.forward(out / "trtllm_ckpt" / "tp2", ids, simulate_kv_quant=True)
-    assert torch.isfinite(logits).all()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert report["export"] == manifest
+    trt = manifest["artifacts"]["trtllm_ckpt"]
+    expected_book = kv if kv.startswith("native") else "native_int8"
+    assert trt["validated_as"] == expected_book and manifest["artifacts"]["hf_ckpt"]["validated_as"] == "native_fp8"
+    for art in ("trtllm_ckpt", "hf_ckpt"):
+        c = manifest["artifacts"][art]["remeasured"]
+        assert c["passed"] and abs(c["remeasured_kl"] - c["validated_kl"]) <= max(0.1 * c["validated_kl"], 1e-4), (art, c)
+    names = [c["check"] for c in manifest["checks"]]
+    assert all(c["status"] == "passed" for c in manifest["checks"])
+    assert any("re-measured" in n for n in names) and any("shards merge" in n for n in names)
+    assert ("plugin_bundle" in manifest["artifacts"]) == (kv == "int8k_int4v")
+    assert any("AOT kernels sm_90" in n for n in names) == (kv == "int8k_int4v")  # no compile in a native run: not claimed
+    assert manifest["engine_built"] is False and "lacks" in manifest["engine_reason"]
+    assert "--kv-cache fp16" in manifest["fallback_fp16_kv"] and (out / "build_engine.py").is_file()
+    # the fp16-KV rollback view of the same checkpoint: kv quantization off, rank files shared
+    sys.path.insert(0, str(out))
+    try:
+        import build_engine
+
+        view = build_engine.fp16_kv_view(out / "trtllm_ckpt" / "tp1")
+        assert json.loads((view / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] is None
+        assert (view / "rank0.safetensors").resolve() == (out / "trtllm_ckpt" / "tp1" / "rank0.safetensors").resolve()
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("build_engine", None)
+
+
+def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, monkeypatch):
+    """One layer's kv_cache_scaling_factor 8x too small in the written checkpoint (its K/V saturate):
+    the re-measurement no longer matches what validate measured, the export fails with one line
+    and leaves nothing."""
+    from kvcompress.config import to_run_config
+    from kvcompress.errors import UserError
+    from kvcompress.pipeline import run
+    from kvcompress.stages import export as export_stage
+
+    real = export_stage.write_checkpoint
+
+    def perturbed(state, geom, out_dir, tp, dtype, algo, scales, hf_config=None):
+        bad = scales.clone()
+        bad[0] /= 8.0
+        return real(state, geom, out_dir, tp, dtype, algo, bad, hf_config=hf_config)
+
+    monkeypatch.setattr(export_stage, "write_checkpoint", perturbed)
+    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_llama", "calib=smoke", "eval=smoke", "kv=native_int8", f"cache_dir={tmp_path / 'c'}"])
+    rc = to_run_config(OmegaConf.to_container(cfg, resolve=True))
+    with pytest.raises(UserError) as e:
+        run(rc, tmp_path / "r", progress=False)
+    assert "re-measures KL" in str(e.value) and "nothing exported" in str(e.value)
+    assert not (tmp_path / "r" / "export").exists() and not list((tmp_path / "r").glob(".export*"))
+
+
+def test_fold_range_guard_on_extreme_channel_scales(lm):
+    """Factors of 1e-4 on a key channel whose W_k rows are large would overflow fp16 (W_k / sigma);
+    the guard raises those factors just enough, and the exported tensors are finite with no row
+    flushed to zero, and the fold stays exact (logits unchanged)."""
+    from kvcompress.fold import check_range, fold_state_dict, guard_factors
+
+    state = {k: v.detach().clone() for k, v in lm.model.state_dict().items()}
+    state["model.layers.0.self_attn.k_proj.weight"][:5] *= 1e4  # extreme channels (kv head 0, d < 5)
+    geom = lm.geometry
+    sigma = torch.ones(geom.n_layers, geom.n_kv_heads, geom.head_dim)
+    sigma[0, 0, :5] = sigma[0, 0, 16:21] = 1e-4  # tied RoPE pairs (head_dim 32)
+    unguarded = fold_state_dict(state, geom, sigma, None)
+    assert any("overflows" in b for b in check_range(unguarded, torch.float16))
+    guarded, info = guard_factors(state, geom, sigma, torch.float16)
+    assert info["raised"] > 0 and info["layers"] == [0]
+    assert torch.equal(guarded[..., :16], guarded[..., 16:])  # still tied across RoPE pairs
+    folded = fold_state_dict(state, geom, guarded, None)
+    assert check_range(folded, torch.float16) == []
+    # under-flow: tiny factors on W_q rows that are small already
+    state2 = {k: v.detach().clone() for k, v in lm.model.state_dict().items()}
+    state2["model.layers.1.self_attn.q_proj.weight"] *= 0.05
+    sigma2 = torch.full_like(sigma, 1e-4)
+    fi = torch.finfo(torch.float16)
+    unguarded_rows = fold_state_dict(state2, geom, sigma2, None)["model.layers.1.self_attn.q_proj.weight"].to(torch.float16).abs().amax(1)
+    assert (unguarded_rows < fi.tiny).any()  # without the guard: rows pushed into the subnormal range
+    g2, info2 = guard_factors(state2, geom, sigma2, torch.float16)
+    f2 = fold_state_dict(state2, geom, g2, None)
+    assert check_range(f2, torch.float16) == [] and info2["raised"] > 0
+    wq = f2["model.layers.1.self_attn.q_proj.weight"].to(torch.float16).abs().amax(1)
+    assert (wq >= 16 * fi.tiny).all()
+
+
+def test_hf_checkpoint_matches_modelopt_and_both_transformers_lines(tmp_path, lm):
+    """Sharded with an index, the dtype asked for, RoPE keys for transformers 4.57 and 5.x, and the
+    quantization config ModelOpt's own converter derives from our hf_quant_config.json."""
+    from transformers import AutoConfig
+
+    from kvcompress.targets.hf_ckpt import read_state, write_hf_checkpoint
+
+    lm.model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    try:
+        state = {k: v.detach() for k, v in lm.model.state_dict().items()}
+        out = write_hf_checkpoint(state, lm.model.config, lm.tokenizer, tmp_path / "hf", torch.full((lm.geometry.n_layers,), 0.01), torch.bfloat16, shard_mb=0.05)
+    finally:
+        lm.model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / f).is_file() for f in shards)
+    st = read_state(out)
+    assert st["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert float(st["model.layers.1.self_attn.k_proj.k_scale"]) == pytest.approx(0.01) and st["model.layers.1.self_attn.v_proj.v_scale"].dim() == 0
+    cfg = json.loads((out / "config.json").read_text())
+    # transformers 4.57 (TensorRT-LLM 1.2's pin) reads rope_theta / rope_scaling / torch_dtype
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == 8.0
+    assert cfg["torch_dtype"] == "bfloat16" and "dtype" not in cfg
+    # transformers 5.x reads it back with the same RoPE
+    c5 = AutoConfig.from_pretrained(str(out))
+    assert c5.rope_parameters["rope_type"] == "llama3" and c5.rope_parameters["rope_theta"] == 500000.0 and c5.rope_parameters["factor"] == 8.0
+    hq = json.loads((out / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["kv_cache_quant_algo"] == "FP8"
+    convert = pytest.importorskip("modelopt.torch.export.convert_hf_config").convert_hf_quant_config_format
+    # the comparison: ModelOpt 0.47's converter on our hf_quant_config.json gives our config.json's quantization_config
+    assert convert(hq) == cfg["quantization_config"]
+
+
+def test_interrupt_during_export_leaves_no_export(tmp_path):
+    """SIGINT while the export is being written: one line, exit 130, no export/ and no temp dir."""
+    import signal
+    import time
+
+    run = tmp_path / "r"
+    env = {**__import__("os").environ, "KVCOMPRESS_CACHE": str(tmp_path / "c")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompress", "model=tiny_llama", "calib=smoke", "eval=smoke", "export.archs=[sm_80,sm_90]",
+                             f"hydra.run.dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (run / ".export.tmp").exists() and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before its export started"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "kvcompress: interrupted" in err and "Traceback" not in err
+    assert not (run / "export").exists() and not (run / ".export.tmp").exists()
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler")

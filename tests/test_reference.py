@@ -149,3 +149,21 @@ def test_mixed_attention_limits(gqa, D):
     # float32, different summation order than SDPA: 1e-5 absolute on O(1) outputs
     torch.testing.assert_close(out_full, sd(k, v), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_comp, sd(kh, vh), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,sinks,sliding", [(0, 0, None), (5, 2, None), (7, 0, 9), (64, 4, None)])
+def test_fused_mixed_attention_equals_explicit(window, sinks, sliding):
+    """The CPU path (two fused attentions merged by log-sum-exp) equals the explicit softmax over the
+    mixed scores; float64 so only the summation order differs (1e-10)."""
+    from kvcompress.reference import _mixed_attention_explicit, mixed_attention
+
+    g = torch.Generator().manual_seed(window)
+    B, Hq, Hkv, T, D = 2, 6, 2, 37, 16
+    q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64)
+    k, v, kh, vh = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(4))
+    pos = torch.arange(T)
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[1, :3] = False  # left padding in the second sequence
+    kw = dict(sink_tokens=sinks, window=window, scaling=0.25, key_mask=key_mask, sliding_window=sliding)
+    fused = mixed_attention(q, k, v, kh, vh, pos, q_block=16, **kw)
+    torch.testing.assert_close(fused, _mixed_attention_explicit(q, k, v, kh, vh, pos, **kw), atol=1e-10, rtol=0)

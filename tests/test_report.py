@@ -31,24 +31,54 @@ def test_facts_are_placed_outside_the_window(name, depth):
     assert again.prompt == s.prompt  # deterministic per (length, depth, seed)
 
 
-def test_gates_and_verdict():
+def _tasks(base, comp, n_ret=None):
+    from kvcompress.eval.intervals import paired_drop
+
+    return {"retrieval": {"n": len(base), "drop": paired_drop(base, comp)}, "exact_copy": None}
+
+
+def test_gates_pass_fail_inconclusive_and_not_measured():
     quality = {"ppl_delta_rel": 0.02, "kl_mean": 0.001, "kl_p99": 0.01, "top1_agree": 0.99}
-    tasks = {"retrieval_fp16": 1.0, "retrieval_compressed": 0.5, "exact_fp16": 1.0, "exact_compressed": 1.0}
-    res, verdict = evaluate_gates([Gate(name="kl_mean", max=0.01), Gate(name="retrieval_drop", max=0.1)], quality, tasks)
-    assert [g.passed for g in res] == [True, False] and verdict == "fail" and res[1].value == 0.5
-    res, verdict = evaluate_gates([Gate(name="exact_match_drop", max=0.1)], quality, None)
-    assert verdict == "fail" and res[0].value is None  # not measured is not passed
+    kl, drop, copy = Gate(name="kl_mean", max=0.01), Gate(name="retrieval_drop", max=0.1), Gate(name="exact_match_drop", max=0.1)
+    # 60 paired samples, compressed wrong on 30 that fp16 got right: a clear failure
+    res, verdict, basis = evaluate_gates([kl, drop], quality, _tasks([True] * 60, [True] * 30 + [False] * 30))
+    assert [g.status for g in res] == ["pass", "fail"] and verdict == "fail" and abs(res[1].value - 0.5) < 1e-12
+    assert res[1].ci_low > 0.1 and res[1].n == 60
+    # 60 samples, no discordant pair: the upper end of the interval is below 0.1 -> pass
+    res, verdict, _ = evaluate_gates([drop], quality, _tasks([True] * 30 + [False] * 30, [True] * 30 + [False] * 30))
+    assert res[0].status == "pass" and res[0].ci_high < 0.1 and verdict == "pass"
+    # 8 samples, one discordant: the interval straddles 0.1 -> inconclusive, never pass
+    res, verdict, _ = evaluate_gates([drop], quality, _tasks([True] * 8, [True] * 7 + [False]))
+    assert res[0].status == "inconclusive" and res[0].ci_low < 0.1 < res[0].ci_high and verdict == "inconclusive"
+    # compressed better than fp16 on a sample: the drop is negative, not a reason to fail
+    res, _, _ = evaluate_gates([drop], quality, _tasks([False] + [True] * 59, [True] * 60))
+    assert res[0].value < 0 and res[0].status == "pass"
+    # tasks not run: "not measured", and the verdict rests on the measured gates only
+    res, verdict, basis = evaluate_gates([kl, copy], quality, None)
+    assert res[1].status == "not measured" and res[1].value is None and verdict == "pass" and basis == ["kl_mean"]
     assert evaluate_gates([], quality, None)[1] == "pass"
+
+
+def test_skipping_tasks_does_not_turn_the_verdict_into_fail(tmp_path):
+    run = tmp_path / "r"
+    p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "export=none", "eval.tasks.names=[]",
+                "+eval.gates=[{name: kl_mean, max: 1.0}, {name: retrieval_drop, max: 0.1}]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads((run / "report.json").read_text())
+    assert r["verdict"] == "pass" and r["verdict_basis"] == ["kl_mean"]
+    assert [g["status"] for g in r["gates"]] == ["pass", "not measured"]
+    assert any("not measured" in n for n in r["notes"])
 
 
 def test_fail_on_gate_exits_nonzero_and_report_says_fail(tmp_path):
     run = tmp_path / "r"
     p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv.window=0", "+eval.gates=[{name: kl_mean, max: 0.0}]",
                 "eval.fail_on_gate=true", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
-    assert p.returncode == 2 and "gates failed: kl_mean" in p.stderr
+    assert p.returncode == 2 and "gates failed or inconclusive: kl_mean" in p.stderr
     r = json.loads((run / "report.json").read_text())
-    assert r["verdict"] == "fail" and r["gates"][0]["passed"] is False
-    assert (run / "report.md").read_text().count("Verdict: FAIL") == 1
+    assert r["verdict"] == "fail" and r["gates"][0]["status"] == "fail"
+    assert (run / "report.md").read_text().count("Verdict (int8k_int4v): FAIL") == 1
+    assert not (run / "export").exists()  # a failed release is not exported
 
 
 def test_html_report_loads_in_headless_chromium(tmp_path):
@@ -57,7 +87,7 @@ def test_html_report_loads_in_headless_chromium(tmp_path):
             pytest.fail("chromium is missing in CI: .ci/run must install Debian's chromium")
         pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
     run = tmp_path / "r"
-    p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "export.archs=[sm_90]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert p.returncode == 0, p.stderr[-2000:]
     page = run / "report.html"
     html_text = page.read_text()
@@ -68,6 +98,7 @@ def test_html_report_loads_in_headless_chromium(tmp_path):
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "Verdict: PASS" in dom.stdout and "<svg" in dom.stdout and "Quality" in dom.stdout
+    assert "native tier: native_int8" in dom.stdout and "check that ran in this export" in dom.stdout and "Stage times" in dom.stdout
     shot = subprocess.run([CHROMIUM, *flags, f"--screenshot={tmp_path / 'shot.png'}", "--window-size=1200,1600", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert shot.returncode == 0 and (tmp_path / "shot.png").stat().st_size > 10_000
 
@@ -75,7 +106,7 @@ def test_html_report_loads_in_headless_chromium(tmp_path):
 def test_sweep_and_summary(tmp_path):
     """Hydra multirun over kv configs, then the summary names the most aggressive passing config."""
     sweep = tmp_path / "sweep"
-    p = run_cli("-m", "model=tiny_llama", "calib=smoke", "eval=smoke", "kv=int8,int4", "+eval.gates=[{name: kl_mean, max: 1.0}]",
+    p = run_cli("-m", "model=tiny_llama", "calib=smoke", "eval=smoke", "export=none", "kv=int8,int4", "+eval.gates=[{name: kl_mean, max: 1.0}]",
                 f"hydra.sweep.dir={sweep}", cache_dir=tmp_path / "c", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(list(sweep.rglob("report.json"))) == 2

@@ -5,7 +5,14 @@ the standard attention interface runs it without forked modeling code. In a teac
 forward, query t reads key/value s in fp16 iff s < sink_tokens or t - s < window, and
 otherwise the value the compressed cache would hand back (reference encode -> decode of the
 fp16 form). Each position's K/V only depend on earlier positions, so one pass gives the
-same logits as token-by-token decoding with `CompressedCache` (tests prove it).
+same logits as token-by-token decoding with `CompressedCache` (tests prove it). This is the
+**decode-equivalent** semantics (every token reads the compressed past: pessimistic for a
+prompt, which serving engines prefill exactly); perplexity and KL use it and say so.
+
+The evaluation context (which ScaleBook, where to accumulate errors) is bound to the call: it
+travels as the `kvc_ctx` keyword through the model's forward to the attention function, so two
+evaluations never share state. The model's own attention mask is not read (transformers builds
+none for a custom implementation); causality and sliding windows are rebuilt from positions.
 """
 from __future__ import annotations
 
@@ -17,10 +24,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvcompress import reference as ref
+from kvcompress.errors import UserError
 from kvcompress.models.observe import attention_implementation
 from kvcompress.scalebook import ScaleBook
 
 EVAL_ATTN = "kvcompress_eval"
+ATTN_ERROR_BATCHES = 2  # per-layer attention-output error: a diagnostic measured on the first batches
+DECODE_EQUIVALENT = "decode-equivalent: every token reads the compressed past (one teacher-forced pass)"
+CONTEXT_PHASE = "context-phase: the prompt attends exactly within itself, the answer is decoded over the compressed cache"
 
 
 @dataclass
@@ -30,13 +41,16 @@ class LayerErrors:
     n_layers: int
     attn_err_sq: torch.Tensor = None  # sum ||o_hat - o||^2 per layer
     attn_ref_sq: torch.Tensor = None  # sum ||o||^2 per layer
-    clipped: torch.Tensor = None  # clipped key elements (compressed region) per layer
-    quantized: torch.Tensor = None  # key elements stored compressed per layer
+    clipped: torch.Tensor = None  # clipped (saturated) K elements (compressed region) per layer
+    quantized: torch.Tensor = None  # K elements stored compressed per layer
+    v_clipped: torch.Tensor = None  # saturated V elements (native formats; per-token values never clip)
+    v_quantized: torch.Tensor = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         z = lambda: torch.zeros(self.n_layers, dtype=torch.float64)  # noqa: E731
         self.attn_err_sq, self.attn_ref_sq, self.clipped, self.quantized = z(), z(), z(), z()
+        self.v_clipped, self.v_quantized = z(), z()
 
     def rel_attn_error(self) -> list[float]:
         return (self.attn_err_sq / self.attn_ref_sq.clamp(min=1e-30)).sqrt().tolist()
@@ -44,15 +58,19 @@ class LayerErrors:
     def clip_rate(self) -> float:
         return float(self.clipped.sum() / self.quantized.sum().clamp(min=1))
 
+    def value_clip_rate(self) -> float:
+        return float(self.v_clipped.sum() / self.v_quantized.sum().clamp(min=1))
+
 
 @dataclass
-class _Ctx:
-    book: ScaleBook
-    errors: LayerErrors | None
-    q_block: int
+class EvalContext:
+    """What one evaluation call simulates. book=None with exact=True: nothing compressed, no fp16
+    rounding (the self-check that this path reproduces the model's own forward)."""
 
-
-_CTX: dict[str, _Ctx] = {}
+    book: ScaleBook | None
+    errors: LayerErrors | None = None
+    q_block: int = 256
+    exact: bool = False
 
 
 def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: int):
@@ -64,9 +82,7 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
     """
     k_hp, v_hp = ref.to_hp(key), ref.to_hp(value)
     if book.spec.is_native:
-        t = book.tensors
-        sk, sv = t["fold_k"][layer].to(key.device).unsqueeze(-2), t["fold_v"][layer].to(key.device).unsqueeze(-2)  # [H, 1, D]
-        s = float(t["native_scale"][layer])
+        sk, sv, s = native_factors(book, layer, key.device)
         fmt = book.spec.format
         return k_hp, v_hp, (ref.native_fake_quant(k_hp / sk, s, fmt) * sk).to(key.dtype), (ref.native_fake_quant(v_hp / sv, s, fmt) * sv).to(value.dtype)
     k_hat = ref.fake_quant_keys(k_hp, book.key_params(layer))
@@ -74,51 +90,97 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
     return k_hp, v_hp, k_hat, v_hat
 
 
+def native_factors(book: ScaleBook, layer: int, device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(key fold [H, 1, D], value fold [H, 1, D], per-tensor dequant scale) of a native ScaleBook."""
+    t = book.tensors
+    return t["fold_k"][layer].to(device).unsqueeze(-2), t["fold_v"][layer].to(device).unsqueeze(-2), float(t["native_scale"][layer])
+
+
+def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.Tensor) -> None:
+    """Key (and, for native formats, value) elements of the compressed region that saturate."""
+    e, book = ctx.errors, ctx.book
+    spec = book.spec
+    S = k_hp.shape[2]
+    pos = torch.arange(S, device=k_hp.device)
+    comp = (pos >= spec.sink_tokens) & (pos <= S - 1 - spec.window)  # compressed for the last query
+    if spec.is_native:
+        sk, sv, s = native_factors(book, layer, k_hp.device)
+        kc, vc = ref.native_saturated(k_hp / sk, s, spec.format), ref.native_saturated(v_hp / sv, s, spec.format)
+        e.v_clipped[layer] += float(vc[..., comp, :].sum())
+        e.v_quantized[layer] += vc[..., comp, :].numel()
+    else:
+        kc = ref.key_clipped(k_hp, book.key_params(layer))
+    e.clipped[layer] += float(kc[..., comp, :].sum())
+    e.quantized[layer] += kc[..., comp, :].numel()
+
+
 def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # query: [B, Hq, T, D]; key, value: [B, Hkv, S, D] post-RoPE (S == T: one teacher-forced pass)
-    # attention_mask is not read: eval windows are unpadded and causality is rebuilt from positions
-    ctx = _CTX[EVAL_ATTN]
+    ctx: EvalContext | None = kwargs.pop("kvc_ctx", None)
+    if ctx is None:
+        raise RuntimeError("kvcompress_eval attention called without kvc_ctx (use compressed_attention)")
+    if kwargs.get("softcap") is not None:
+        raise UserError("validate: this model soft-caps attention logits, which the evaluation does not simulate")
     layer = module.layer_idx
-    spec = ctx.book.spec
     S, T = key.shape[2], query.shape[2]
     q_pos = torch.arange(S - T, S, device=query.device)
-    k_hp, v_hp, k_hat, v_hat = simulate_kv(key, value, ctx.book, layer)
+    window = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if ctx.exact:
+        k_hp, v_hp, k_hat, v_hat, n_sink, win = key, value, key, value, 0, 0
+    else:
+        spec = ctx.book.spec
+        k_hp, v_hp, k_hat, v_hat = simulate_kv(key, value, ctx.book, layer)
+        n_sink, win = spec.sink_tokens, spec.window
     out = ref.mixed_attention(
-        query, k_hp, v_hp, k_hat, v_hat, q_pos, sink_tokens=spec.sink_tokens, window=spec.window, scaling=scale, q_block=ctx.q_block
+        query, k_hp, v_hp, k_hat, v_hat, q_pos, sink_tokens=n_sink, window=win, scaling=scale, q_block=ctx.q_block, sliding_window=window
     )  # [B, Hq, T, D] float32
-    if ctx.errors is not None:
+    if ctx.errors is not None and not ctx.exact:
         e = ctx.errors
+        _count_clips(ctx, layer, k_hp, v_hp)
+        if e.extra.setdefault("attn_error_batches", {}).setdefault(layer, 0) >= ATTN_ERROR_BATCHES:
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        e.extra["attn_error_batches"][layer] += 1
         g = query.shape[1] // key.shape[1]
-        exact = F.scaled_dot_product_attention(
-            query.float(), key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1), is_causal=True, scale=scale
-        )  # the same layer inputs through an uncompressed cache
+        exact = ref.mixed_attention(query, key, value, key, value, q_pos, sink_tokens=0, window=0, scaling=scale, q_block=ctx.q_block, sliding_window=window) \
+            if window else F.scaled_dot_product_attention(query.float(), key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1), is_causal=True, scale=scale)
         e.attn_err_sq[layer] += float((out - exact).pow(2).sum())
         e.attn_ref_sq[layer] += float(exact.pow(2).sum())
-        # keys that end up compressed: positions outside the sinks and the window of the last query
-        comp = (torch.arange(S, device=key.device) >= spec.sink_tokens) & (torch.arange(S, device=key.device) <= S - 1 - spec.window)
-        if not spec.is_native:
-            clipped = ref.key_clipped(k_hp, ctx.book.key_params(layer))[..., comp, :]
-            e.clipped[layer] += float(clipped.sum())
-            e.quantized[layer] += clipped.numel()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(EVAL_ATTN, _eval_attention)
 
 
-@contextmanager
-def compressed_attention(model, book: ScaleBook, errors: LayerErrors | None = None, q_block: int = 512):
-    """Within the block, the model's attention reads the simulated compressed cache of `book`.
+def check_supported(model, name: str) -> None:
+    """Refuse, before any work, attention features the evaluation cannot simulate (one line)."""
+    cfg = model.config
+    why = []
+    if getattr(cfg, "is_encoder_decoder", False):
+        why.append("it is an encoder-decoder model (cross-attention)")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        why.append(f"it soft-caps attention logits (attn_logit_softcapping={cfg.attn_logit_softcapping})")
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "k_proj") and getattr(m, "is_causal", True) is False:
+            why.append("an attention layer is not causal")
+            break
+    if why:
+        raise UserError(f"model {name}: kvcompress cannot simulate its attention: {'; '.join(why)}")
 
-    A baseline (fp16) book leaves the model's own attention untouched.
+
+@contextmanager
+def compressed_attention(model, book: ScaleBook | None, errors: LayerErrors | None = None, q_block: int = 256, exact: bool = False):
+    """Within the block, call the model as `model(ids, **kw)` where kw carries the evaluation context.
+
+        with compressed_attention(model, book) as kw:
+            logits = model(input_ids=ids, **kw).logits
+
+    The model's attention reads the simulated compressed cache of `book` (decode-equivalent). A
+    baseline (fp16) book leaves the model's own attention untouched. exact=True (book None): the
+    evaluation path with nothing compressed, for the self-check.
     """
-    if book.spec.is_baseline:
-        yield
+    if not exact and (book is None or book.spec.is_baseline):
+        yield {}
         return
-    _CTX[EVAL_ATTN] = _Ctx(book, errors, q_block)
-    try:
-        with attention_implementation(model, EVAL_ATTN):
-            yield
-    finally:
-        _CTX.pop(EVAL_ATTN, None)
+    with attention_implementation(model, EVAL_ATTN):
+        yield {"kvc_ctx": EvalContext(book, errors, q_block, exact)}

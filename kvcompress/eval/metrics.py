@@ -25,6 +25,10 @@ class QualityAccumulator:
         """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
         lb = torch.log_softmax(logits_base[:, :-1].float(), dim=-1)
         lc = torch.log_softmax(logits_comp[:, :-1].float(), dim=-1)
+        self.update_logprobs(lb, lc, ids)
+
+    def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor) -> None:
+        """lb, lc: [B, T-1, V] next-token log-probabilities at positions 0..T-2; ids: [B, T]."""
         tgt = ids[:, 1:].unsqueeze(-1)
         self.nll_base += float(-lb.gather(-1, tgt).sum())
         self.nll_comp += float(-lc.gather(-1, tgt).sum())
@@ -56,3 +60,10 @@ class QualityAccumulator:
                 {"start": b * KL_POSITION_BIN + 1, "kl_mean": self.kl_pos_sum[b] / self.kl_pos_n[b]} for b in sorted(self.kl_pos_sum)
             ],
         }
+
+
+def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:
+    """Mean KL(base || other) of next-token distributions over every position. logits: [..., V]."""
+    lb = torch.log_softmax(logits_base.double(), -1)
+    lo = torch.log_softmax(logits_other.double(), -1)
+    return float((lb.exp() * (lb - lo)).sum(-1).clamp(min=0).mean())

@@ -21,41 +21,82 @@ def _fmt(v, digits=4) -> str:
     return str(v)
 
 
-def quality_rows(r: Report) -> list[tuple[str, str, str]]:
-    q = r.quality
+def _ci(c) -> str:
+    return "" if not c else f" [{c[0]:.2f}, {c[1]:.2f}]"
+
+
+def _results(r: Report):
+    from kvcompress.stages.validate import report_primary
+
+    return [report_primary(r), *r.fallbacks]
+
+
+def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
+    """Header and rows of the side-by-side table: baseline, then every validated format."""
+    fr = _results(r)
+    head = ["metric", r.model.get("baseline", "unquantized cache")] + [f"{f.tier} tier: {f.name} ({f.role})" for f in fr]
+    q0 = fr[0].quality
     rows = [
-        ("perplexity", _fmt(q.ppl_baseline), _fmt(q.ppl_compressed)),
-        ("perplexity delta (relative)", "", f"{100 * q.ppl_delta_rel:+.3f}%"),
-        ("KL mean / p99 (nats)", "", f"{q.kl_mean:.3e} / {q.kl_p99:.3e}"),
-        ("top-1 agreement", "", f"{100 * q.top1_agree:.2f}%"),
-        ("key clipping rate", "", f"{q.key_clip_rate:.2e}"),
+        ("verdict (gates it rests on)", "", *[f"{f.verdict.upper()} ({', '.join(f.verdict_basis) or 'no gates'})" for f in fr]),
+        ("perplexity", _fmt(q0.ppl_baseline), *[_fmt(f.quality.ppl_compressed) for f in fr]),
+        ("perplexity delta (relative)", "", *[f"{100 * f.quality.ppl_delta_rel:+.3f}%" for f in fr]),
+        ("KL mean / p99 (nats)", "", *[f"{f.quality.kl_mean:.3e} / {f.quality.kl_p99:.3e}" for f in fr]),
+        ("top-1 agreement", "", *[f"{100 * f.quality.top1_agree:.2f}%" for f in fr]),
+        ("key / value clipping (saturation) rate", "", *[f"{f.quality.key_clip_rate:.2e} / {f.quality.value_clip_rate:.2e}" for f in fr]),
+        ("bits per element (all metadata)", "16", *[f"{f.memory.bits_per_element:.2f}" for f in fr]),
     ]
-    if r.tasks:
-        t = r.tasks
-        rows += [("retrieval exact (teacher-forced)", _fmt(t["retrieval_fp16"]), _fmt(t["retrieval_compressed"])), ("exact copy (teacher-forced)", _fmt(t["exact_fp16"]), _fmt(t["exact_compressed"]))]
-        for name, s in t["tasks"].items():
-            rows.append((f"  {name}: exact tf / greedy", f"{_fmt(s['tf_exact_fp16'])} / {_fmt(s['greedy_exact_fp16'])}", f"{_fmt(s['tf_exact_compressed'])} / {_fmt(s['greedy_exact_compressed'])} (seed spread {_fmt(s['seed_spread_compressed'], 2)})"))
-    return rows
+    if fr[0].tasks:
+        for key, label in (("retrieval", "retrieval exact"), ("exact_copy", "exact copy")):
+            g0 = fr[0].tasks.get(key)
+            if not g0:
+                continue
+            rows.append((f"{label} (n={g0['n']}, 95% CI)", f"{g0['fp16']:.2f}{_ci(g0['fp16_ci'])}",
+                         *[f"{f.tasks[key]['compressed']:.2f}{_ci(f.tasks[key]['compressed_ci'])}; drop {f.tasks[key]['drop']['drop']:+.3f} "
+                           f"[{f.tasks[key]['drop']['ci_low']:+.3f}, {f.tasks[key]['drop']['ci_high']:+.3f}]" for f in fr]))
+        for name, t0 in fr[0].tasks["tasks"].items():
+            rows.append((f"  {name} exact (n={t0['n']})", f"{t0['exact_fp16']:.2f}{_ci(t0['exact_fp16_ci'])}",
+                         *[f"{f.tasks['tasks'][name]['exact_compressed']:.2f}{_ci(f.tasks['tasks'][name]['exact_compressed_ci'])}" for f in fr]))
+        rows.append(("greedy through CompressedCache agrees with scoring", "",
+                     *[(f"{f.tasks['greedy_check']['agree']}/{f.tasks['greedy_check']['checked']}" if f.tasks.get("greedy_check") else "n/a (simulated native cache)") for f in fr]))
+    return head, rows
+
+
+def gate_rows(r: Report) -> list[tuple[str, ...]]:
+    out = []
+    for f in _results(r):
+        for g in f.gates:
+            ci = "" if g.ci_low is None else f" [{g.ci_low:+.3f}, {g.ci_high:+.3f}] (n={g.n}, paired)"
+            out.append((f.name, g.name, str(g.threshold), f"{_fmt(g.value)}{ci}", g.status))
+    return out
 
 
 def render_md(r: Report) -> str:
     m = r.memory
-    out = [f"# kvcompress report: {r.model.get('name')} / {r.kv['name']}", "", f"**Verdict: {r.verdict.upper()}**", ""]
-    if r.gates:
-        out += ["| gate | threshold | value | passed |", "|---|---|---|---|"]
-        out += [f"| {g.name} | {g.threshold} | {_fmt(g.value)} | {'yes' if g.passed else 'NO'} |" for g in r.gates]
+    title = f"{r.model.get('architecture')} ({r.model.get('name')}: {r.model.get('path') or r.model.get('file') or r.model.get('source')})"
+    out = [f"# kvcompress report: {title} / {r.kv['name']}", "", f"**Verdict ({r.kv['name']}): {r.verdict.upper()}**", ""]
+    for f in r.fallbacks:
+        out.append(f"**Native fallback {f.name} ({f.role}_ckpt): {f.verdict.upper()}**  ")
+    out += ["", "| format | gate | threshold | value | status |", "|---|---|---|---|---|"]
+    out += [f"| {' | '.join(row)} |" for row in gate_rows(r)]
     out += [f"- {n}" for n in r.notes]
-    out += ["", "## Quality (fp16 cache vs compressed cache, same model, same held-out tokens)", "", "| metric | fp16 | compressed |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in quality_rows(r)]
-    out += ["", "## Memory", "", f"- bytes per token at {m.context} tokens: fp16 {m.bytes_per_token_fp16:.0f}, compressed {m.bytes_per_token_compressed:.1f} ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/element)"]
+    head, rows = quality_rows(r)
+    out += ["", "## Quality: every validated format on the same held-out tokens", "",
+            f"Perplexity, KL and top-1: {r.quality.semantics}. Tasks: {(r.tasks or {}).get('semantics', 'not run')}.", "",
+            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    out += ["", "## Memory", "", f"- bytes per token at {m.context} tokens: {r.model.get('baseline', 'unquantized')} {m.bytes_per_token_fp16:.0f}, compressed {m.bytes_per_token_compressed:.1f} ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/element)"]
     out += [f"- {k}: {v:.2f} B/token" for k, v in m.breakdown_per_token.model_dump().items() if v]
     for name, p in r.planner.items():
         for row in p["rows"]:
             out.append(f"- {name} on one {p['gpu']} at {row['context']} tokens: {row['fp16']['max_concurrent_seqs']} -> {row['compressed']['max_concurrent_seqs']} sequences (x{_fmt(row['capacity_multiplier'], 3)})")
     out += ["", "## What was verified", ""] + [f"- **{k}**: {v}" for k, v in r.verified.items()]
     if r.export:
-        out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})"]
-        out += [f"- tier {k}: {v.get('what')}" for k, v in r.export["tiers"].items()]
+        out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
+                f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
+        out += [f"- {k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()}): {v['what']}" for k, v in r.export["artifacts"].items()]
+        out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
+    if r.stage_times_s:
+        out += ["", "## Stage times", "", ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items()) + f" (total {sum(r.stage_times_s.values()):.0f} s)"]
     out += ["", "## Config and provenance", "", "```json", json.dumps({"kv": r.kv, "eval": r.eval, "model": r.model, "provenance": r.provenance}, indent=1, default=str)[:6000], "```", ""]
     return "\n".join(out)
 
@@ -80,59 +121,78 @@ def heatmap(values: list[list[float]], title: str, width: int = 1000) -> str:
     return _svg(int(len(values[0]) * cw), len(values) * ch, "".join(body), title)
 
 
-def bars(labels: list[str], series: dict[str, list[float]], title: str, w: int = 640, h: int = 180) -> str:
-    colors = ["#4878a8", "#d9822b", "#6a9955"]
+def bars(labels: list[str], series: dict[str, list[float]], title: str, xlabel: str, ylabel: str, w: int = 640, h: int = 200) -> str:
+    """Grouped bars with a labelled y axis (0 and max ticks) and x axis; legend above the plot area."""
+    colors = ["#4878a8", "#d9822b", "#6a9955", "#a05195"]
     n = len(labels)
     vmax = max((v for s in series.values() for v in s if v is not None), default=1.0) or 1.0
-    bw = (w - 40) / max(1, n) / (len(series) + 0.5)
-    body = [f'<line x1="30" y1="{h - 20}" x2="{w}" y2="{h - 20}" stroke="#888"/>', f'<text x="0" y="12" font-size="10">{_fmt(vmax, 3)}</text>']
+    top, left, bottom = 14 + 12 * len(series), 60, 34
+    h = h + top
+    bw = (w - left - 10) / max(1, n) / (len(series) + 0.5)
+    body = [f'<line x1="{left}" y1="{h - bottom}" x2="{w}" y2="{h - bottom}" stroke="#888"/>', f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#888"/>',
+            f'<text x="{left - 4}" y="{top + 8}" font-size="9" text-anchor="end">{_fmt(vmax, 3)}</text>', f'<text x="{left - 4}" y="{h - bottom}" font-size="9" text-anchor="end">0</text>',
+            f'<text x="10" y="{(top + h - bottom) / 2:.0f}" font-size="10" transform="rotate(-90 10 {(top + h - bottom) / 2:.0f})" text-anchor="middle">{html.escape(ylabel)}</text>',
+            f'<text x="{(left + w) / 2:.0f}" y="{h - 2}" font-size="10" text-anchor="middle">{html.escape(xlabel)}</text>']
     for k, (name, vals) in enumerate(series.items()):
         for i, v in enumerate(vals):
             if v is None:
                 continue
-            bh = (h - 30) * v / vmax
-            x = 30 + i * bw * (len(series) + 0.5) + k * bw
-            body.append(f'<rect x="{x:.1f}" y="{h - 20 - bh:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{colors[k % 3]}"><title>{html.escape(labels[i])} {name}: {_fmt(v)}</title></rect>')
-        body.append(f'<text x="{w - 160}" y="{14 + 12 * k}" font-size="10" fill="{colors[k % 3]}">{html.escape(name)}</text>')
+            bh = (h - bottom - top) * v / vmax
+            x = left + i * bw * (len(series) + 0.5) + k * bw
+            body.append(f'<rect x="{x:.1f}" y="{h - bottom - bh:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{colors[k % 4]}"><title>{html.escape(labels[i])} {name}: {_fmt(v)}</title></rect>')
+        body.append(f'<text x="{left + 4}" y="{12 + 12 * k}" font-size="10" fill="{colors[k % 4]}">&#9632; {html.escape(name)}</text>')
     step = max(1, n // 12)
     for i in range(0, n, step):
-        body.append(f'<text x="{30 + i * bw * (len(series) + 0.5):.1f}" y="{h - 6}" font-size="9">{html.escape(labels[i])}</text>')
+        body.append(f'<text x="{left + i * bw * (len(series) + 0.5):.1f}" y="{h - bottom + 12}" font-size="9">{html.escape(labels[i])}</text>')
     return _svg(w, h, "".join(body), title)
 
 
 def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     q, m = r.quality, r.memory
-    verdict_color = "#1a7f37" if r.verdict == "pass" else "#cf222e"
+    verdict_color = {"pass": "#1a7f37", "inconclusive": "#9a6700"}.get(r.verdict, "#cf222e")
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>kvcompress report</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}figure{margin:1em 0}figcaption{font-weight:bold}"
         f"#verdict{{font-size:2em;color:{verdict_color}}}</style></head><body>",
-        f"<h1>kvcompress report: {html.escape(str(r.model.get('name')))} / {html.escape(r.kv['name'])}</h1>",
+        f"<h1>kvcompress report: {html.escape(str(r.model.get('architecture')))} ({html.escape(str(r.model.get('name')))}: "
+        f"{html.escape(str(r.model.get('path') or r.model.get('file') or r.model.get('source')))}) / {html.escape(r.kv['name'])}</h1>",
         f"<p id='verdict'>Verdict: {r.verdict.upper()}</p>",
     ]
-    if r.gates:
-        parts.append("<table><tr><th>gate</th><th>threshold</th><th>value</th><th>passed</th></tr>")
-        parts += [f"<tr><td>{g.name}</td><td>{g.threshold}</td><td>{_fmt(g.value)}</td><td>{'yes' if g.passed else 'NO'}</td></tr>" for g in r.gates]
-        parts.append("</table>")
+    parts += [f"<p><b>Native fallback {html.escape(f.name)} ({f.role}_ckpt): {f.verdict.upper()}</b></p>" for f in r.fallbacks]
+    parts.append("<table><tr><th>format</th><th>gate</th><th>threshold</th><th>value</th><th>status</th></tr>")
+    parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in gate_rows(r)]
+    parts.append("</table>")
     parts += [f"<p>{html.escape(n)}</p>" for n in r.notes]
-    parts.append("<h2>Quality</h2><table><tr><th>metric</th><th>fp16</th><th>compressed</th></tr>")
-    parts += [f"<tr><td>{html.escape(a)}</td><td>{html.escape(b)}</td><td>{html.escape(c)}</td></tr>" for a, b, c in quality_rows(r)]
+    head, rows = quality_rows(r)
+    parts.append(f"<h2>Quality</h2><p>Perplexity, KL, top-1: {html.escape(r.quality.semantics)}. Tasks: {html.escape((r.tasks or {}).get('semantics', 'not run'))}.</p>")
+    parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
+    parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
     parts.append("</table><h2>Plots</h2>")
     if key_absmax:
         parts.append(heatmap(key_absmax, "post-RoPE key channel absmax per layer (rows) x kv-head*channel (columns), relative to the layer max"))
-    parts.append(bars([str(i) for i in range(len(q.attn_rel_error_per_layer))], {"relative attention-output error": q.attn_rel_error_per_layer}, "per-layer error"))
-    parts.append(bars([str(b.start) for b in q.kl_by_position], {"KL": [b.kl_mean for b in q.kl_by_position]}, "KL(fp16 || compressed) against context position"))
+    fr = _results(r)
+    parts.append(bars([str(i) for i in range(len(q.attn_rel_error_per_layer))], {f.name: f.quality.attn_rel_error_per_layer for f in fr},
+                      "per-layer relative error of the attention output", "layer", "||o_hat - o|| / ||o||"))
+    parts.append(bars([str(b.start) for b in q.kl_by_position], {f.name: [b.kl_mean for b in f.quality.kl_by_position] for f in fr},
+                      "KL(unquantized || compressed) against context position", "first token position of the bin", "KL (nats)"))
     if r.tasks and r.tasks["grid"]:
         g = r.tasks["grid"]
-        parts.append(bars([f"{x['length']}@{x['depth']}" for x in g], {"fp16": [x["fp16"] for x in g], "compressed": [x["compressed"] for x in g]}, "retrieval accuracy over length @ depth"))
+        parts.append(bars([f"{x['length']}@{x['depth']}" for x in g], {"unquantized": [x["fp16"] for x in g], r.kv["name"]: [x["compressed"] for x in g]},
+                          "retrieval accuracy over length @ depth", "context length (tokens) @ needle depth", "exact-match accuracy"))
     bd = {k: v for k, v in m.breakdown_per_token.model_dump().items() if v}
-    parts.append(bars(list(bd), {"bytes/token": list(bd.values())}, f"compressed bytes per token at {m.context} tokens: {m.bytes_per_token_compressed:.1f} vs fp16 {m.bytes_per_token_fp16:.0f} ({m.compression_ratio:.2f}x)"))
+    parts.append(bars(list(bd), {"bytes/token": list(bd.values())}, f"compressed bytes per token at {m.context} tokens: {m.bytes_per_token_compressed:.1f} vs {m.bytes_per_token_fp16:.0f} unquantized ({m.compression_ratio:.2f}x)",
+                      "part of the cache", "bytes per token"))
     caps = [(f"{n}@{row['context']}", row["capacity_multiplier"]) for n, p in r.planner.items() for row in p["rows"]]
-    parts.append(bars([c[0] for c in caps], {"capacity multiplier": [c[1] for c in caps]}, "concurrent sequences, compressed / fp16, one GPU"))
+    parts.append(bars([c[0] for c in caps], {"capacity multiplier": [c[1] for c in caps]}, "concurrent sequences, compressed / unquantized, one GPU",
+                      "model @ context (tokens)", "capacity multiplier (x)"))
     parts.append("<h2>What was verified</h2><ul>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in r.verified.items()) + "</ul>")
     if r.export:
         parts.append(f"<h2>Export</h2><p>TensorRT engine built: <b>{r.export['engine_built']}</b> ({html.escape(r.export['engine_reason'])})</p>")
+        parts.append("<ul>" + "".join(f"<li>{html.escape(k)} ({v['tier']} tier, from validated {html.escape(v['validated_as'])}): {html.escape(v['what'])}</li>" for k, v in r.export["artifacts"].items()) + "</ul>")
+        parts.append("<table><tr><th>check that ran in this export</th><th>status</th></tr>" + "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{c['status']}</td></tr>" for c in r.export["checks"]) + "</table>")
+    if r.stage_times_s:
+        parts.append("<h2>Stage times</h2><p>" + html.escape(", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items())) + "</p>")
     parts.append("<h2>Config and provenance</h2><pre>" + html.escape(json.dumps({"kv": r.kv, "eval": r.eval, "model": r.model, "provenance": r.provenance}, indent=1, default=str)) + "</pre>")
     parts.append("</body></html>")
     return "".join(parts)

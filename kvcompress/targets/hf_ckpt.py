@@ -1,12 +1,19 @@
-"""The folded model as a Hugging Face checkpoint with FP8 KV-cache scales.
+"""The folded model as a Hugging Face checkpoint with FP8 KV-cache scales (ModelOpt's unified format).
 
-Format followed: NVIDIA ModelOpt's unified HF export as read in shared/notes/trtllm_export.md §4
-(ModelOpt @a2fbac7b, `unified_export_hf.py` / `quant_utils.py`): per layer scalar
-`model.layers.{i}.self_attn.k_proj.k_scale` and `...v_proj.v_scale` = amax / 448, plus
-`hf_quant_config.json` {"quantization": {"kv_cache_quant_algo": "FP8", "quant_algo": null}} and a
-matching `quantization_config` in config.json (quant_method "modelopt"). This is what the
-TensorRT-LLM PyTorch backend (`trtllm-serve`) and vLLM read for an FP8 KV cache. Not verified
-here: neither can be installed on this machine.
+What is written, and where each part comes from:
+* weights in `export.dtype`, sharded (`model-0000i-of-0000n.safetensors`, at most `export.shard_mb`
+  per shard) with `model.safetensors.index.json`, as transformers' save_pretrained lays them out;
+* per layer scalars `model.layers.{i}.self_attn.k_proj.k_scale` and `...v_proj.v_scale` =
+  amax / 448 (the dequant scale of an FP8 e4m3 KV cache), the names and meaning ModelOpt's
+  unified HF export uses (`modelopt/torch/export/quant_utils.py`, 0.47);
+* `hf_quant_config.json`: {"producer", "quantization": {"quant_algo": null, "kv_cache_quant_algo":
+  "FP8"}}, exactly ModelOpt's `get_quant_config` shape for a KV-only model, and in config.json the
+  `quantization_config` that ModelOpt's own `convert_hf_quant_config_format` derives from it (for
+  KV-only it has no `quant_algo` key, a `kv_cache_scheme`, `quant_method: modelopt`); a test runs
+  ModelOpt's converter on our hf_quant_config.json and compares;
+* config.json readable by transformers 4.57 (TensorRT-LLM 1.2's pin: `rope_theta`, `rope_scaling`,
+  `torch_dtype`) and 5.x (`rope_parameters`); one dtype value.
+Not verified here: loading by vLLM or trtllm-serve (neither installs on this machine).
 """
 from __future__ import annotations
 
@@ -18,36 +25,82 @@ import torch
 from kvcompress.artifacts import atomic_write_json, save_plain_safetensors
 
 FP8_MAX = 448.0
+PRODUCER = {"name": "kvcompress", "modelopt_format": "0.47 unified HF export"}
 
 
-def write_hf_checkpoint(model, tokenizer, out_dir: Path, kv_amax: torch.Tensor, dtype: torch.dtype = torch.float16) -> Path:
-    """kv_amax: [L] amax of the folded K and V per layer (shared, as the per-tensor formats use)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    for i, a in enumerate(kv_amax.tolist()):
-        s = torch.tensor(a / FP8_MAX, dtype=torch.float32)
-        state[f"model.layers.{i}.self_attn.k_proj.k_scale"] = s
-        state[f"model.layers.{i}.self_attn.v_proj.v_scale"] = s.clone()
-    save_plain_safetensors(out_dir / "model.safetensors", state)
-    quant = {"quant_algo": None, "kv_cache_quant_algo": "FP8"}
-    cfg = model.config.to_dict()
+def quant_config() -> dict:
+    return {"producer": PRODUCER, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}
+
+
+def config_quantization(hf_quant: dict) -> dict:
+    """ModelOpt 0.47's convert_hf_quant_config_format for a KV-only FP8 config (checked by a test)."""
+    return {"ignore": [], "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+            "producer": hf_quant["producer"], "quant_method": "modelopt"}
+
+
+def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
+    """config.json for transformers 4.57 and 5.x: both RoPE spellings, one dtype value."""
+    cfg = hf_config.to_dict()
     cfg.pop("quantization_config", None)
-    cfg["quantization_config"] = {"quant_method": "modelopt", **quant}
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", "default")
+    cfg["rope_theta"] = theta
+    cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")}}
+    name = str(dtype).removeprefix("torch.")
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = name  # 4.57 reads torch_dtype; 5.x maps it to dtype
+    return cfg
+
+
+def write_hf_checkpoint(state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float) -> Path:
+    """state: the folded HF state dict; kv_scale: [L] FP8 dequant scale (amax/448) shared by K and V."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    if hf_config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for i, s in enumerate(kv_scale.tolist()):
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(s, dtype=torch.float32)
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(s, dtype=torch.float32)
+    shards, cur, size = [], {}, 0
+    for k in sorted(tensors):
+        nb = tensors[k].numel() * tensors[k].element_size()
+        if cur and size + nb > shard_mb * 1e6:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = tensors[k]
+        size += nb
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_plain_safetensors(out_dir / name, shard)
+        weight_map |= dict.fromkeys(shard, name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    atomic_write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    hq = quant_config()
+    cfg = hf_config_dict(hf_config, dtype)
+    cfg["quantization_config"] = config_quantization(hq)
     atomic_write_json(out_dir / "config.json", cfg)
-    atomic_write_json(out_dir / "hf_quant_config.json", {"producer": {"name": "kvcompress"}, "quantization": quant})
+    atomic_write_json(out_dir / "hf_quant_config.json", hq)
     if hasattr(tokenizer, "tok"):
         tokenizer.tok.save_pretrained(str(out_dir))
     return out_dir
 
 
-def read_kv_scales(ckpt: Path) -> dict[str, float]:
-    from safetensors import safe_open
+def read_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a sharded checkpoint (via its index)."""
+    from safetensors.torch import load_file
 
-    with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k).item() for k in f.keys() if k.endswith(("k_scale", "v_scale"))}
+    index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())
+    out = {}
+    for f in sorted(set(index["weight_map"].values())):
+        out |= load_file(str(Path(ckpt) / f))
+    return out
+
+
+def read_kv_scales(ckpt: Path) -> dict[str, float]:
+    return {k: float(v) for k, v in read_state(ckpt).items() if k.endswith(("k_scale", "v_scale"))}
 
 
 def read_config(ckpt: Path) -> dict:

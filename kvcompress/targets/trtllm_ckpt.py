@@ -111,14 +111,21 @@ def rank_weights(state: dict[str, torch.Tensor], geom, tp: int, rank: int, kv_sc
     return {k: (v.to(dtype) if v.is_floating_point() and "scaling_factor" not in k else v) for k, v in out.items()}
 
 
-def write_checkpoint(model, geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None, kv_scales: torch.Tensor | None) -> Path:
-    """Write config.json and rank{r}.safetensors for tensor parallel size tp."""
+def write_checkpoint(model_or_state, geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None, kv_scales: torch.Tensor | None, hf_config=None) -> Path:
+    """Write config.json and rank{r}.safetensors for tensor parallel size tp.
+
+    model_or_state: a transformers model, or a (folded) HF state dict with its `hf_config`.
+    """
     check_tp(geom, tp)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if hasattr(model_or_state, "state_dict"):
+        hf_config = model_or_state.config
+        state = {k: v.detach() for k, v in model_or_state.state_dict().items()}
+    else:
+        state = model_or_state
     for r in range(tp):
         save_plain_safetensors(out_dir / f"rank{r}.safetensors", rank_weights(state, geom, tp, r, kv_scales, DTYPES[dtype]))
-    atomic_write_json(out_dir / "config.json", trtllm_config(model.config, geom, tp, dtype, kv_algo))
+    atomic_write_json(out_dir / "config.json", trtllm_config(hf_config, geom, tp, dtype, kv_algo))
     return out_dir
 
 

@@ -61,13 +61,14 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward(ckpt: Path, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.Tensor:
-    """Logits [B, T, V] of the checkpoint on ids [B, T] (float32).
+def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.Tensor:
+    """Logits [B, T, V] of the checkpoint on ids [B, T] (float32 math on the checkpoint's values).
 
-    simulate_kv_quant: round K and V through the checkpoint's kv_cache_quant_algo with its
-    per-layer kv_cache_scaling_factor before attention (what TensorRT-LLM caches).
+    ckpt: a checkpoint directory, or merge_shards(dir) already loaded. simulate_kv_quant: round K
+    and V to fp16, then through the checkpoint's kv_cache_quant_algo with its per-layer
+    kv_cache_scaling_factor, before attention (what TensorRT-LLM caches).
     """
-    cfg, w = merge_shards(ckpt)
+    cfg, w = ckpt if isinstance(ckpt, tuple) else merge_shards(ckpt)
     nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"], cfg["norm_epsilon"]
     algo = (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
     B, T = ids.shape

@@ -1,0 +1,97 @@
+"""Re-measure what was written: read an exported checkpoint back and score it like validate did.
+
+* TensorRT-LLM checkpoint: the pure-PyTorch reader (kvcompress.targets.trtllm_reader) runs the
+  checkpoint's own tensors (fp16/bf16 values, float32 math) and quantizes K/V with the
+  kv_cache_quant_algo and per-layer kv_cache_scaling_factor stored in it, as TensorRT-LLM does.
+* Hugging Face checkpoint: transformers builds the model from the written config.json and loads
+  the written shards; the KV cache is quantized to FP8 with the k_scale/v_scale read from them.
+Both are compared, on the same held-out windows, with the unquantized original model.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcompress.eval.metrics import QualityAccumulator
+from kvcompress.scalebook import ScaleBook
+from kvcompress.spec import native_spec
+from kvcompress.targets import trtllm_reader
+from kvcompress.targets.hf_ckpt import read_state
+
+
+@torch.no_grad()
+def baseline_logprobs(model, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    dev = next(model.parameters()).device
+    out = []
+    for lo in range(0, windows.shape[0], batch_size):
+        logits = model(input_ids=windows[lo : lo + batch_size].to(dev), use_cache=False).logits
+        out.append(torch.log_softmax(logits[:, :-1].float(), -1).cpu())
+    return out
+
+
+@torch.no_grad()
+def _score(logits_fn, windows: torch.Tensor, base: list[torch.Tensor], batch_size: int) -> dict:
+    acc = QualityAccumulator()
+    for i, lo in enumerate(range(0, windows.shape[0], batch_size)):
+        ids = windows[lo : lo + batch_size]
+        acc.update_logprobs(base[i], torch.log_softmax(logits_fn(ids)[:, :-1].float(), -1).cpu(), ids)
+    r = acc.result()
+    return {k: r[k] for k in ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")}
+
+
+def remeasure_trtllm(ckpt, windows, base, batch_size: int) -> dict:
+    loaded = trtllm_reader.merge_shards(ckpt)
+    return _score(lambda ids: trtllm_reader.forward(loaded, ids, simulate_kv_quant=True), windows, base, batch_size)
+
+
+def native_book_from_scales(geometry: dict, fmt: str, scales: torch.Tensor) -> ScaleBook:
+    """A native ScaleBook with no fold (the checkpoint's weights are already folded) and `scales` [L]."""
+    L, H, D = geometry["n_layers"], geometry["n_kv_heads"], geometry["head_dim"]
+    spec = native_spec(fmt).model_copy(update={"fold_keys": False, "fold_values": False})
+    ones = torch.ones(L, H, D)
+    t = {"fold_k": ones, "fold_v": ones, "native_scale": scales.float(), "k_scale": ones, "k_zero": torch.zeros(L, H, D),
+         "k_clip": torch.ones(L, H), "k_outliers": torch.zeros(L, H, 0, dtype=torch.int64), "k_range": ones}
+    return ScaleBook(spec, geometry, t, {}, {"method": "scales read back from an exported checkpoint"})
+
+
+def load_hf_checkpoint(ckpt):
+    """(model in float32 holding the checkpoint's values, per-layer FP8 scale [L]) via transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+    cfg.quantization_config = None
+    state = read_state(ckpt)
+    L = cfg.num_hidden_layers
+    k = torch.tensor([float(state.pop(f"model.layers.{i}.self_attn.k_proj.k_scale")) for i in range(L)])
+    v = torch.tensor([float(state.pop(f"model.layers.{i}.self_attn.v_proj.v_scale")) for i in range(L)])
+    if not torch.equal(k, v):
+        raise ValueError("k_scale != v_scale: kvcompress writes one shared scale per layer")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict({n: t.float() for n, t in state.items()}, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"hf checkpoint does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model, k
+
+
+def remeasure_hf(ckpt, geometry: dict, windows, base, batch_size: int) -> dict:
+    from kvcompress.eval.attention import compressed_attention
+
+    model, scales = load_hf_checkpoint(ckpt)
+    book = native_book_from_scales(geometry, "native_fp8", scales)
+
+    def logits(ids):
+        with compressed_attention(model, book) as kw:
+            return model(input_ids=ids, use_cache=False, **kw).logits
+
+    return _score(logits, windows, base, batch_size)
+
+
+def compare(validated: dict, remeasured: dict, rel: float, abs_: float) -> dict:
+    """The re-measured KL must equal the validated one within max(rel * KL, abs)."""
+    a, b = validated["kl_mean"], remeasured["kl_mean"]
+    tol = max(rel * a, abs_)
+    return {"validated_kl": a, "remeasured_kl": b, "tolerance": tol, "passed": abs(a - b) <= tol,
+            "validated_ppl_delta_rel": validated["ppl_delta_rel"], "remeasured_ppl_delta_rel": remeasured["ppl_delta_rel"],
+            "remeasured": remeasured}
