@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, ValidationError, model_validator
+import re
+
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcompress.errors import UserError
 from kvcompress.spec import NATIVE_ALGO, Frozen, KVSpec, native_spec
@@ -36,6 +38,13 @@ class ModelConfig(Frozen):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
     tiny: Optional[TinyModelConfig] = None
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", v):
+            raise ValueError(f"model.device={v!r} is not a device; allowed: cpu, cuda, cuda:N, auto (accelerate spreads layers over GPUs)")
+        return v
 
     @model_validator(mode="after")
     def _source_fields(self) -> "ModelConfig":

@@ -21,6 +21,8 @@ BAD = [
     (["export=none", "stages=[profile,fit,validate,export]"], "stages contains export but export=none"),
     (["export=trtllm", "stages=[profile,fit,validate]"], "export=trtllm was selected but stages="),
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
+    (["model.device=gpu0"], "model.device='gpu0' is not a device"),
+    (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
 ]
 
 

@@ -6,11 +6,14 @@ cache, and the answer is decoded token by token over that cache. The first answe
 from the prefill (exact by construction); every later answer token reads the compressed prompt.
 
 Teacher-forced scoring (answer log-probability; exact match = the argmax is the answer at every
-answer position, which is exactly when greedy decoding reproduces the answer) shares one fp16
-forward per sample across all formats: the prompt K/V are captured once and stored into each
-format's cache. A few samples are also generated greedily through the real `CompressedCache`
-from the raw prompt, as an independent check that the teacher-forced scores are what a
-deployment would produce.
+answer position, which is exactly when greedy decoding reproduces the answer) shares one prefill
+per sample across all formats: the prompt's exact K/V are captured once; each side then scores
+the whole answer in one pass whose queries read every older position decode-equivalently (fp16
+iff sink or within the window of that query, else the reference-encoded value), which is what
+decoding the answer token by token over the cache produces, since a token's stored form depends
+on that token alone. The unquantized side runs the same attention path with nothing compressed.
+A few samples are also generated greedily through the real `CompressedCache` from the raw
+prompt, as an independent check that the teacher-forced scores are what a deployment produces.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcompress.eval.attention import CONTEXT_PHASE
+from kvcompress.cache import CompressedCache
+from kvcompress.eval.attention import CONTEXT_PHASE, compressed_attention
 from kvcompress.eval.intervals import paired_drop, wilson
-from kvcompress.eval.native_cache import cache_for
 from kvcompress.eval.tasks import TASKS
 
 NEEDLE_TASKS = ("passkey", "multikey", "vartrack")
@@ -36,33 +40,58 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[float, bool]:
     return float(lp.gather(-1, answer[:, None]).sum()), bool((lp.argmax(-1) == answer).all())
 
 
+class _PrefixLayer(CacheLayerMixin):
+    """Hands attention the fixed exact prompt K/V followed by the new tokens; stores nothing."""
+
+    is_sliding = False
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        super().__init__()
+        self.k, self.v = k, v  # [B, H, P, D]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.k, key_states], -2), torch.cat([self.v, value_states], -2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.k.shape[-2] + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.k.shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PrefixCache(Cache):
+    """A teacher-forcing cache over a prefilled prompt: [prompt K/V (exact), answer K/V]."""
+
+    def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__(layers=[_PrefixLayer(k, v) for k, v in prompt_kv])
+
+
 @torch.no_grad()
 def score_sample(model, prompt: list[int], answer: list[int], books: dict) -> dict[str, tuple[float, bool]]:
-    """{"fp16": (logprob, exact), name: (...) for each book} for one sample, context-phase.
-
-    Every side runs the same path: one prefill of the prompt (computed once, exact), then the
-    answer decoded token by token (teacher-forced) over its own cache; the unquantized side's
-    cache is a plain DynamicCache holding the same prompt K/V.
-    """
+    """{"fp16": (logprob, exact), name: (...) for each book} for one sample, context-phase."""
     dev = next(model.parameters()).device
-    P = len(prompt)
     ans = torch.tensor(answer, device=dev)
     cap = DynamicCache(config=model.config)
     first = model(input_ids=torch.tensor([prompt], device=dev), cache=cap, use_cache=True).logits[0, -1:]  # predicts answer[0]
-    prompt_kv = [(layer.keys, layer.values) for layer in cap.layers]  # [1, H, P, D] each; later updates make new tensors
+    prompt_kv = [(layer.keys, layer.values) for layer in cap.layers]  # exact: the prefill attends exactly
 
-    def decode(cache) -> tuple[float, bool]:
-        logits = [first]  # the first answer token comes from the exact prefill
-        for t in range(len(answer) - 1):
-            logits.append(model(input_ids=ans[t : t + 1].view(1, 1), cache=cache, use_cache=True).logits[0, -1:])
-        return _score(torch.cat(logits), ans)
+    def side(book, exact: bool) -> tuple[float, bool]:
+        if len(answer) == 1:
+            return _score(first, ans)  # the first answer token comes from the exact prefill
+        with compressed_attention(model, book, exact=exact) as kw:
+            rest = model(input_ids=ans[:-1].view(1, -1), cache=PrefixCache(prompt_kv), use_cache=True, **kw).logits[0]
+        return _score(torch.cat([first, rest]), ans)
 
-    out = {"fp16": decode(cap)}
+    out = {"fp16": side(None, True)}
     for name, book in books.items():
-        cache = cache_for(book)
-        for layer, (k, v) in zip(cache.layers, prompt_kv):
-            layer.update(k[..., :P, :], v[..., :P, :])  # the prefill chunk, stored in this format
-        out[name] = decode(cache)
+        out[name] = side(book, False)
     return out
 
 
@@ -91,7 +120,7 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
         if cfg.greedy and checked[s.task] < GREEDY_CHECKS_PER_TASK:
             checked[s.task] += 1
             for name in greedy:
-                gen = _greedy(lm.model, s.prompt, len(s.answer), cache_for(books[name]))
+                gen = _greedy(lm.model, s.prompt, len(s.answer), CompressedCache(books[name]))
                 greedy[name][0] += int((gen == s.answer) == sc[name][1])
                 greedy[name][1] += 1
     return {name: summarise(rows, name, greedy.get(name)) for name in books}

@@ -9,6 +9,15 @@ from kvcompress.models.base import Geometry, LoadedModel  # noqa: E402
 
 def load_model(cfg, cache_dir) -> LoadedModel:
     """Load the model a ModelConfig describes (nothing is downloaded)."""
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        from kvcompress.errors import UserError
+
+        n = torch.cuda.device_count()
+        idx = int(cfg.device.partition(":")[2] or 0)
+        if idx >= n:
+            raise UserError(f"model.device={cfg.device} but this machine has {n} CUDA device(s); use model.device=cpu")
     return SOURCES.get(cfg.source)(cfg, cache_dir)
 
 

@@ -35,5 +35,6 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     if cfg.device != "auto":
         model = model.to(cfg.device)
     tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
-    identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
+    identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p),
+                "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None)}
     return LoadedModel(model.eval(), tok, Geometry.from_hf_config(model.config), identity)

@@ -1,0 +1,135 @@
+"""Rerun the README's measured commands, store their numbers in docs/results/, render the README table.
+
+    python scripts/make_results.py            # rerun every command (about 5 minutes each on 2 cores), then render
+    python scripts/make_results.py --render   # only re-render the README table from docs/results/*.json
+
+Each docs/results/<name>.json holds the command, when and where it ran (versions, git sha, model
+fingerprint, text hashes), and the numbers of its report.json (every validated format, the
+export's re-measurements, stage times). The README block between the results markers is
+rendered from these files only; tests/test_readme_results.py fails when the two disagree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results:begin (rendered by scripts/make_results.py from docs/results/*.json; do not edit) -->", "<!-- results:end -->"
+
+COMMANDS = {
+    "default": "python -m kvcompress",
+}
+
+
+def _fmt_drop(t: dict | None, key: str) -> str:
+    g = (t or {}).get(key)
+    if not g:
+        return "not run"
+    d = g["drop"]
+    return f"{g['fp16']:.2f} -> {g['compressed']:.2f} (n={g['n']}, drop {d['drop']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}])"
+
+
+def summarise(report: dict, command: str, run_dir: Path) -> dict:
+    """What the README shows, from a report.json (plus provenance)."""
+    formats = [{"name": report["kv"]["name"], "tier": "custom" if report["kv"]["format"] == "kvcompress" else "native", "role": "primary",
+                "quality": report["quality"], "memory": report["memory"], "tasks": report.get("tasks"), "verdict": report["verdict"],
+                "verdict_basis": report.get("verdict_basis", [])}]
+    formats += [{k: f[k] for k in ("name", "tier", "role", "quality", "memory", "tasks", "verdict", "verdict_basis")} for f in report.get("fallbacks", [])]
+    for f in formats:
+        f["quality"] = {k: f["quality"][k] for k in ("tokens", "ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree", "key_clip_rate", "value_clip_rate", "semantics")}
+        f["memory"] = {k: f["memory"][k] for k in ("context", "bytes_per_token_fp16", "bytes_per_token_compressed", "compression_ratio", "bits_per_element")}
+        if f["tasks"]:
+            f["tasks"] = {k: f["tasks"][k] for k in ("semantics", "retrieval", "exact_copy", "greedy_check")}
+    export = report.get("export") or {}
+    return {
+        "command": command,
+        "ran": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "run_dir": str(run_dir),
+        "model": {k: report["model"].get(k) for k in ("name", "architecture", "file", "path", "sha256", "dtype", "baseline")},
+        "eval": {k: report["eval"].get(k) for k in ("origin", "sha256", "n_windows", "seq_len")},
+        "provenance": {k: report["provenance"].get(k) for k in ("versions", "python", "git_sha")},
+        "formats": formats,
+        "self_check": report.get("self_check"),
+        "export": {name: {"validated_as": a["validated_as"], "remeasured": {k: a["remeasured"][k] for k in ("validated_kl", "remeasured_kl", "tolerance", "passed")}}
+                   for name, a in export.get("artifacts", {}).items() if "remeasured" in a},
+        "export_checks": [{"check": c["check"], "status": c["status"]} for c in export.get("checks", [])],
+        "stage_times_s": report.get("stage_times_s", {}),
+    }
+
+
+def run(name: str, command: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvc_results_") as tmp:
+        run_dir = Path(tmp) / name
+        argv = shlex.split(command) + [f"hydra.run.dir={run_dir}"]
+        print(f"[make_results] {' '.join(argv)}", flush=True)
+        p = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT)
+        if p.returncode:
+            raise SystemExit(f"make_results: `{command}` exited {p.returncode}")
+        return summarise(json.loads((run_dir / "report.json").read_text()), command, run_dir)
+
+
+def render(results: dict[str, dict]) -> str:
+    """The README block: one table per results file."""
+    out = [BEGIN]
+    for name, r in sorted(results.items()):
+        t = r["stage_times_s"]
+        out += ["", f"`{r['command']}` ({r['model']['architecture']} {r['model']['name']}, baseline: {r['model']['baseline']}; "
+                f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}, git {str(r['provenance']['git_sha'])[:12]}; "
+                f"file `docs/results/{name}.json`):", ""]
+        out += ["| format (tier, exported as) | verdict | bits/element | ppl delta | KL mean / p99 | top-1 | K / V clip rate | retrieval (context-phase) | exact copy (context-phase) |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for f in r["formats"]:
+            q, m = f["quality"], f["memory"]
+            role = {"primary": "kv format", "trtllm": "trtllm_ckpt", "hf": "hf_ckpt"}.get(f["role"], f["role"])
+            out.append(f"| {f['name']} ({f['tier']}, {role}) | {f['verdict'].upper()} | {m['bits_per_element']:.2f} | {100 * q['ppl_delta_rel']:+.3f}% | "
+                       f"{q['kl_mean']:.2e} / {q['kl_p99']:.2e} | {100 * q['top1_agree']:.2f}% | {q['key_clip_rate']:.1e} / {q['value_clip_rate']:.1e} | "
+                       f"{_fmt_drop(f['tasks'], 'retrieval')} | {_fmt_drop(f['tasks'], 'exact_copy')} |")
+        if r["export"]:
+            out += ["", "Exported checkpoints read back and re-measured: " + "; ".join(
+                f"{n} (from {e['validated_as']}) KL {e['remeasured']['remeasured_kl']:.2e} vs validated {e['remeasured']['validated_kl']:.2e} "
+                f"({'within' if e['remeasured']['passed'] else 'OUTSIDE'} tolerance {e['remeasured']['tolerance']:.1e})" for n, e in r["export"].items()) + "."]
+        if t:
+            out += ["", "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + f", total {sum(t.values()):.0f} s (2 CPU cores; the weights cache was warm)."]
+    out += ["", END]
+    return "\n".join(out)
+
+
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def write_readme(results: dict[str, dict]) -> None:
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit("make_results: README.md has no results markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(head + render(results) + tail)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", action="store_true", help="only re-render the README from docs/results")
+    ap.add_argument("--only", default=None, help=f"rerun one of: {', '.join(COMMANDS)}")
+    a = ap.parse_args()
+    if not a.render:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for name, cmd in COMMANDS.items():
+            if a.only and name != a.only:
+                continue
+            (RESULTS / f"{name}.json").write_text(json.dumps(run(name, cmd), indent=1) + "\n")
+    write_readme(load_results())
+    print(f"[make_results] rendered {README} from {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

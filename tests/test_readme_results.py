@@ -1,0 +1,32 @@
+"""Every number in the README's results block comes from docs/results/*.json (rendered by
+scripts/make_results.py); this fails when the README and the committed results disagree."""
+import importlib.util
+import json
+
+from conftest import ROOT
+
+
+def _make_results():
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_results_block_is_rendered_from_the_committed_results():
+    mr = _make_results()
+    results = mr.load_results()
+    assert results, "docs/results/ holds no results files"
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(mr.BEGIN) : readme.index(mr.END) + len(mr.END)]
+    assert block == mr.render(results)
+    for name, r in results.items():
+        assert r["command"] == mr.COMMANDS[name] and f"`{r['command']}`" in readme
+        assert r["provenance"]["git_sha"] and r["model"]["sha256"] and r["eval"]["sha256"]
+
+
+def test_results_files_are_data_with_provenance():
+    for p in (ROOT / "docs" / "results").glob("*.json"):
+        r = json.loads(p.read_text())
+        assert {"command", "ran", "model", "eval", "provenance", "formats", "stage_times_s"} <= set(r)
+        assert r["formats"][0]["role"] == "primary"
