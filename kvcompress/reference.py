@@ -312,6 +312,14 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
 
 
 # ---------------------------------------------------------------- attention over a compressed cache
+def _allowed(pos: torch.Tensor, s_idx: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility [tq, S]: s <= t and t - s < sliding_window."""
+    allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)
+    if sliding_window is not None:
+        allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
+    return allowed
+
+
 def mixed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -354,10 +362,7 @@ def mixed_attention(
     for lo in range(0, Tq, q_block):
         hi = min(Tq, lo + q_block)
         pos = q_pos[lo:hi]
-        allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)  # causal [tq, S]
-        if sliding_window is not None:
-            allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
-        allowed = allowed.expand(B, 1, *allowed.shape)
+        allowed = _allowed(pos, s_idx, sliding_window).expand(B, 1, hi - lo, S)
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :]
         hp = fp16_mask(pos, S, sink_tokens, window)
@@ -376,29 +381,9 @@ def mixed_attention(
     return out
 
 
-def _mixed_attention_explicit(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_hat: torch.Tensor,
-    v_hat: torch.Tensor,
-    q_pos: torch.Tensor,
-    *,
-    sink_tokens: int,
-    window: int,
-    scaling: float,
-    key_mask: torch.Tensor | None = None,
-    q_block: int = 256,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Causal attention where query t reads (k, v) at s in fp16 iff fp16_mask, else (k_hat, v_hat).
-
-    q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
-    (cache slot index). key_mask: optional bool [B, S] (False = padding). sliding_window: a layer
-    that attends only to t - s < sliding_window (transformers' convention). Returns [B, Hq, Tq, D]
-    in float32 (float64 for float64 inputs). Queries are processed in blocks of q_block to bound
-    memory at O(q_block * S).
-    """
+def _mixed_attention_explicit(q, k, v, k_hat, v_hat, q_pos, *, sink_tokens: int, window: int, scaling: float,
+                               key_mask=None, q_block: int = 256, sliding_window: int | None = None) -> torch.Tensor:
+    """mixed_attention's contract as one explicit softmax over the mixed scores (any device)."""
     B, Hq, Tq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -420,10 +405,7 @@ def _mixed_attention_explicit(
         if cols.numel():
             hpc = hp[:, cols].repeat(g, 1)
             scores[..., cols] += (qb @ dk[..., cols, :].transpose(-1, -2)) * hpc
-        allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)  # causal [tq, S]
-        if sliding_window is not None:
-            allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
-        allowed = allowed.repeat(g, 1)  # [g*tq, S]
+        allowed = _allowed(pos, s_idx, sliding_window).repeat(g, 1)  # [g*tq, S]
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :]
         p = torch.softmax((scores * scaling).masked_fill_(~allowed, float("-inf")), dim=-1).nan_to_num_(0.0)
