@@ -63,10 +63,8 @@ class Run:
             self.cfg.kv.check_geometry(self.lm.geometry.head_dim)  # fail before profiling, not after
             stats = profile(self.lm, self.cfg.calib, texts, progress=self.progress)
             stats.save(cached)
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.copyfile(cached, tmp)
-        tmp.replace(out)
-        log.info("profile: wrote %s", out)
+        link_or_copy(cached, out)
+        log.info("profile: %s -> %s (the per-machine statistics cache)", out, cached)
         return out
 
     def book_paths(self) -> dict[str, Path]:
@@ -85,6 +83,21 @@ class Run:
 
     def scalebook(self, path: Path) -> ScaleBook:
         return ScaleBook.load(path, self.lm.geometry.to_dict())
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Put `src` at `dst` without duplicating its bytes: a hard link (survives the cache being
+    cleared), else a symbolic link, else a copy; atomically (temp name, then rename)."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        tmp.hardlink_to(src)
+    except OSError:
+        try:
+            tmp.symlink_to(Path(src).resolve())
+        except OSError:
+            shutil.copyfile(src, tmp)
+    tmp.replace(dst)
 
 
 def needs_model(cfg: RunConfig) -> bool:

@@ -58,6 +58,9 @@ def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
     p = run_cli(*TINY, "stages=[profile,fit]", f"hydra.run.dir={run2}", cache_dir=cache, timeout=60)
     assert p.returncode == 0 and "reusing cached kv_stats" in p.stderr + p.stdout
     assert (run2 / "kv_stats.safetensors").read_bytes() == (run1 / "kv_stats.safetensors").read_bytes()
+    # the run directories reference the cached statistics instead of copying them
+    cached = list((cache / "stats").glob("*.safetensors"))
+    assert len(cached) == 1 and (run2 / "kv_stats.safetensors").samefile(cached[0]) and (run1 / "kv_stats.safetensors").samefile(cached[0])
 
     run3 = tmp_path / "r3"
     stats = run1 / "kv_stats.safetensors"

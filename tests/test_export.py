@@ -259,9 +259,25 @@ def test_c_launchers_compile_against_cuda_h(tmp_path):
     files = launchers.generate(tmp_path)
     inc = launchers.cuda_include_dirs()
     assert inc, "no cuda.h (CUDA toolkit or Triton's copy)"
+    objs = []
     for src in [f for f in files if f.suffix == ".c"]:
-        c = subprocess.run(["gcc", "-c", "-Wall", "-Werror", f"-I{inc[0]}", f"-I{tmp_path}", str(src), "-o", str(src.with_suffix(".o"))], capture_output=True, text=True)
+        c = subprocess.run(["gcc", "-c", "-fPIC", "-Wall", "-Werror", f"-I{inc[0]}", f"-I{tmp_path}", str(src), "-o", str(src.with_suffix(".o"))], capture_output=True, text=True)
         assert c.returncode == 0, c.stderr[-2000:]
+        objs.append(str(src.with_suffix(".o")))
+    if shutil.which("g++") is None:
+        return
+    # a C++ caller (as the TensorRT plugin is) must link against the C launchers: C linkage in the header
+    caller = tmp_path / "caller.cpp"
+    caller.write_text('#include "kvc_launchers.h"\nextern "C" int kvc_test_entry() { return kvc_decode_reduce_t_load() == CUDA_SUCCESS; }\n')
+    c = subprocess.run(["g++", "-c", "-fPIC", "-Wall", "-Werror", "-std=c++17", f"-I{inc[0]}", f"-I{tmp_path}", str(caller), "-o", str(tmp_path / "caller.o")], capture_output=True, text=True)
+    assert c.returncode == 0, c.stderr[-2000:]
+    undefined = subprocess.run(["nm", "-u", str(tmp_path / "caller.o")], capture_output=True, text=True).stdout
+    assert "kvc_decode_reduce_t_load" in undefined and "_Z" not in undefined.split("kvc_decode_reduce_t_load")[0][-40:]  # unmangled
+    lib = subprocess.run(["g++", "-shared", "-o", str(tmp_path / "libkvc.so"), str(tmp_path / "caller.o"), *objs, "-Wl,--no-undefined", "-Wl,--unresolved-symbols=ignore-in-object-files"],
+                         capture_output=True, text=True)
+    assert lib.returncode == 0, lib.stderr[-2000:]
+    defined = subprocess.run(["nm", "-D", "--defined-only", str(tmp_path / "libkvc.so")], capture_output=True, text=True).stdout
+    assert " kvc_decode_reduce_t_load" in defined and " kvc_decode_split_t_launch" in defined
 
 
 def test_build_engine_always_fails_clearly_without_trtllm(tmp_path):

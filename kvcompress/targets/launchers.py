@@ -20,7 +20,8 @@ def _ctype(t: str) -> str:
 def generate(kernel_dir: Path) -> list[Path]:
     """Write kvc_launchers.h and one .c per kernel next to the cubins; returns the paths."""
     meta = json.loads((kernel_dir / "kernels.json").read_text())
-    header = ["/* kvcompress AOT kernel launchers (generated; do not edit). */", "#pragma once", "#include <cuda.h>", "#include <stdint.h>", ""]
+    header = ["/* kvcompress AOT kernel launchers (generated; do not edit). C linkage: the TensorRT plugin (C++) calls them. */",
+              "#pragma once", "#include <cuda.h>", "#include <stdint.h>", "", "#ifdef __cplusplus", 'extern "C" {', "#endif", ""]
     files = []
     for k in meta["kernels"]:
         name = k["name"]
@@ -58,6 +59,7 @@ CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned g
         path = kernel_dir / f"kvc_{name}.c"
         path.write_text(src)
         files.append(path)
+    header += ["#ifdef __cplusplus", "}", "#endif"]
     h = kernel_dir / "kvc_launchers.h"
     h.write_text("\n".join(header) + "\n")
     return [h, *files]
