@@ -64,7 +64,7 @@ class CalibConfig(Frozen):
     n_samples: int = Field(32, ge=1)
     seq_len: int = Field(512, ge=2)
     batch_size: int = Field(4, ge=1)
-    sample_tokens: int = Field(512, ge=0)  # raw q/k/v rows kept per layer for the fit's error search
+    sample_tokens: int = Field(512, ge=0)  # raw k/v rows kept per layer and kv head for the fit's error search (queries: their second moment, all positions)
     seed: int = 0
 
 

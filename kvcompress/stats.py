@@ -1,8 +1,11 @@
 """KVStats: streaming statistics of the post-RoPE keys and the values a model caches.
 
 Per layer x kv-head x channel: absmax, min, max, sum, sum of squares, a fixed histogram of
-|x|; per layer x kv-head a histogram of per-token L2 norms; token counts; and a small bounded
-sample of raw (q, k, v) rows for the fit's error search. Never all activations.
+|x|; per layer x kv-head a histogram of per-token L2 norms; token counts; the second moment of
+the post-RoPE queries per kv-head group (q_gram = sum of q q^T over every calibration position and
+query head of the group: all the fit's q.k score-error objective needs of the queries, [L, H_kv,
+D, D] whatever the number of query heads); and a small bounded sample of raw (k, v) rows per
+layer and kv head. Never all activations.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 from kvcompress.artifacts import load_artifact, save_artifact
 from kvcompress.errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: q_gram [L, H_kv, D, D] replaces the per-query-head sample_q
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -28,7 +31,7 @@ CHANNEL_STATS = ("absmax", "min", "max", "sum", "sumsq")
 
 @dataclass
 class KVStats:
-    """Tensors are [L, H, D] (channel stats), [L, H, D, N_BINS] (hist), [L, N, H*, D] (samples)."""
+    """Tensors are [L, H, D] (channel stats), [L, H, D, N_BINS] (hist), [L, N, H, D] (k/v samples), [L, H, D, D] (q_gram)."""
 
     tensors: dict[str, torch.Tensor]
     header: dict = field(default_factory=dict)
@@ -46,6 +49,10 @@ class KVStats:
     def std(self, which: str) -> torch.Tensor:
         m = self.mean(which)
         return (self[f"{which}_sumsq"] / self["count"].view(-1, 1, 1).clamp(min=1) - m * m).clamp(min=0).sqrt()
+
+    def q_second_moment(self, layer: int) -> torch.Tensor:
+        """E[q q^T] per kv-head group of one layer: [H, D, D] float64 (queries of every head of the group)."""
+        return self["q_gram"][layer] / self["q_count"][layer].clamp(min=1)
 
     def quantile_abs(self, which: str, q: float) -> torch.Tensor:
         """Upper bound of the q-th percentile (0..100) of |x| per [L, H, D], from the histogram."""
@@ -83,7 +90,8 @@ class StatsAccumulator:
             self.t[f"{w}_hist"] = torch.zeros(L, H, D, N_BINS, dtype=torch.int64)
             self.t[f"{w}_norm_hist"] = torch.zeros(L, H, N_NORM_BINS, dtype=torch.int64)
         self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
-        self.t["sample_q"] = torch.zeros(L, sample_capacity, n_heads, D)
+        self.t["q_gram"] = torch.zeros(L, H, D, D, dtype=torch.float64)
+        self.t["q_count"] = torch.zeros(L, dtype=torch.float64)
         self.t["sample_k"] = torch.zeros(L, sample_capacity, H, D)
         self.t["sample_v"] = torch.zeros(L, sample_capacity, H, D)
         self.n_sampled = torch.zeros(L, dtype=torch.int64)
@@ -134,8 +142,12 @@ class StatsAccumulator:
         self._sample("v", layer, v)
 
     def observe_q(self, layer: int, q: torch.Tensor) -> None:
-        """q: [B, H_q, T, D] post-RoPE queries."""
-        self._sample("q", layer, q.detach())
+        """q: [B, H_q, T, D] post-RoPE queries -> q_gram[layer, h] += sum of q q^T over the group of kv head h."""
+        B, Hq, T, D = q.shape
+        H = self.shape[1]
+        qg = q.detach().double().unflatten(1, (H, Hq // H)).permute(1, 0, 2, 3, 4).reshape(H, -1, D)  # [H, B*g*T, D]
+        self.t["q_gram"][layer] += (qg.transpose(1, 2) @ qg).cpu()
+        self.t["q_count"][layer] += qg.shape[1]
 
     def observe_prerope_k(self, layer: int, k_lin: torch.Tensor) -> None:
         """k_lin: [B, T, H_kv * D], the k_proj output before RoPE."""
@@ -153,7 +165,7 @@ class StatsAccumulator:
     def finish(self, header: dict) -> KVStats:
         n = int(self.n_sampled.min())
         t = dict(self.t)
-        for name in ("q", "k", "v"):
+        for name in ("k", "v"):
             t[f"sample_{name}"] = t[f"sample_{name}"][:, :n].contiguous()
         header = {**header, "prerope_observed": self.prerope_seen, "sample_rows": n}
         return KVStats(t, header)

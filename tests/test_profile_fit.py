@@ -44,7 +44,27 @@ def test_profile_sees_the_cached_post_rope_keys(arch):
 def test_raw_sample_is_bounded(tiny_llama):
     cfg = SMOKE_CALIB.model_copy(update={"sample_tokens": 10})
     stats = profile(tiny_llama, cfg, load_texts(cfg), progress=False)
-    assert stats["sample_k"].shape[1] <= 10 and stats["sample_q"].shape[2] == tiny_llama.geometry.n_heads
+    g = tiny_llama.geometry
+    assert stats["sample_k"].shape[1] <= 10 and "sample_q" not in stats.tensors
+    # the queries are kept as their second moment per kv head: bounded by kv heads, not query heads or tokens
+    assert stats["q_gram"].shape == (g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim)
+    assert int(stats["q_count"][0]) == stats.header["provenance"]["calib"]["tokens"] * (g.n_heads // g.n_kv_heads)
+
+
+def test_q_gram_is_the_exact_second_moment_of_the_queries(tiny_llama):
+    """q_gram / q_count equals E[q q^T] over the queries of each kv-head group, recomputed from a capture."""
+    from kvcompress.data import token_windows
+    from kvcompress.models.observe import attention_hook
+
+    stats = profile(tiny_llama, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    ids = token_windows(tiny_llama.tokenizer, load_texts(SMOKE_CALIB), SMOKE_CALIB.n_samples, SMOKE_CALIB.seq_len, seed=SMOKE_CALIB.seed)
+    seen = {}
+    with torch.no_grad(), attention_hook(tiny_llama.model, lambda layer, q: seen.setdefault(layer, q.clone())):
+        tiny_llama.model(input_ids=ids, use_cache=False)
+    H = tiny_llama.geometry.n_kv_heads
+    q = seen[1].double()  # [B, Hq, T, D]
+    qg = q.unflatten(1, (H, -1)).permute(1, 0, 2, 3, 4).flatten(1, 3)  # [H, B*g*T, D]
+    torch.testing.assert_close(stats.q_second_moment(1), qg.transpose(1, 2) @ qg / qg.shape[1], atol=1e-9, rtol=1e-9)
 
 
 def test_fit_ties_rope_pairs_and_picks_outliers(tiny_stats):
@@ -69,7 +89,7 @@ def test_mse_clipping_beats_raw_range_on_the_sample(tiny_stats):
     total_mse = total_max = 0.0
     for layer in range(b_mse.geometry["n_layers"]):
         k = tiny_stats["sample_k"][layer].transpose(0, 1)
-        q = tiny_stats["sample_q"][layer].transpose(0, 1).unflatten(0, (H, -1))
+        q = tiny_stats.q_second_moment(layer)
         total_mse += float(score_error(q, k, b_mse.key_params(layer)).sum())
         total_max += float(score_error(q, k, b_max.key_params(layer)).sum())
     assert total_mse <= total_max

@@ -1,8 +1,10 @@
 """mse: choose a clipping ratio per layer x kv-head that minimises the error of q.k scores.
 
-error(alpha) = mean over sampled (query, key) row pairs and the query heads of the group of
-    (q . k - q . k_hat(alpha))^2,   k_hat = dequant(quant(k; scale = alpha * half / Q))
-computed with the reference numerics on the raw sample kept by `profile`. Outlier channels are
+error(alpha) = E over the calibration queries of the group and the sampled keys of
+    (q . k - q . k_hat(alpha))^2 = mean_n dk_n^T E[q q^T] dk_n,   dk = k - k_hat(alpha),
+    k_hat = dequant(quant(k; scale = alpha * half / Q))
+computed with the reference numerics on the raw key sample and the queries' second moment
+(q_gram) kept by `profile`. Outlier channels are
 kept in fp16 and contribute no error. alpha is searched on ALPHA_GRID (1.0 included, so the
 result is never worse on the sample than the raw range).
 """
@@ -16,18 +18,17 @@ from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax
 ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
 
 
-def score_error(q: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.Tensor:
-    """Mean squared q.k score error per kv-head. q: [Hkv, g, N, D], k: [Hkv, N, D] -> [Hkv]."""
-    dk = (k - fake_quant_keys(k, params)).unsqueeze(1)  # [Hkv, 1, N, D]
-    err = q @ dk.transpose(-1, -2)  # [Hkv, g, N, N]
-    return err.pow(2).mean(dim=(1, 2, 3))
+def score_error(qq: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.Tensor:
+    """Mean squared q.k score error per kv-head. qq: E[q q^T] [Hkv, D, D], k: [Hkv, N, D] -> [Hkv]."""
+    dk = (k - fake_quant_keys(k, params)).double()  # [Hkv, N, D]
+    return ((dk @ qq) * dk).sum(-1).mean(-1).float()
 
 
 @OBSERVERS.register("mse")
 def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
     L, H, D = ranges.half.shape
     n = stats.tensors["sample_k"].shape[1]
-    info = {"method": "mse", "error": "mean squared q.k score error on the profile sample", "grid": [round(a, 4) for a in ALPHA_GRID.tolist()], "sample_rows": n}
+    info = {"method": "mse", "error": "mean squared q.k score error: sampled keys x the calibration queries' second moment", "grid": [round(a, 4) for a in ALPHA_GRID.tolist()], "sample_rows": n}
     if n == 0:
         info["fallback"] = "no raw sample in kv_stats (calib.sample_tokens=0): used the raw range"
         return torch.ones(L, H), info
@@ -37,8 +38,7 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
     err_best = torch.zeros(L, H)
     for layer in range(L):
         k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
-        q = stats.tensors["sample_q"][layer].transpose(0, 1).float()  # [Hq, N, D]
-        q = q.unflatten(0, (H, -1))  # [H, g, N, D]
+        q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():
             half = (ranges.half[layer] * alpha).clamp(min=1e-8)

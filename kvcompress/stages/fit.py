@@ -24,19 +24,18 @@ def _strengths(flag, strength) -> tuple[float, ...]:
     return tried if flag is True else (0.0, *tried)
 
 
-def _native_error(x: torch.Tensor, f: torch.Tensor, scale: float, fmt: str, q: torch.Tensor | None) -> float:
+def _native_error(x: torch.Tensor, f: torch.Tensor, scale: float, fmt: str, qq: torch.Tensor | None) -> float:
     """Error of what the folded checkpoint caches, in the model's own units.
 
     x: sample [N, H, D] (keys or values), f: fold factors [H, D]; x_hat = f * Q(x / f).
-    keys (q given, [N, Hq, D]): mean squared q.k score error over all sampled (query, key) pairs;
-    values: mean squared reconstruction error.
+    keys (qq = E[q q^T] per kv head [H, D, D]): mean squared q.k score error; values: mean
+    squared reconstruction error.
     """
     dx = x - f * native_fake_quant(x / f, scale, fmt)
-    if q is None:
+    if qq is None:
         return float(dx.pow(2).mean())
-    H = x.shape[1]
-    qh = q.transpose(0, 1).unflatten(0, (H, -1))  # [H, g, N, D]
-    return float((qh @ dx.transpose(0, 1).unsqueeze(1).transpose(-1, -2)).pow(2).mean())
+    d = dx.transpose(0, 1).double()  # [H, N, D]
+    return float(((d @ qq) * d).sum(-1).mean())
 
 
 def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor], dict]:
@@ -54,14 +53,14 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     n = stats["sample_k"].shape[1] if "sample_k" in stats.tensors else 0
     sk, sv = torch.ones(L, H, D), torch.ones(L, H, D)
     info = {"fold_strength_keys": [], "fold_strength_values": [], "fold_error_keys": [], "fold_error_values": [],
-            "fold_measured_on": f"{n} calibration rows (q.k score MSE for keys, reconstruction MSE for values)"}
+            "fold_measured_on": f"{n} sampled calibration rows (q.k score MSE over the calibration queries' second moment for keys, reconstruction MSE for values)"}
     for layer in range(L):
         for w, abs_, flag, tie, out in (("k", k_abs, spec.fold_keys, True, sk), ("v", v_abs, spec.fold_values, False, sv)):
             cands = _strengths(flag, spec.fold_strength)
             facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie)[0] for a in cands}
             if n and len(cands) > 1:
                 x = stats[f"sample_{w}"][layer].float()
-                q = stats["sample_q"][layer].float() if w == "k" else None
+                q = stats.q_second_moment(layer) if w == "k" else None
                 errs = {a: _native_error(x, facts[a], float(scale[layer]), spec.format, q) for a in cands}
                 best = min(errs, key=errs.get)
             else:
