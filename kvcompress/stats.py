@@ -4,8 +4,10 @@ Per layer x kv-head x channel: absmax, min, max, sum, sum of squares, a fixed hi
 |x|; per layer x kv-head a histogram of per-token L2 norms; token counts; the second moment of
 the post-RoPE queries per kv-head group (q_gram = sum of q q^T over every calibration position and
 query head of the group: all the fit's q.k score-error objective needs of the queries, [L, H_kv,
-D, D] whatever the number of query heads); and a small bounded sample of raw (k, v) rows per
-layer and kv head. Never all activations.
+D, D] whatever the number of query heads); per RoPE pair (d, d + D/2) the largest norm
+sqrt(k_d^2 + k_{d+D/2}^2) of the post-RoPE keys (k_pairmax [L, H, D/2]: RoPE rotates each pair, so
+this norm is the same at every position and bounds either channel at any position); and a small
+bounded sample of raw (k, v) rows per layer and kv head. Never all activations.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from kvcompress.artifacts import load_artifact, save_artifact
 from kvcompress.errors import ArtifactError
 
-FORMAT_VERSION = 2  # 2: q_gram [L, H_kv, D, D] replaces the per-query-head sample_q
+FORMAT_VERSION = 3  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound)
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -90,6 +92,7 @@ class StatsAccumulator:
             self.t[f"{w}_hist"] = torch.zeros(L, H, D, N_BINS, dtype=torch.int64)
             self.t[f"{w}_norm_hist"] = torch.zeros(L, H, N_NORM_BINS, dtype=torch.int64)
         self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
+        self.t["k_pairmax"] = torch.zeros(L, H, D // 2)
         self.t["q_gram"] = torch.zeros(L, H, D, D, dtype=torch.float64)
         self.t["q_count"] = torch.zeros(L, dtype=torch.float64)
         self.t["sample_k"] = torch.zeros(L, sample_capacity, H, D)
@@ -135,6 +138,9 @@ class StatsAccumulator:
     def observe_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, H_kv, T, D] post-RoPE, exactly what the model caches."""
         k, v = k.detach().float(), v.detach().float()
+        D = k.shape[-1]
+        pair = (k[..., : D // 2].square() + k[..., D // 2 :].square()).sqrt().amax(dim=(0, 2)).cpu()  # [H, D/2]
+        self.t["k_pairmax"][layer] = torch.maximum(self.t["k_pairmax"][layer], pair)
         self._channel("k", layer, k)
         self._channel("v", layer, v)
         self.t["count"][layer] += k.shape[0] * k.shape[2]

@@ -27,13 +27,21 @@ def pick_outliers(half: torch.Tensor, k: int) -> torch.Tensor:
     return half.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
-def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor) -> KeyRanges:
-    """Make channel d and d + D/2 share one range (the union), ignoring channels kept in fp16.
+def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor, pair_norm: torch.Tensor | None = None) -> KeyRanges:
+    """Make channel d and d + D/2 share one range, ignoring channels kept in fp16.
 
-    A pair whose one member is an outlier takes the other member's range; the outlier's own
-    scale is then unused (it is stored in fp16) but still equal to its partner's.
+    With `pair_norm` ([L, H, D/2], the largest post-RoPE norm of each pair; symmetric ranges only)
+    the shared half-range is that norm: RoPE rotates a pair's energy between its two channels as
+    the position grows, so at positions the calibration never reached either channel can reach
+    the pair's norm but never exceed it (position-invariant, no clipping from rotation). Without
+    it, the union of the two observed ranges (which a later rotation can exceed by up to sqrt(2)).
+    A pair whose one member is an outlier takes the other member's range (or the pair norm); the
+    outlier's own scale is then unused (it is stored in fp16) but still equal to its partner's.
     """
     D = r.half.shape[-1]
+    if pair_norm is not None:
+        half = torch.cat([pair_norm, pair_norm], -1).to(r.half)
+        return KeyRanges(torch.zeros_like(half), half)
     lo, hi = r.center - r.half, r.center + r.half
     is_out = torch.zeros_like(r.half, dtype=torch.bool).scatter_(-1, outliers, True)
     big = torch.finfo(lo.dtype).max

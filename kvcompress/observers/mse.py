@@ -4,7 +4,10 @@ error(alpha) = E over the calibration queries of the group and the sampled keys 
     (q . k - q . k_hat(alpha))^2 = mean_n dk_n^T E[q q^T] dk_n,   dk = k - k_hat(alpha),
     k_hat = dequant(quant(k; scale = alpha * half / Q))
 computed with the reference numerics on the raw key sample and the queries' second moment
-(q_gram) kept by `profile`. Outlier channels are
+(q_gram) kept by `profile`. Position augmentation: when kv_stats records the model's RoPE inverse
+frequencies, each sampled key is first rotated by RoPE to a random position in [0, max_position)
+(RoPE(p + delta) = R(delta) RoPE(p), applied per pair), so the clipping is chosen for the positions
+the model serves, not only the short calibration windows. Outlier channels are
 kept in fp16 and contribute no error. alpha is searched on ALPHA_GRID (1.0 included, so the
 result is never worse on the sample than the raw range).
 """
@@ -16,6 +19,19 @@ from kvcompress.observers import OBSERVERS
 from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax
 
 ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
+AUGMENT_SEED = 0
+
+
+def rotate_to_random_positions(k: torch.Tensor, inv_freq: torch.Tensor, max_position: int, seed: int = AUGMENT_SEED) -> torch.Tensor:
+    """k: [H, N, D] post-RoPE keys -> the same keys moved by a random position offset per row
+    (rotate_half convention: channel pairs (d, d + D/2) rotate by delta * inv_freq[d])."""
+    g = torch.Generator().manual_seed(seed)
+    delta = torch.randint(0, max(1, max_position), (k.shape[1],), generator=g).float()  # [N]
+    ang = delta[:, None] * inv_freq[None, :].float()  # [N, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    D = k.shape[-1]
+    x, y = k[..., : D // 2], k[..., D // 2 :]
+    return torch.cat([x * cos - y * sin, y * cos + x * sin], -1)
 
 
 def score_error(qq: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.Tensor:
@@ -28,7 +44,7 @@ def score_error(qq: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.T
 def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
     L, H, D = ranges.half.shape
     n = stats.tensors["sample_k"].shape[1]
-    info = {"method": "mse", "error": "mean squared q.k score error: sampled keys x the calibration queries' second moment", "grid": [round(a, 4) for a in ALPHA_GRID.tolist()], "sample_rows": n}
+    info = {"method": "mse", "error": "mean squared q.k score error: sampled keys (rotated to random positions up to max_position when RoPE is known) x the calibration queries' second moment", "grid": [round(a, 4) for a in ALPHA_GRID.tolist()], "sample_rows": n}
     if n == 0:
         info["fallback"] = "no raw sample in kv_stats (calib.sample_tokens=0): used the raw range"
         return torch.ones(L, H), info
@@ -38,6 +54,8 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
     err_best = torch.zeros(L, H)
     for layer in range(L):
         k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
+        if "rope_inv_freq" in stats.tensors and spec.key.tie_rope_pairs:
+            k = rotate_to_random_positions(k, stats["rope_inv_freq"], stats.geometry["max_position"], AUGMENT_SEED + layer)
         q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():

@@ -82,7 +82,9 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     ranges = channel_ranges(stats["k_min"], stats["k_max"], absmax, spec.key.symmetric)
     outliers = pick_outliers(ranges.half, spec.outlier_channels)
     if spec.key.tie_rope_pairs:
-        ranges = tie_rope_pairs(ranges, outliers)
+        # the rotation-invariant pair-norm bound (symmetric keys; percentile clipping keeps its histogram ranges)
+        bound = stats.tensors.get("k_pairmax") if spec.key.symmetric and spec.key.clip != "percentile" else None
+        ranges = tie_rope_pairs(ranges, outliers, bound)
     tensors = {"k_outliers": outliers, "k_range": ranges.half.float()}
     if spec.is_native:
         native, info = native_tensors(stats, spec)

@@ -39,6 +39,9 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
             cache = ObservingCache(g.n_layers, acc.observe_kv)
             lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             acc.end_batch()
+    rotary = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
+    if rotary is not None and getattr(rotary, "inv_freq", None) is not None and rotary.inv_freq.numel() == g.head_dim // 2:
+        acc.t["rope_inv_freq"] = rotary.inv_freq.detach().float().cpu()  # [D/2]: lets fit rotate keys to other positions
     header = {
         "geometry": g.to_dict(),
         "provenance": {
