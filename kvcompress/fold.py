@@ -28,27 +28,15 @@ def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, ti
 
 @torch.no_grad()
 def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> None:
-    """Fold factors [L, H_kv, D] into a Llama-family model's q/k/v/o projections, in place."""
-    from kvcompress.models.observe import attention_modules
+    """Fold factors [L, H_kv, D] into a Llama-family model's q/k/v/o projections, in place.
 
-    for attn in attention_modules(model):
-        L = attn.layer_idx
-        g = attn.num_key_value_groups
-        if sigma is not None:
-            s = sigma[L].to(attn.k_proj.weight)  # [H, D]
-            attn.k_proj.weight.div_(s.reshape(-1, 1))
-            if attn.k_proj.bias is not None:
-                attn.k_proj.bias.div_(s.reshape(-1))
-            sq = s.repeat_interleave(g, 0).reshape(-1)  # every query head of the group
-            attn.q_proj.weight.mul_(sq.unsqueeze(1))
-            if attn.q_proj.bias is not None:
-                attn.q_proj.bias.mul_(sq)
-        if tau is not None:
-            t = tau[L].to(attn.v_proj.weight)
-            attn.v_proj.weight.div_(t.reshape(-1, 1))
-            if attn.v_proj.bias is not None:
-                attn.v_proj.bias.div_(t.reshape(-1))
-            attn.o_proj.weight.mul_(t.repeat_interleave(g, 0).reshape(1, -1))
+    The same arithmetic as the export (fold_state_dict), loaded back into the model: tests of the
+    fold's exactness therefore test what is exported.
+    """
+    from kvcompress.models.base import Geometry
+
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    model.load_state_dict(fold_state_dict(state, Geometry.from_hf_config(model.config), sigma, tau))
 
 
 def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, dict]:
