@@ -121,9 +121,13 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
         model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
+    r = Run(cfg, run_dir, progress)
+    if "export" in cfg.stages:
+        from kvcompress.stages.export import check_exportable
+
+        check_exportable(r.lm.model)  # before anything is written; the model is needed by validate and export anyway
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
-    r = Run(cfg, run_dir, progress)
     out: dict[str, Path] = {}
     times: dict[str, float] = {}
     stats_path = Path(cfg.stats) if cfg.stats else None

@@ -23,6 +23,7 @@ BAD = [
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
+    (["model=tiny_qwen2"], "export=trtllm supports LlamaForCausalLM; this model is Qwen2ForCausalLM: add export=none"),
 ]
 
 

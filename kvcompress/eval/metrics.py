@@ -23,9 +23,7 @@ class QualityAccumulator:
 
     def update(self, logits_base: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
         """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
-        lb = torch.log_softmax(logits_base[:, :-1].float(), dim=-1)
-        lc = torch.log_softmax(logits_comp[:, :-1].float(), dim=-1)
-        self.update_logprobs(lb, lc, ids)
+        self.update_logprobs(next_token_logprobs(logits_base), next_token_logprobs(logits_comp), ids)
 
     def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor) -> None:
         """lb, lc: [B, T-1, V] next-token log-probabilities at positions 0..T-2; ids: [B, T]."""
@@ -60,6 +58,11 @@ class QualityAccumulator:
                 {"start": b * KL_POSITION_BIN + 1, "kl_mean": self.kl_pos_sum[b] / self.kl_pos_n[b]} for b in sorted(self.kl_pos_sum)
             ],
         }
+
+
+def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V] -> float32 log-probabilities [B, T-1, V] of the next token at positions 0..T-2 (CPU)."""
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
 
 
 def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:

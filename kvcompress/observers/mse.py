@@ -34,10 +34,15 @@ def rotate_to_random_positions(k: torch.Tensor, inv_freq: torch.Tensor, max_posi
     return torch.cat([x * cos - y * sin, y * cos + x * sin], -1)
 
 
+def gram_score_error(dk: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
+    """E_q[(q . dk)^2] averaged over keys, per kv head: dk [Hkv, N, D], qq = E[q q^T] [Hkv, D, D] -> [Hkv]."""
+    dk = dk.double()
+    return ((dk @ qq) * dk).sum(-1).mean(-1).float()
+
+
 def score_error(qq: torch.Tensor, k: torch.Tensor, params: KeyParams) -> torch.Tensor:
     """Mean squared q.k score error per kv-head. qq: E[q q^T] [Hkv, D, D], k: [Hkv, N, D] -> [Hkv]."""
-    dk = (k - fake_quant_keys(k, params)).double()  # [Hkv, N, D]
-    return ((dk @ qq) * dk).sum(-1).mean(-1).float()
+    return gram_score_error(k - fake_quant_keys(k, params), qq)
 
 
 @OBSERVERS.register("mse")

@@ -41,6 +41,13 @@ SUPPORTED_ARCH = ("LlamaForCausalLM",)
 FORMAT_VERSION = 2
 
 
+def check_exportable(model) -> None:
+    """export=trtllm writes Llama-family checkpoints only: say so before profiling, not after validating."""
+    arch = type(model).__name__
+    if arch not in SUPPORTED_ARCH:
+        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
+
+
 def engine_status(policy: str) -> tuple[bool, str]:
     """(build now?, why) for export.build_engine; `always` without TensorRT-LLM + GPU is a user error."""
     have_trtllm = importlib.util.find_spec("tensorrt_llm") is not None
@@ -135,9 +142,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     lm, cfg = run.lm, run.cfg
     ecfg = cfg.export
     geom = lm.geometry
-    arch = type(lm.model).__name__
-    if arch not in SUPPORTED_ARCH:
-        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}")
+    check_exportable(lm.model)
     for tp in ecfg.tp_sizes:
         check_tp(geom, tp)
     dtype = DTYPES[ecfg.dtype]

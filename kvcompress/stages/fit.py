@@ -6,6 +6,7 @@ import torch
 from kvcompress.fold import fold_factors
 from kvcompress.observers import OBSERVERS
 from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pairs
+from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
 from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant
@@ -34,8 +35,7 @@ def _native_error(x: torch.Tensor, f: torch.Tensor, scale: float, fmt: str, qq: 
     dx = x - f * native_fake_quant(x / f, scale, fmt)
     if qq is None:
         return float(dx.pow(2).mean())
-    d = dx.transpose(0, 1).double()  # [H, N, D]
-    return float(((d @ qq) * d).sum(-1).mean())
+    return float(gram_score_error(dx.transpose(0, 1), qq).mean())
 
 
 def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor], dict]:

@@ -22,7 +22,7 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, compressed_attention
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, kl_mean
+from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.planner import KNOWN, plan_pair
@@ -73,13 +73,13 @@ def evaluate_quality(model, books: dict[str, ScaleBook], windows: torch.Tensor, 
     device = next(model.parameters()).device
     for lo in tqdm(range(0, windows.shape[0], batch_size), desc="validate", unit="batch", disable=not progress):
         ids = windows[lo : lo + batch_size].to(device)
-        base = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1).cpu()
+        base = next_token_logprobs(model(input_ids=ids, use_cache=False).logits)
         if kept is not None:
             kept.append(base)
         for name, book in books.items():
             with compressed_attention(model, book, errors[name]) as kw:
                 comp = model(input_ids=ids, use_cache=False, **kw).logits
-            acc[name].update_logprobs(base, torch.log_softmax(comp[:, :-1].float(), -1).cpu(), ids.cpu())
+            acc[name].update_logprobs(base, next_token_logprobs(comp), ids.cpu())
     return {n: (acc[n].result(), errors[n]) for n in books}, kept
 
 

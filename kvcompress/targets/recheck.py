@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.eval.metrics import QualityAccumulator
+from kvcompress.eval.metrics import QualityAccumulator, next_token_logprobs
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import native_spec
 from kvcompress.targets import trtllm_reader
@@ -23,8 +23,7 @@ def baseline_logprobs(model, windows: torch.Tensor, batch_size: int) -> list[tor
     dev = next(model.parameters()).device
     out = []
     for lo in range(0, windows.shape[0], batch_size):
-        logits = model(input_ids=windows[lo : lo + batch_size].to(dev), use_cache=False).logits
-        out.append(torch.log_softmax(logits[:, :-1].float(), -1).cpu())
+        out.append(next_token_logprobs(model(input_ids=windows[lo : lo + batch_size].to(dev), use_cache=False).logits))
     return out
 
 
@@ -33,7 +32,7 @@ def _score(logits_fn, windows: torch.Tensor, base: list[torch.Tensor], batch_siz
     acc = QualityAccumulator()
     for i, lo in enumerate(range(0, windows.shape[0], batch_size)):
         ids = windows[lo : lo + batch_size]
-        acc.update_logprobs(base[i], torch.log_softmax(logits_fn(ids)[:, :-1].float(), -1).cpu(), ids)
+        acc.update_logprobs(base[i], next_token_logprobs(logits_fn(ids)), ids)
     r = acc.result()
     return {k: r[k] for k in ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")}
 
