@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def hydra_main(cfg) -> None:
         fail(str(e))
     except KeyboardInterrupt:
         # stages write to temporary names and rename when complete: nothing half-written remains
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn the clean exit into a kill
         print(f"kvcompress: interrupted; nothing partial was left in {run_dir}", file=sys.stderr)
         sys.exit(130)
 

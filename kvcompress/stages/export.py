@@ -16,8 +16,11 @@ import importlib.util
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -228,6 +231,19 @@ def _build(ckpt: Path, engine: Path) -> dict:
     return {"returncode": p.returncode, "log_tail": (p.stdout + p.stderr)[-2000:]}
 
 
+@contextmanager
+def _uninterruptible():
+    """Ignore further Ctrl-C while cleaning up after an interrupt (a second one must not leave half a temp dir)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:
     """Pipeline glue: export into a temporary directory, rename to export/ when complete."""
     report_path = run.dir / "report.json"
@@ -244,7 +260,8 @@ def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:
             shutil.rmtree(final)
         tmp.rename(final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _uninterruptible():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if build:
         manifest["engine_build"] = _build(final / "trtllm_ckpt" / f"tp{run.cfg.export.tp_sizes[0]}", final / "engine")
