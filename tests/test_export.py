@@ -241,7 +241,10 @@ def test_interrupt_during_export_leaves_no_export(tmp_path):
     run = tmp_path / "r"
     env = {**__import__("os").environ, "KVCOMPRESS_CACHE": str(tmp_path / "c")}
     proc = subprocess.Popen([sys.executable, "-m", "kvcompress", "model=tiny_llama", "calib=smoke", "eval=smoke", "export.archs=[sm_80,sm_90]",
-                             f"hydra.run.dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             f"hydra.run.dir={run}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a run started in the background without job control inherits SIGINT = ignored
+                            # (as CI may start us); a person's terminal delivers it: restore the default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not (run / ".export.tmp").exists() and proc.poll() is None and time.time() - t0 < 300:
         time.sleep(0.02)
