@@ -6,7 +6,7 @@ line that names the key, the bad value and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import re
 
@@ -37,6 +37,9 @@ class ModelConfig(Frozen):
     file: Optional[str] = None  # gguf_package: path of the file inside the distribution
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
+    # auto: stream layer by layer from the checkpoint when the weights exceed the compute device's
+    # free memory; true: always; false: never (device: auto, spread over GPUs, never streams)
+    streaming: Union[Literal["auto"], bool] = "auto"
     tiny: Optional[TinyModelConfig] = None
 
     @field_validator("device")
@@ -50,6 +53,10 @@ class ModelConfig(Frozen):
     def _source_fields(self) -> "ModelConfig":
         if self.source == "tiny" and self.tiny is None:
             raise ValueError("model.tiny is required when model.source=tiny")
+        if self.streaming is True and self.source == "tiny":
+            raise ValueError("model.streaming=true needs a checkpoint directory (model.source=hf_dir or gguf_package); the tiny model is built in code")
+        if self.streaming is True and self.device == "auto":
+            raise ValueError("model.streaming=true with model.device=auto: streaming runs on one device (cpu or cuda:N); device=auto spreads the whole model over GPUs")
         if self.source == "gguf_package" and not self.path and not (self.package and self.file):
             raise ValueError("model.package and model.file (or model.path) are required when model.source=gguf_package")
         return self

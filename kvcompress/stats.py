@@ -123,17 +123,18 @@ class StatsAccumulator:
         flat = (torch.arange(H, device=x.device).view(1, H, 1) * N_NORM_BINS + nb).flatten()
         t[f"{w}_norm_hist"][L] += torch.bincount(flat, minlength=H * N_NORM_BINS).view(H, N_NORM_BINS).cpu()
 
-    def _sample(self, name: str, layer: int, x: torch.Tensor) -> None:
-        # x: [B, H*, T, D]; rows at (self.rows, self.pos) -> sample_<name>[layer, n0:n0+n]
+    def _sample(self, name: str, layer: int, x: torch.Tensor) -> int:
+        # x: [B, H*, T, D]; rows at (self.rows, self.pos) -> sample_<name>[layer, n0:n0+n]; returns n
         if self.rows is None or not self.rows.numel():
-            return
+            return 0
         cap = self.t[f"sample_{name}"].shape[1]
         n0 = int(self.n_sampled[layer])
         n = min(self.rows.numel(), cap - n0)
         if n <= 0:
-            return
+            return 0
         rows = x[self.rows[:n].to(x.device), :, self.pos[:n].to(x.device)]  # [n, H*, D]
         self.t[f"sample_{name}"][layer, n0 : n0 + n] = rows.float().cpu()
+        return n
 
     def observe_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, H_kv, T, D] post-RoPE, exactly what the model caches."""
@@ -145,7 +146,7 @@ class StatsAccumulator:
         self._channel("v", layer, v)
         self.t["count"][layer] += k.shape[0] * k.shape[2]
         self._sample("k", layer, k)
-        self._sample("v", layer, v)
+        self.n_sampled[layer] += self._sample("v", layer, v)  # each layer has its own cursor: any batch/layer order
 
     def observe_q(self, layer: int, q: torch.Tensor) -> None:
         """q: [B, H_q, T, D] post-RoPE queries -> q_gram[layer, h] += sum of q q^T over the group of kv head h."""
@@ -161,12 +162,6 @@ class StatsAccumulator:
         a = k_lin.detach().float().abs().amax(dim=(0, 1)).view(H, D).cpu()
         self.t["k_prerope_absmax"][layer] = torch.maximum(self.t["k_prerope_absmax"][layer], a)
         self.prerope_seen = True
-
-    def end_batch(self) -> None:
-        """Advance the sample cursor after all layers saw the batch."""
-        if self.rows is not None:
-            cap = self.t["sample_k"].shape[1]
-            self.n_sampled = (self.n_sampled + self.rows.numel()).clamp(max=cap)
 
     def finish(self, header: dict) -> KVStats:
         n = int(self.n_sampled.min())

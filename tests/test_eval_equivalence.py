@@ -136,7 +136,7 @@ def test_sliding_window_layers_are_simulated_and_self_check_passes():
     lm.model.config.sliding_window = 8
     lm.model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
-    assert self_check(lm.model, ids, "tiny_mistral_sw8")["passed"]
+    assert self_check(lm, ids, "tiny_mistral_sw8")["passed"]
     with torch.no_grad():
         own = lm.model(input_ids=ids).logits
         lm.model.config.sliding_window = None  # what ignoring the window computes
@@ -153,7 +153,7 @@ def test_self_check_fails_with_one_line_when_the_path_cannot_reproduce_the_model
     real = ref.mixed_attention
     monkeypatch.setattr(ref, "mixed_attention", lambda *a, **k: real(*a, **{**k, "scaling": k["scaling"] * 1.5}))
     with pytest.raises(UserError) as e:
-        self_check(lm.model, torch.randint(0, 256, (1, 32)), "tiny_llama")
+        self_check(lm, torch.randint(0, 256, (1, 32)), "tiny_llama")
     assert "differs from the model's own forward" in str(e.value) and "\n" not in str(e.value)
 
 

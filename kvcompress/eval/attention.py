@@ -16,7 +16,7 @@ none for a custom implementation); causality and sliding windows are rebuilt fro
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +168,14 @@ def check_supported(model, name: str) -> None:
         raise UserError(f"model {name}: kvcompress cannot simulate its attention: {'; '.join(why)}")
 
 
+def eval_call(book: ScaleBook | None, errors: LayerErrors | None = None, q_block: int = 256, exact: bool = False) -> tuple[str | None, dict]:
+    """(attention implementation, forward keywords) of one evaluation: (None, {}) for a baseline
+    book (the model's own attention), else the evaluation attention with a fresh context."""
+    if not exact and (book is None or book.spec.is_baseline):
+        return None, {}
+    return EVAL_ATTN, {"kvc_ctx": EvalContext(book, errors, q_block, exact)}
+
+
 @contextmanager
 def compressed_attention(model, book: ScaleBook | None, errors: LayerErrors | None = None, q_block: int = 256, exact: bool = False):
     """Within the block, call the model as `model(ids, **kw)` where kw carries the evaluation context.
@@ -179,8 +187,6 @@ def compressed_attention(model, book: ScaleBook | None, errors: LayerErrors | No
     baseline (fp16) book leaves the model's own attention untouched. exact=True (book None): the
     evaluation path with nothing compressed, for the self-check.
     """
-    if not exact and (book is None or book.spec.is_baseline):
-        yield {}
-        return
-    with attention_implementation(model, EVAL_ATTN):
-        yield {"kvc_ctx": EvalContext(book, errors, q_block, exact)}
+    impl, kw = eval_call(book, errors, q_block, exact)
+    with attention_implementation(model, impl) if impl else nullcontext():
+        yield kw

@@ -60,7 +60,12 @@ class LoadedModel:
     tokenizer: Tokenizer
     geometry: Geometry
     identity: dict = field(default_factory=dict)  # name, source, path, fingerprint: goes into provenance
+    streamer: Any = None  # a LayerStreamer when the weights stay on disk (model holds meta parameters)
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.streamer.device if self.streamer is not None else next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype

@@ -19,6 +19,7 @@ from kvcompress.errors import UserError
 from kvcompress.hashing import file_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
+from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
 def gguf_path(cfg) -> Path:
@@ -74,7 +75,9 @@ def load_gguf(cfg, cache_dir) -> LoadedModel:
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"[kvcompress] dequantizing {gguf.name} once; float weights cached in {out}")
         _convert(gguf, out)
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=DTYPES[cfg.dtype]).to(cfg.device).eval()
     tok = HFTokenizer(AutoTokenizer.from_pretrained(str(out)))
     identity = {"name": cfg.name, "source": "gguf_package", "file": gguf.name, "sha256": fp, "weights_cache": str(out)}
+    if should_stream(cfg, out):
+        return load_streamed(out, cfg, tok, identity)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=DTYPES[cfg.dtype]).to(cfg.device).eval()
     return LoadedModel(model, tok, Geometry.from_hf_config(model.config), identity)

@@ -7,6 +7,7 @@ from kvcompress.errors import UserError
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
+from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
 def check_dir(cfg) -> Path:
@@ -28,13 +29,15 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = check_dir(cfg)
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
+    if should_stream(cfg, p):
+        return load_streamed(p, cfg, tok, identity)
     kwargs = {"dtype": DTYPES[cfg.dtype], "local_files_only": True}
     if cfg.device == "auto":
         kwargs["device_map"] = "auto"  # accelerate spreads layers over the visible GPUs (and CPU)
     model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     if cfg.device != "auto":
         model = model.to(cfg.device)
-    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
-    identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p),
-                "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None)}
+    identity |= {"model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None)}
     return LoadedModel(model.eval(), tok, Geometry.from_hf_config(model.config), identity)

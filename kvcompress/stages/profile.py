@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from kvcompress.data import TextSet, token_windows
 from kvcompress.models.base import LoadedModel
+from kvcompress.models.streaming import Pass
 from kvcompress.models.observe import ObservingCache, attention_hook, prerope_key_hooks
 from kvcompress.provenance import base_provenance
 from kvcompress.stats import KVStats, StatsAccumulator
@@ -29,16 +30,22 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens)
     per_row = math.ceil(calib.sample_tokens / calib.n_samples) if calib.sample_tokens else 0
     gen = torch.Generator().manual_seed(calib.seed)
-    device = lm.device
-    with attention_hook(lm.model, acc.observe_q), prerope_key_hooks(lm.model, acc.observe_prerope_k):
-        batches = range(0, windows.shape[0], calib.batch_size)
-        for lo in tqdm(batches, desc="profile", unit="batch", disable=not progress):
-            ids = windows[lo : lo + calib.batch_size].to(device)
-            if per_row:
-                acc.set_sample_positions(*sample_positions(ids.shape[0], ids.shape[1], per_row, gen))
-            cache = ObservingCache(g.n_layers, acc.observe_kv)
-            lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            acc.end_batch()
+    batches = [windows[lo : lo + calib.batch_size] for lo in range(0, windows.shape[0], calib.batch_size)]
+    positions = [sample_positions(b.shape[0], b.shape[1], per_row, gen) if per_row else None for b in batches]
+
+    def before_batch(i: int) -> None:
+        if positions[i] is not None:
+            acc.set_sample_positions(*positions[i])
+
+    with prerope_key_hooks(lm.model, acc.observe_prerope_k):
+        if lm.streamer is not None:  # layer by layer from the checkpoint: every batch through layer 0, then layer 1, ...
+            p = Pass(kwargs=lambda i: {"cache": ObservingCache(g.n_layers, acc.observe_kv), "use_cache": True}, context=lambda: attention_hook(lm.model, acc.observe_q))
+            lm.streamer.run(batches, [p], before_batch=before_batch, progress=progress, desc="profile")
+        else:
+            with attention_hook(lm.model, acc.observe_q):
+                for i, ids in enumerate(tqdm(batches, desc="profile", unit="batch", disable=not progress)):
+                    before_batch(i)
+                    lm.model(input_ids=ids.to(lm.device), cache=ObservingCache(g.n_layers, acc.observe_kv), use_cache=True, logits_to_keep=1)
     rotary = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
     if rotary is not None and getattr(rotary, "inv_freq", None) is not None and rotary.inv_freq.numel() == g.head_dim // 2:
         acc.t["rope_inv_freq"] = rotary.inv_freq.detach().float().cpu()  # [D/2]: lets fit rotate keys to other positions

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -20,11 +21,13 @@ from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
-from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, compressed_attention
+from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
 from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
+from kvcompress.models.observe import attention_implementation
+from kvcompress.models.streaming import Pass
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
 from kvcompress.report_schema import FormatResult, Memory, Quality, Report
@@ -44,12 +47,28 @@ def baseline_label(model) -> str:
     return f"unquantized cache ({str(next(model.parameters()).dtype).removeprefix('torch.')})"
 
 
+def _calls_logits(lm, ids: torch.Tensor, calls: list[tuple[str | None, dict]]) -> list[torch.Tensor]:
+    """Logits of one batch under each (attention implementation, keywords) call, in memory or streamed."""
+    if lm.streamer is None:
+        out = []
+        for impl, kw in calls:
+            with attention_implementation(lm.model, impl) if impl else nullcontext():
+                out.append(lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
+        return out
+    got = {}
+    lm.streamer.run([ids], _passes(lm.model, calls), head=lambda pi, i, logits: got.__setitem__(pi, logits), progress=False)
+    return [got[i] for i in range(len(calls))]
+
+
+def _passes(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
+    return [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw},
+                 context=lambda impl=impl: attention_implementation(model, impl) if impl else nullcontext()) for impl, kw in calls]
+
+
 @torch.no_grad()
-def self_check(model, ids: torch.Tensor, name: str) -> dict:
+def self_check(lm, ids: torch.Tensor, name: str) -> dict:
     """The evaluation attention with nothing compressed must reproduce the model's own forward."""
-    base = model(input_ids=ids, use_cache=False).logits
-    with compressed_attention(model, None, exact=True) as kw:
-        same = model(input_ids=ids, use_cache=False, **kw).logits
+    base, same = _calls_logits(lm, ids, [(None, {}), eval_call(None, exact=True)])
     kl = kl_mean(base, same)
     out = {"kl_mean": kl, "max_kl": SELF_CHECK_MAX_KL, "tokens": int(ids.numel()), "passed": kl < SELF_CHECK_MAX_KL}
     if not out["passed"]:
@@ -62,25 +81,39 @@ def self_check(model, ids: torch.Tensor, name: str) -> dict:
 
 
 @torch.no_grad()
-def evaluate_quality(model, books: dict[str, ScaleBook], windows: torch.Tensor, batch_size: int, progress: bool = True, keep: bool = False):
-    """Baseline vs each book (one-pass) over token windows [N, T].
+def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, batch_size: int, progress: bool = True, keep: bool = False):
+    """Baseline vs each book (one-pass) over token windows [N, T]; in memory batch by batch, or
+    streamed layer by layer (every pass of every batch through one layer at a time: same numbers).
 
     Returns ({name: (quality dict, LayerErrors)}, kept baseline log-probs or None).
     """
-    acc = {n: QualityAccumulator() for n in books}
+    names = list(books)
+    acc = {n: QualityAccumulator() for n in names}
     errors = {n: LayerErrors(b.geometry["n_layers"]) for n, b in books.items()}
     kept = [] if keep else None
-    device = next(model.parameters()).device
-    for lo in tqdm(range(0, windows.shape[0], batch_size), desc="validate", unit="batch", disable=not progress):
-        ids = windows[lo : lo + batch_size].to(device)
-        base = next_token_logprobs(model(input_ids=ids, use_cache=False).logits)
-        if kept is not None:
-            kept.append(base)
-        for name, book in books.items():
-            with compressed_attention(model, book, errors[name]) as kw:
-                comp = model(input_ids=ids, use_cache=False, **kw).logits
-            acc[name].update_logprobs(base, next_token_logprobs(comp), ids.cpu())
-    return {n: (acc[n].result(), errors[n]) for n in books}, kept
+    batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
+    calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
+    base: dict[int, torch.Tensor] = {}
+
+    def head(pi: int, i: int, logits: torch.Tensor) -> None:
+        lp = next_token_logprobs(logits)
+        if pi == 0:
+            base[i] = lp
+            if kept is not None:
+                kept.append(lp)
+        else:
+            acc[names[pi - 1]].update_logprobs(base[i], lp, batches[i])
+        if pi == len(calls) - 1:
+            base.pop(i)
+
+    if lm.streamer is not None:
+        lm.streamer.run(batches, _passes(lm.model, calls), head=head, progress=progress, desc="validate")
+    else:
+        for i, ids in enumerate(tqdm(batches, desc="validate", unit="batch", disable=not progress)):
+            for pi, (impl, kw) in enumerate(calls):
+                with attention_implementation(lm.model, impl) if impl else nullcontext():
+                    head(pi, i, lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
+    return {n: (acc[n].result(), errors[n]) for n in names}, kept
 
 
 def memory_summary(spec: KVSpec, geom: Geometry, context: int) -> Memory:
@@ -120,12 +153,15 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     if calib_sha is not None and texts.sha256 == calib_sha:
         raise UserError("eval text is the calibration text; validation needs held-out text (eval.split=heldout or other eval.paths)")
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
-    check = self_check(lm.model, windows[:1].to(lm.device), name)
+    check = self_check(lm, windows[:1], name)
     by_name = {b.spec.name: b for b in books.values()}
     keep = keep_baseline and windows.numel() * lm.geometry.vocab_size * 4 <= KEEP_BASELINE_BYTES
-    measured, kept = evaluate_quality(lm.model, by_name, windows, eval_cfg.batch_size, progress, keep)
+    measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
     tasks = {}
-    if eval_cfg.tasks.names:
+    notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
+    if eval_cfg.tasks.names and lm.streamer is not None:
+        notes.append("tasks not run: the model is streamed layer by layer (model.streaming) and the long-context tasks do not stream yet")
+    elif eval_cfg.tasks.names:
         corpus = [i for t in texts.texts for i in lm.tokenizer.encode(t)]
         window = max(b.spec.window for b in books.values())  # facts before every format's fp16 window
         tasks = run_tasks(lm, by_name, corpus, eval_cfg.tasks, window, progress)
@@ -137,7 +173,6 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     for known, (g, n) in KNOWN.items():
         planner[known] = plan_pair(BASELINE, books["primary"].spec, g, n, eval_cfg.planner)
     pbook = books["primary"]
-    notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
     unmeasured = [g.name for g in primary.gates if g.status == "not measured"]
     if unmeasured:
         notes.append(f"gates not measured (not part of the verdict): {', '.join(unmeasured)}")
@@ -163,7 +198,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "quality": "measured here, on the one-pass decode-equivalent path whose equality with token-by-token decoding "
             "through CompressedCache is a CPU test (tests/test_eval_equivalence.py)",
             "tasks": "measured here in context-phase semantics; greedy generation through the real CompressedCache cross-checks a sample per task"
-            if tasks else "not run (eval.tasks.names is empty)",
+            if tasks else ("not run: streamed model (the tasks do not stream yet)" if eval_cfg.tasks.names else "not run (eval.tasks.names is empty)"),
             "memory": "reference byte accounting; equals CompressedCache.nbytes() of the real packed tensors (tests/test_cache.py)",
             "native formats": "simulated exactly as TensorRT-LLM quantizes (one scale per layer, K and V); the exported checkpoint is re-measured by export",
             "kernels": "not exercised by this report",
