@@ -5,7 +5,7 @@ layers, rotary embedding, mask construction and attention interface, no forked m
 `LayerStreamer.run` pushes every batch of every *pass* (a stream of hidden states with its own
 forward keywords and attention implementation, e.g. the fp16 baseline and each compressed
 format) through decoder layer 0, frees it, loads layer 1, and so on. Each layer's tensors are
-read from the checkpoint's safetensors shards (memory-mapped, only that layer's keys), cast to
+read from the checkpoint's safetensors shards (positioned reads of only that layer's bytes), cast to
 the compute dtype and put on the compute device. Embeddings are gathered and `lm_head` applied in
 vocabulary chunks, never more than about one layer's bytes at a time.
 
@@ -23,60 +23,84 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
 
-HEAD_CHUNK_BYTES = 256 << 20  # embedding / lm_head chunk size (in the compute dtype)
+HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
+
+
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64,
+             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header {name: {dtype, shape, data_offsets}} and where its data starts."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
 
 
 class Checkpoint:
-    """Which safetensors file holds each tensor of a Hugging Face model directory."""
+    """Which safetensors file holds each tensor of a Hugging Face model directory, and a reader
+    that reads exactly a tensor's bytes (or a row range of them) into a fresh tensor: positioned
+    reads, no mapping of the shard, so resident memory holds only what was asked for."""
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            self.where = {k: self.dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            files = sorted({self.dir / f for f in json.loads(index.read_text())["weight_map"].values()})
         else:
             files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise UserError(f"model.path={str(self.dir)!r} has no *.safetensors files (streaming reads safetensors checkpoints)")
-            self.where = {}
-            for f in files:
-                with safe_open(str(f), "pt") as h:
-                    self.where.update({k: f for k in h.keys()})
+        if not files:
+            raise UserError(f"model.path={str(self.dir)!r} has no *.safetensors files (streaming reads safetensors checkpoints)")
+        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        for f in files:
+            header, start = read_header(f)
+            self.entries.update({k: (f, e, start) for k, e in header.items()})
 
     def nbytes(self) -> int:
-        return sum(f.stat().st_size for f in set(self.where.values()))
+        return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.where
-
-    def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        """The named tensors, cast and placed; each shard is opened (mapped) only while read."""
-        missing = [k for k in keys if k not in self.where]
-        if missing:
-            raise UserError(f"checkpoint {str(self.dir)!r} lacks tensors the model needs: {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-        out = {}
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.where[k], []).append(k)
-        for f, ks in by_file.items():
-            with safe_open(str(f), "pt") as h:
-                for k in ks:
-                    out[k] = h.get_tensor(k).to(device=device, dtype=dtype)
-        return out
-
-    def rows(self, key: str, lo: int, hi: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Rows lo:hi of a 2-D tensor, reading only those bytes."""
-        with safe_open(str(self.where[key]), "pt") as h:
-            return h.get_slice(key)[lo:hi].to(device=device, dtype=dtype)
+        return key in self.entries
 
     def shape(self, key: str) -> list[int]:
-        with safe_open(str(self.where[key]), "pt") as h:
-            return list(h.get_slice(key).get_shape())
+        return list(self.entries[key][1]["shape"])
+
+    def stored_dtype(self, key: str) -> torch.dtype:
+        return ST_DTYPES[self.entries[key][1]["dtype"]]
+
+    def _read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        if key not in self.entries:
+            raise UserError(f"checkpoint {str(self.dir)!r} lacks tensor {key!r}, which the model needs")
+        f, e, start = self.entries[key]
+        dtype, shape = ST_DTYPES[e["dtype"]], list(e["shape"])
+        b0, b1 = e["data_offsets"]
+        if lo is not None:
+            row = (b1 - b0) // max(shape[0], 1)
+            b0, b1, shape = b0 + lo * row, b0 + hi * row, [hi - lo, *shape[1:]]
+        buf = torch.empty(b1 - b0, dtype=torch.uint8)
+        with open(f, "rb", buffering=0) as fh:
+            fh.seek(start + b0)
+            view, got = memoryview(buf.numpy()), 0
+            while got < len(view):
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise UserError(f"checkpoint file {str(f)!r} is truncated (tensor {key!r})")
+                got += n
+        return buf.view(dtype).reshape(shape)
+
+    def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        """The named tensors, cast to dtype and placed on device."""
+        return {k: self._read(k).to(device=device, dtype=dtype) for k in keys}
+
+    def rows(self, key: str, lo: int, hi: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Rows lo:hi of a tensor, reading only those bytes."""
+        return self._read(key, lo, hi).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -114,7 +138,7 @@ class LayerStreamer:
         self.vocab, self.hidden_size = checkpoint.shape(self.embed_key)
         esize = torch.empty(0, dtype=dtype).element_size()
         self.layer_bytes = max(sum(p.numel() for p in self.layers[0].parameters()) * esize, 1)
-        self.chunk_rows = max(1, min(self.vocab, max(HEAD_CHUNK_BYTES, self.layer_bytes) // (self.hidden_size * esize)))
+        self.chunk_rows = max(1, min(self.vocab, HEAD_CHUNK_BYTES // (self.hidden_size * esize)))
         self._head_cache: dict[int, torch.Tensor] = {}
 
     # --- weights -----------------------------------------------------------------------------
@@ -128,6 +152,7 @@ class LayerStreamer:
         for sub in module.modules():
             for n, p in list(sub.named_parameters(recurse=False)):
                 sub._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        _trim_heap()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of ids [B, T] -> [B, T, hidden], gathered chunk by chunk of the vocabulary."""
@@ -152,6 +177,7 @@ class LayerStreamer:
                 if self.chunk_rows >= self.vocab:
                     self._head_cache[lo] = w  # one chunk: keep it for the head phase
             out[..., lo:hi] = torch.nn.functional.linear(h, w).float()
+            del w
         return out
 
     # --- execution ---------------------------------------------------------------------------
@@ -213,6 +239,26 @@ class LayerStreamer:
             self._head_cache.clear()
 
 
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc). Layer tensors of a few MB come from the heap
+    once glibc's dynamic mmap threshold has risen; without a trim a streamed run's resident memory
+    creeps up layer after layer although nothing is held."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (not glibc: AttributeError)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 def build_empty(model_dir: Path, dtype: torch.dtype):
     """The model's modules from its config.json, parameters on the meta device (buffers real)."""
     from accelerate import init_empty_weights
@@ -229,9 +275,8 @@ def weights_exceed_device(ckpt: Checkpoint, dtype: torch.dtype, device: str) -> 
     compute device has free (CPU: available RAM; CUDA: free device memory)."""
     import psutil
 
-    with safe_open(str(ckpt.where["model.embed_tokens.weight"]), "pt") as h:
-        stored = 4 if h.get_slice("model.embed_tokens.weight").get_dtype() == "F32" else 2
-    need = ckpt.nbytes() * torch.empty(0, dtype=dtype).element_size() / stored
+    stored = ckpt.stored_dtype("model.embed_tokens.weight").itemsize
+    need = ckpt.nbytes() * dtype.itemsize / stored
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
     else:
