@@ -19,7 +19,7 @@ import torch
 from kvcompress.artifacts import load_artifact, save_artifact
 from kvcompress.errors import ArtifactError
 
-FORMAT_VERSION = 3  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound)
+FORMAT_VERSION = 4  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -97,6 +97,7 @@ class StatsAccumulator:
         self.t["q_count"] = torch.zeros(L, dtype=torch.float64)
         self.t["sample_k"] = torch.zeros(L, sample_capacity, H, D)
         self.t["sample_v"] = torch.zeros(L, sample_capacity, H, D)
+        self.t["sample_pos"] = torch.zeros(L, sample_capacity, dtype=torch.int64)  # position in its window of each sampled row
         self.n_sampled = torch.zeros(L, dtype=torch.int64)
         self.prerope_seen = False
         self.rows: torch.Tensor | None = None  # [n] batch row of each sampled position in the current batch
@@ -146,7 +147,10 @@ class StatsAccumulator:
         self._channel("v", layer, v)
         self.t["count"][layer] += k.shape[0] * k.shape[2]
         self._sample("k", layer, k)
-        self.n_sampled[layer] += self._sample("v", layer, v)  # each layer has its own cursor: any batch/layer order
+        n = self._sample("v", layer, v)
+        n0 = int(self.n_sampled[layer])
+        self.t["sample_pos"][layer, n0 : n0 + n] = self.pos[:n].cpu()
+        self.n_sampled[layer] += n  # each layer has its own cursor: any batch/layer order
 
     def observe_q(self, layer: int, q: torch.Tensor) -> None:
         """q: [B, H_q, T, D] post-RoPE queries -> q_gram[layer, h] += sum of q q^T over the group of kv head h."""
@@ -166,7 +170,7 @@ class StatsAccumulator:
     def finish(self, header: dict) -> KVStats:
         n = int(self.n_sampled.min())
         t = dict(self.t)
-        for name in ("k", "v"):
+        for name in ("k", "v", "pos"):
             t[f"sample_{name}"] = t[f"sample_{name}"][:, :n].contiguous()
         header = {**header, "prerope_observed": self.prerope_seen, "sample_rows": n}
         return KVStats(t, header)

@@ -165,3 +165,27 @@ def test_embedded_smollm2_streamed_equals_in_memory():
     q = {s: _quality(lm, books, windows) for s, lm in lms.items()}
     assert q[False][0] == q[True][0]
     assert q[False][0]["int8k_int4v"][0]["kl_mean"] > 0
+
+
+def test_calibration_sees_positions_beyond_512(tiny_llama):
+    """Raw samples are drawn across the whole window: a 1024-token calibration puts keys from
+    positions beyond 512 into the statistics (and the sample is per kv head, bounded in rows)."""
+    from kvcompress.config import CalibConfig
+
+    calib = CalibConfig(name="c", n_samples=2, seq_len=1024, batch_size=2, sample_tokens=256)
+    st = profile(tiny_llama, calib, load_texts(calib), progress=False)
+    pos = st["sample_pos"]
+    assert pos.shape == (2, 256) and int(pos.max()) > 512 and int((pos > 512).sum(-1).min()) > 64
+    assert st["sample_k"].shape == (2, 256, 2, 32)  # [L, rows, kv heads, D]: not per query head
+    assert int(st["count"][0]) == 2 * 1024
+
+
+@pytest.mark.parametrize("model", ["llama3_8b", "llama70b"])
+def test_long_context_model_configs_calibrate_on_long_windows(model):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model}"])
+        assert cfg.calib.seq_len >= 2048 and cfg.calib.name == "long"
+        assert compose("config", overrides=[f"model={model}", "calib=smoke"]).calib.name == "smoke"  # the command line still wins
+        assert compose("config", overrides=[]).calib.name == "default"  # the embedded model keeps its calibration
