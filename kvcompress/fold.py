@@ -46,52 +46,64 @@ def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, ma
     multiplied by sigma and their largest element must stay above 16 * finfo.tiny (not flushed
     towards zero, not into the subnormal range). Factors stay tied across RoPE pairs. Returns the guarded
     factors and {"raised": count, "layers": [...]} (the export records it; the re-measurement of
-    the written checkpoint covers any change).
+    the written checkpoint covers any change). `state` needs only the q/k weights of each layer.
     """
-    fi = torch.finfo(dtype)
     out = sigma.clone()
     raised, layers = 0, []
-    D, H = geom.head_dim, geom.n_kv_heads
-    g = geom.n_heads // H
     for L in range(sigma.shape[0]):
-        p = f"model.layers.{L}.self_attn."
-        wk = state[p + "k_proj.weight"].float().abs().amax(1).view(H, D)  # [H, D] row max
-        wq = state[p + "q_proj.weight"].float().abs().amax(1).view(H, g, D).amin(1)  # smallest row max of the group
-        lo_over = wk * margin / fi.max  # sigma >= this keeps W_k / sigma finite
-        lo_under = fi.tiny * 16.0 / wq.clamp(min=fi.tiny)  # sigma >= this keeps W_q * sigma normal
-        lo = torch.maximum(lo_over, lo_under)
-        lo = torch.maximum(lo[:, : D // 2], lo[:, D // 2 :]).repeat(1, 2)  # tied pairs
-        new = torch.maximum(out[L], lo).clamp(max=1.0)
-        n = int((new > out[L]).sum())
+        out[L], n = guard_layer(state, geom, L, sigma[L], dtype, margin)
         if n:
             raised += n
             layers.append(L)
-        out[L] = new
     return out, {"raised": raised, "layers": layers}
+
+
+def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, int]:
+    """guard_factors for one layer: (guarded factors [H, D], how many were raised)."""
+    fi = torch.finfo(dtype)
+    D, H = geom.head_dim, geom.n_kv_heads
+    g = geom.n_heads // H
+    p = f"model.layers.{L}.self_attn."
+    wk = state[p + "k_proj.weight"].float().abs().amax(1).view(H, D)  # [H, D] row max
+    wq = state[p + "q_proj.weight"].float().abs().amax(1).view(H, g, D).amin(1)  # smallest row max of the group
+    lo_over = wk * margin / fi.max  # sigma >= this keeps W_k / sigma finite
+    lo_under = fi.tiny * 16.0 / wq.clamp(min=fi.tiny)  # sigma >= this keeps W_q * sigma normal
+    lo = torch.maximum(lo_over, lo_under)
+    lo = torch.maximum(lo[:, : D // 2], lo[:, D // 2 :]).repeat(1, 2)  # tied pairs
+    new = torch.maximum(sigma_l, lo).clamp(max=1.0)
+    return new, int((new > sigma_l).sum())
 
 
 @torch.no_grad()
 def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> dict:
     """A new state dict with the factors folded into q/k/v/o (float32 math); other tensors are shared, not copied."""
     out = dict(state)
+    for L in range(geom.n_layers):
+        out.update(fold_layer(state, geom, L, sigma, tau))
+    return out
+
+
+@torch.no_grad()
+def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> dict:
+    """The folded q/k/v/o tensors of layer L (float32); `state` needs only that layer's tensors."""
+    out = {}
     D, H = geom.head_dim, geom.n_kv_heads
     g = geom.n_heads // H
-    for L in range(geom.n_layers):
-        p = f"model.layers.{L}.self_attn."
-        if sigma is not None:
-            s = sigma[L].reshape(-1).float()  # [H*D]
-            sq = sigma[L].repeat_interleave(g, 0).reshape(-1).float()  # every query head of the group
-            out[p + "k_proj.weight"] = state[p + "k_proj.weight"].float() / s[:, None]
-            out[p + "q_proj.weight"] = state[p + "q_proj.weight"].float() * sq[:, None]
-            if p + "k_proj.bias" in state:
-                out[p + "k_proj.bias"] = state[p + "k_proj.bias"].float() / s
-                out[p + "q_proj.bias"] = state[p + "q_proj.bias"].float() * sq
-        if tau is not None:
-            t = tau[L].reshape(-1).float()
-            out[p + "v_proj.weight"] = state[p + "v_proj.weight"].float() / t[:, None]
-            if p + "v_proj.bias" in state:
-                out[p + "v_proj.bias"] = state[p + "v_proj.bias"].float() / t
-            out[p + "o_proj.weight"] = state[p + "o_proj.weight"].float() * tau[L].repeat_interleave(g, 0).reshape(1, -1).float()
+    p = f"model.layers.{L}.self_attn."
+    if sigma is not None:
+        s = sigma[L].reshape(-1).float()  # [H*D]
+        sq = sigma[L].repeat_interleave(g, 0).reshape(-1).float()  # every query head of the group
+        out[p + "k_proj.weight"] = state[p + "k_proj.weight"].float() / s[:, None]
+        out[p + "q_proj.weight"] = state[p + "q_proj.weight"].float() * sq[:, None]
+        if p + "k_proj.bias" in state:
+            out[p + "k_proj.bias"] = state[p + "k_proj.bias"].float() / s
+            out[p + "q_proj.bias"] = state[p + "q_proj.bias"].float() * sq
+    if tau is not None:
+        t = tau[L].reshape(-1).float()
+        out[p + "v_proj.weight"] = state[p + "v_proj.weight"].float() / t[:, None]
+        if p + "v_proj.bias" in state:
+            out[p + "v_proj.bias"] = state[p + "v_proj.bias"].float() / t
+        out[p + "o_proj.weight"] = state[p + "o_proj.weight"].float() * tau[L].repeat_interleave(g, 0).reshape(1, -1).float()
     return out
 
 

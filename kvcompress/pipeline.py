@@ -126,11 +126,6 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         from kvcompress.stages.export import check_exportable
 
         check_exportable(r.lm.model)  # before anything is written; the model is needed by validate and export anyway
-        if r.lm.streamer is not None:
-            from kvcompress.errors import UserError
-
-            raise UserError("export of a layer-streamed model is not implemented yet (the fold and the writers hold the whole state dict): "
-                            "add export=none, or model.streaming=false on a host whose memory holds the weights")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -4,8 +4,8 @@
     python scripts/bench_streaming.py --gb 1 --skip-time
 
 Part 1 writes a synthetic Llama checkpoint (sharded safetensors, random weights, hidden 2048) and
-runs `python -m kvcompress ... model.streaming=true export=none` on it in a subprocess (profile,
-fit, validate), then prints the subprocess's peak resident memory (ru_maxrss from wait4), the
+runs `python -m kvcompress ... model.streaming=true` on it in a subprocess (profile, fit,
+validate, export with its read-back checks), then prints the subprocess's peak resident memory (ru_maxrss from wait4), the
 checkpoint size and their ratio. Part 2 times profile + validate of the embedded model in memory
 and streamed, side by side in this process (same windows, same ScaleBooks; each mode run twice,
 alternating, the faster run kept) and prints the ratio and whether the numbers are identical.
@@ -48,14 +48,15 @@ def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: 
     run_dir = workdir / "run"
     rss, secs, res = peak_rss_run([sys.executable, "-m", "kvcompress", "model=llama3_8b", f"model.path={ckpt}", "model.name=synthetic_llama",
                                    "model.device=cpu", "model.dtype=float32", "model.streaming=true", f"calib={calib}", f"eval={eval_}",
-                                   "export=none", f"hydra.run.dir={run_dir}"], env)
+                                   f"hydra.run.dir={run_dir}"], env)
     if res.returncode:
         raise SystemExit(f"streamed run failed ({res.returncode}):\n{res.stdout[-3000:]}")
     report = json.loads((run_dir / "report.json").read_text())
     tokens = report["provenance"]["scalebook"].get("stats", {}).get("calib", {}).get("tokens")
     return {"layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"], "checkpoint_bytes": size, "peak_rss_bytes": rss,
             "rss_over_checkpoint": rss / size, "seconds": secs, "stage_times_s": report.get("stage_times_s"), "calib_tokens": tokens,
-            "eval_tokens": report["eval"]["n_windows"] * report["eval"]["seq_len"], "streamed": report["model"].get("streamed", False)}
+            "eval_tokens": report["eval"]["n_windows"] * report["eval"]["seq_len"], "streamed": report["model"].get("streamed", False),
+            "exported": bool(report.get("export")) and all(c["status"] == "passed" for c in report["export"]["checks"])}
 
 
 def time_modes(repeats: int = 2) -> dict:
@@ -105,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
         s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d))
     print(f"synthetic Llama: {s['layers']} layers, hidden {s['hidden']}, checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB (float32)")
-    print(f"  streamed profile+fit+validate ({s['calib_tokens']} calibration tokens, {s['eval_tokens']} eval tokens): {s['seconds']:.0f} s "
+    print(f"  streamed profile+fit+validate+export (exported and re-measured: {s['exported']}; {s['calib_tokens']} calibration tokens, {s['eval_tokens']} eval tokens): {s['seconds']:.0f} s "
           f"(stages {s['stage_times_s']})")
     print(f"  peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB = {s['rss_over_checkpoint']:.3f} x checkpoint (target < 0.333)")
     if s["stage_times_s"] and s["calib_tokens"]:

@@ -143,14 +143,14 @@ def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, 
     from kvcompress.pipeline import run
     from kvcompress.stages import export as export_stage
 
-    real = export_stage.write_checkpoint
+    real = export_stage.TrtllmWriter.__init__
 
-    def perturbed(state, geom, out_dir, tp, dtype, algo, scales, hf_config=None):
+    def perturbed(self, meta, geom, out_dir, tp, dtype, algo, scales, hf_config):
         bad = scales.clone()
         bad[0] /= 8.0
-        return real(state, geom, out_dir, tp, dtype, algo, bad, hf_config=hf_config)
+        real(self, meta, geom, out_dir, tp, dtype, algo, bad, hf_config)
 
-    monkeypatch.setattr(export_stage, "write_checkpoint", perturbed)
+    monkeypatch.setattr(export_stage.TrtllmWriter, "__init__", perturbed)
     from omegaconf import OmegaConf
     from hydra import compose, initialize_config_dir
 

@@ -111,36 +111,71 @@ def test_streaming_config_errors_are_one_line():
         assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1
 
 
-def test_streamed_cli_run_on_a_sharded_checkpoint_and_export_is_refused(tmp_path):
+def test_streamed_cli_run_on_a_sharded_checkpoint_exports_the_same_bytes(tmp_path):
+    """A sharded checkpoint with tied embeddings, run streamed and in memory through the CLI: the
+    same report metrics, the export's files byte-identical (TensorRT-LLM tp1 and tp2, HF shards),
+    every read-back check passed in both (the streamed one re-measures layer by layer)."""
     from kvcompress.models.synthetic import synthetic_config, write_synthetic
 
-    ckpt = write_synthetic(tmp_path / "synth", synthetic_config(0.004, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512), shard_bytes=600_000)
+    ckpt = write_synthetic(tmp_path / "synth", synthetic_config(0.004, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, tie=True),
+                           shard_bytes=600_000)
     assert len(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1  # really sharded
-    common = ("model=llama3_8b", f"model.path={ckpt}", "model.name=synth", "model.device=cpu", "model.dtype=float32", "model.streaming=true",
-              "calib=smoke", "eval=smoke")
-    run_dir = tmp_path / "run"
-    r = run_cli(*common, "export=none", f"hydra.run.dir={run_dir}", cache_dir=tmp_path / "cache")
-    assert r.returncode == 0, r.stderr[-2000:]
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["model"]["streamed"] is True
-    assert any("tasks not run: the model is streamed" in n for n in report["notes"])
-    assert (run_dir / "config.json").is_file() and json.loads((run_dir / "config.json").read_text())["model"]["streaming"] is True
-    bad = tmp_path / "run_export"
-    r = run_cli(*common, f"hydra.run.dir={bad}", cache_dir=tmp_path / "cache")
-    assert r.returncode != 0 and "export of a layer-streamed model is not implemented yet" in r.stderr and "Traceback" not in r.stderr
-    assert not bad.exists()  # refused before anything was written
+    common = ("model=llama3_8b", f"model.path={ckpt}", "model.name=synth", "model.device=cpu", "model.dtype=float32",
+              "calib=smoke", "eval=smoke", "kv=native_int8", "export.tp_sizes=[1,2]")
+    runs = {}
+    for s in ("true", "false"):
+        run_dir = tmp_path / f"run_{s}"
+        r = run_cli(*common, f"model.streaming={s}", f"hydra.run.dir={run_dir}", cache_dir=tmp_path / "cache")
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[s] = json.loads((run_dir / "report.json").read_text())
+    st, mem = runs["true"], runs["false"]
+    assert st["model"]["streamed"] is True and "streamed" not in mem["model"]
+    assert any("tasks not run: the model is streamed" in n for n in st["notes"])
+    assert st["quality"] == mem["quality"]
+    assert st["export"]["files"] == mem["export"]["files"] and len(st["export"]["files"]) == 4
+    for r in (st, mem):
+        assert r["export"]["checks"] and all(c["status"] == "passed" for c in r["export"]["checks"])
+    assert any("layer by layer" in c["check"] for c in st["export"]["checks"])
+    for a, b in zip(st["export"]["checks"], mem["export"]["checks"]):
+        if isinstance(a["detail"], dict) and "remeasured_kl" in a["detail"]:
+            assert a["detail"]["remeasured_kl"] == pytest.approx(b["detail"]["remeasured_kl"], rel=1e-3)
+
+
+def test_safetensors_writer_streams_rows_and_leaves_nothing_when_incomplete(tmp_path):
+    from safetensors.torch import load_file
+
+    from kvcompress.targets.st_writer import SafetensorsWriter
+
+    a, b = torch.randn(10, 4), torch.arange(6, dtype=torch.int64).view(2, 3)
+    w = SafetensorsWriter(tmp_path / "x.safetensors", {"a": (torch.float32, (10, 4)), "b": (torch.int64, (2, 3)), "s": (torch.float32, ())})
+    w.write("a", a[6:], row=6)
+    w.write("b", b)
+    w.write("s", torch.tensor(2.5))
+    w.write("a", a[:6])
+    w.close()
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and float(got["s"]) == 2.5
+    w = SafetensorsWriter(tmp_path / "y.safetensors", {"a": (torch.float32, (10, 4))})
+    w.write("a", a[:5])
+    with pytest.raises(RuntimeError, match="not \\(fully\\) written"):
+        w.close()
+    z = SafetensorsWriter(tmp_path / "z.safetensors", {"a": (torch.float32, (10, 4))})
+    with pytest.raises(ValueError, match="planned"):
+        z.write("a", a.half())
+    z.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no half-written files
 
 
 @pytest.mark.slow
 def test_streamed_run_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
-    """A 4.8 GB synthetic Llama (hidden 2048): profile, fit and validate streamed with peak RSS
-    below a third of the checkpoint (scripts/bench_streaming.py measures it in a subprocess)."""
+    """A 4.8 GB synthetic Llama (hidden 2048): profile, fit, validate and export streamed with peak
+    RSS below a third of the checkpoint (scripts/bench_streaming.py measures it in a subprocess)."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_streaming.py"), "--gb", "4.8", "--skip-time", "--workdir", str(tmp_path),
                         "--json", str(out)], capture_output=True, text=True, env={**os.environ}, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads(out.read_text())["synthetic"]
-    assert s["checkpoint_bytes"] > 4.5e9 and s["streamed"]
+    assert s["checkpoint_bytes"] > 4.5e9 and s["streamed"] and s["exported"]
     assert s["rss_over_checkpoint"] < 1 / 3, s
 
 

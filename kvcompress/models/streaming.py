@@ -48,10 +48,12 @@ class Checkpoint:
     that reads exactly a tensor's bytes (or a row range of them) into a fresh tensor: positioned
     reads, no mapping of the shard, so resident memory holds only what was asked for."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, files: list[Path] | None = None):
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
+        if files is not None:
+            files = [Path(f) for f in files]
+        elif index.is_file():
             files = sorted({self.dir / f for f in json.loads(index.read_text())["weight_map"].values()})
         else:
             files = sorted(self.dir.glob("*.safetensors"))
@@ -259,12 +261,23 @@ def _trim_heap() -> None:
 _LIBC = None
 
 
-def build_empty(model_dir: Path, dtype: torch.dtype):
-    """The model's modules from its config.json, parameters on the meta device (buffers real)."""
+def passes_for(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
+    """One Pass per (attention implementation, forward keywords) evaluation call (no cache)."""
+    from kvcompress.models.observe import attention_implementation
+
+    return [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw},
+                 context=lambda impl=impl: attention_implementation(model, impl) if impl else nullcontext()) for impl, kw in calls]
+
+
+def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):
+    """The model's modules from its config.json (or `config`), parameters on the meta device
+    (buffers real). A quantization_config in the file is dropped: the weights are read as values."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    cfg = config if config is not None else AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    if getattr(cfg, "quantization_config", None) is not None:
+        cfg.quantization_config = None
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()

@@ -24,19 +24,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
-from kvcompress.fold import check_range, fold_state_dict, guard_factors
+from kvcompress.fold import check_range, fold_layer, guard_layer
 from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
-from kvcompress.targets import launchers, recheck, trtllm_reader
-from kvcompress.targets.hf_ckpt import write_hf_checkpoint
-from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, check_tp, write_checkpoint
+from kvcompress.targets import launchers, recheck
+from kvcompress.models.streaming import HEAD_CHUNK_BYTES
+from kvcompress.targets.hf_ckpt import HFWriter
+from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,15 +132,94 @@ def _validated(report: dict, name: str) -> dict:
     return next(f for f in report["fallbacks"] if f["name"] == name)
 
 
-def _folded(state: dict, geom, book: ScaleBook, dtype: torch.dtype, checks: Checks, label: str) -> tuple[dict, dict]:
-    sigma, guard = guard_factors(state, geom, book.tensors["fold_k"], dtype)
-    folded = fold_state_dict(state, geom, sigma, book.tensors["fold_v"])
-    bad = check_range(folded, dtype)
-    checks.add(f"{label}: folded q/k/v/o weights within {str(dtype).removeprefix('torch.')} range (no overflow, no rows flushed)", not bad,
-               {"factors_raised_by_guard": guard["raised"], "layers": guard["layers"], "problems": bad[:5]})
-    if bad:
-        raise UserError(f"export: folding {book.spec.name} puts weights outside {dtype}: {bad[0]}; nothing exported")
-    return folded, guard
+class ModelTensors:
+    """The model's Hugging Face-named tensors, one decoder layer (or one row block) at a time:
+    views of the loaded model's state dict, or read from the checkpoint of a streamed model, in
+    the model's dtype either way (so both give the same exported bytes)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        state = lm.model.state_dict()
+        if lm.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        self.meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        self.state = None if lm.streamer is not None else {k: v.detach() for k, v in state.items()}
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        keys = [k for k in self.meta if k.startswith(f"model.layers.{i}.")]
+        if self.state is not None:
+            return {k: self.state[k] for k in keys}
+        return self.lm.streamer.ckpt.load(keys, self.lm.dtype, "cpu")
+
+    def row_blocks(self, key: str, rows: int):
+        """(lo, tensor rows lo:lo+rows) over a global tensor (embedding, lm_head, final norm)."""
+        n = self.meta[key].shape[0] if self.meta[key].dim() > 1 else 0
+        if n == 0:
+            yield 0, (self.state[key] if self.state is not None else self.lm.streamer.ckpt.load([key], self.lm.dtype, "cpu")[key])
+            return
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            yield lo, (self.state[key][lo:hi] if self.state is not None else self.lm.streamer.ckpt.rows(key, lo, hi, self.lm.dtype, "cpu"))
+
+
+class FoldedLayers:
+    """Fold one ScaleBook into each layer as it passes (guard, fold, range check), recording the
+    guard's changes and any range problem for the manifest."""
+
+    def __init__(self, book: ScaleBook, geom, dtype: torch.dtype, label: str):
+        self.book, self.geom, self.dtype, self.label = book, geom, dtype, label
+        self.sigma = book.tensors["fold_k"].clone()
+        self.guard = {"raised": 0, "layers": []}
+        self.bad: list[str] = []
+
+    def __call__(self, layer: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        self.sigma[i], n = guard_layer(layer, self.geom, i, self.book.tensors["fold_k"][i], self.dtype)
+        if n:
+            self.guard["raised"] += n
+            self.guard["layers"].append(i)
+        folded = {**layer, **fold_layer(layer, self.geom, i, self.sigma, self.book.tensors["fold_v"])}
+        self.bad += check_range(folded, self.dtype)
+        if self.bad:
+            raise UserError(f"export: folding {self.book.spec.name} puts weights outside {self.dtype}: {self.bad[0]}; nothing exported")
+        return folded
+
+    def record(self, checks: Checks) -> None:
+        checks.add(f"{self.label}: folded q/k/v/o weights within {str(self.dtype).removeprefix('torch.')} range (no overflow, no rows flushed)", not self.bad,
+                   {"factors_raised_by_guard": self.guard["raised"], "layers": self.guard["layers"], "problems": self.bad[:5]})
+
+
+def write_native_checkpoints(lm, geom, trt_book: ScaleBook, hf_book: ScaleBook, ecfg, tp_dirs: list[Path], hf_dir: Path, progress: bool = True):
+    """One pass over the model, layer by layer: each layer is read once, folded with each book and
+    written to every rank file of every tp size and to its HF shard. Returns the two FoldedLayers."""
+    dtype = DTYPES[ecfg.dtype]
+    src = ModelTensors(lm)
+    trt_fold, hf_fold = FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt"), FoldedLayers(hf_book, geom, dtype, "hf_ckpt")
+    algo = NATIVE_ALGO[trt_book.spec.format]
+    trt = [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, algo, trt_book.tensors["native_scale"], lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
+    hf = HFWriter(src.meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb)
+    writers = [*trt, hf]
+    try:
+        rows = max(1, HEAD_CHUNK_BYTES // (geom.hidden_size * 4))
+        for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            if key in src.meta:
+                for lo, block in src.row_blocks(key, rows):
+                    for w in trt:
+                        w.write_rows(key, lo, block)
+                    hf.write(key, block, row=lo)
+        for i in tqdm(range(geom.n_layers), desc="export", unit="layer", disable=not progress):
+            layer = src.layer(i)
+            t = trt_fold(layer, i)
+            for w in trt:
+                w.write_layer(t, i)
+            del t
+            hf.write_layer(hf_fold(layer, i), i)
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return trt_fold, hf_fold
 
 
 def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
@@ -148,22 +229,17 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     check_exportable(lm.model)
     for tp in ecfg.tp_sizes:
         check_tp(geom, tp)
-    dtype = DTYPES[ecfg.dtype]
     checks = Checks()
-    state = {k: v.detach() for k, v in lm.model.state_dict().items()}  # references: nothing is copied
     trt_book, hf_book = _book_for(books, cfg.trtllm_format()), _book_for(books, "native_fp8")
     artifacts = {}
 
-    # ---- writers
-    trt_state, trt_guard = _folded(state, geom, trt_book, dtype, checks, "trtllm_ckpt")
+    # ---- writers: one pass over the layers, nothing larger than a layer held
     algo = NATIVE_ALGO[trt_book.spec.format]
     tp_dirs = [out / "trtllm_ckpt" / f"tp{tp}" for tp in ecfg.tp_sizes]
-    for tp, d in zip(ecfg.tp_sizes, tp_dirs):
-        write_checkpoint(trt_state, geom, d, tp, ecfg.dtype, algo, trt_book.tensors["native_scale"], hf_config=lm.model.config)
-    del trt_state
-    hf_state, hf_guard = _folded(state, geom, hf_book, dtype, checks, "hf_ckpt")
-    write_hf_checkpoint(hf_state, lm.model.config, lm.tokenizer, out / "hf_ckpt", hf_book.tensors["native_scale"], dtype, ecfg.shard_mb)
-    del hf_state
+    trt_fold, hf_fold = write_native_checkpoints(lm, geom, trt_book, hf_book, ecfg, tp_dirs, out / "hf_ckpt", run.progress)
+    trt_fold.record(checks)
+    hf_fold.record(checks)
+    trt_guard, hf_guard = trt_fold.guard, hf_fold.guard
     primary = books["primary"]
     if primary.spec.tier == "custom":
         artifacts["plugin_bundle"] = {
@@ -175,19 +251,24 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     windows, base = run.baseline if run.baseline and run.baseline[1] is not None else (None, None)
     if base is None:
         windows = token_windows(lm.tokenizer, load_texts(cfg.eval), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
-        base = recheck.baseline_logprobs(lm.model, windows, cfg.eval.batch_size)
+        base = recheck.baseline_logprobs(lm, windows, cfg.eval.batch_size)
     tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
+    bs, g = cfg.eval.batch_size, books["primary"].geometry
+    streamed = lm.streamer is not None  # a model that does not fit is re-measured layer by layer, never loaded whole
+    how = "streamed layer by layer into transformers' Llama" if streamed else "reader"
     v_trt = _validated(report, trt_book.spec.name)
-    c_trt = recheck.compare(v_trt["quality"], recheck.remeasure_trtllm(tp_dirs[0], windows, base, cfg.eval.batch_size), *tol)
-    checks.add(f"trtllm_ckpt/tp{ecfg.tp_sizes[0]} re-measured (reader, {ecfg.dtype} weights, {algo} KV from its stored scales) matches validated {trt_book.spec.name}", c_trt["passed"], c_trt)
-    ref_tensors = trtllm_reader.merge_shards(tp_dirs[0])[1]
+    m_trt = recheck.remeasure_trtllm_streamed(tp_dirs[0], lm.model.config, g, windows, base, bs, lm.device) if streamed \
+        else recheck.remeasure_trtllm(tp_dirs[0], windows, base, bs)
+    c_trt = recheck.compare(v_trt["quality"], m_trt, *tol)
+    checks.add(f"trtllm_ckpt/tp{ecfg.tp_sizes[0]} re-measured ({how}, {ecfg.dtype} weights, {algo} KV from its stored scales) matches validated {trt_book.spec.name}", c_trt["passed"], c_trt)
     for tp, d in list(zip(ecfg.tp_sizes, tp_dirs))[1:]:
-        other = trtllm_reader.merge_shards(d)[1]
-        same = other.keys() == ref_tensors.keys() and all(torch.equal(other[k], ref_tensors[k]) for k in ref_tensors)
+        same = recheck.same_trtllm_tensors(tp_dirs[0], d, geom.n_layers)
         checks.add(f"trtllm_ckpt/tp{tp} shards merge to exactly the tensors of tp{ecfg.tp_sizes[0]}", same, None)
     v_hf = _validated(report, hf_book.spec.name)
-    c_hf = recheck.compare(v_hf["quality"], recheck.remeasure_hf(out / "hf_ckpt", books["primary"].geometry, windows, base, cfg.eval.batch_size), *tol)
-    checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards, FP8 KV from k_scale/v_scale) matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
+    m_hf = recheck.remeasure_hf_streamed(out / "hf_ckpt", g, windows, base, bs, lm.device) if streamed \
+        else recheck.remeasure_hf(out / "hf_ckpt", g, windows, base, bs)
+    c_hf = recheck.compare(v_hf["quality"], m_hf, *tol)
+    checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards{', layer by layer' if streamed else ''}, FP8 KV from k_scale/v_scale) matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
     for label, c in (("trtllm_ckpt", c_trt), ("hf_ckpt", c_hf)):
         if not c["passed"]:
             raise UserError(f"export: the written {label} re-measures KL {c['remeasured_kl']:.3e} but validate measured {c['validated_kl']:.3e} "

@@ -27,7 +27,7 @@ from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logp
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.observe import attention_implementation
-from kvcompress.models.streaming import Pass
+from kvcompress.models.streaming import passes_for
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
 from kvcompress.report_schema import FormatResult, Memory, Quality, Report
@@ -56,13 +56,8 @@ def _calls_logits(lm, ids: torch.Tensor, calls: list[tuple[str | None, dict]]) -
                 out.append(lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
         return out
     got = {}
-    lm.streamer.run([ids], _passes(lm.model, calls), head=lambda pi, i, logits: got.__setitem__(pi, logits), progress=False)
+    lm.streamer.run([ids], passes_for(lm.model, calls), head=lambda pi, i, logits: got.__setitem__(pi, logits), progress=False)
     return [got[i] for i in range(len(calls))]
-
-
-def _passes(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
-    return [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw},
-                 context=lambda impl=impl: attention_implementation(model, impl) if impl else nullcontext()) for impl, kw in calls]
 
 
 @torch.no_grad()
@@ -107,7 +102,7 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
             base.pop(i)
 
     if lm.streamer is not None:
-        lm.streamer.run(batches, _passes(lm.model, calls), head=head, progress=progress, desc="validate")
+        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc="validate")
     else:
         for i, ids in enumerate(tqdm(batches, desc="validate", unit="batch", disable=not progress)):
             for pi, (impl, kw) in enumerate(calls):

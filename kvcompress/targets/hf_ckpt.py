@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.artifacts import atomic_write_json, save_plain_safetensors
+from kvcompress.artifacts import atomic_write_json
 
 FP8_MAX = 448.0
 PRODUCER = {"name": "kvcompress", "modelopt_format": "0.47 unified HF export"}
@@ -53,39 +53,84 @@ def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
     return cfg
 
 
+class HFWriter:
+    """Writes the sharded checkpoint tensor by tensor (kvcompress.targets.st_writer): shards are
+    planned from the model's meta tensors (sorted names, at most `shard_mb` each, as before); layers
+    arrive one at a time, the embedding and lm_head in row blocks."""
+
+    def __init__(self, meta_state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float):
+        from kvcompress.targets.st_writer import SafetensorsWriter
+
+        self.dir, self.hf_config, self.tokenizer, self.dtype, self.kv_scale = Path(out_dir), hf_config, tokenizer, dtype, kv_scale
+        plan = {k: ((dtype if v.is_floating_point() else v.dtype), tuple(v.shape)) for k, v in meta_state.items()}
+        if hf_config.tie_word_embeddings:
+            plan.pop("lm_head.weight", None)
+        for i in range(len(kv_scale)):
+            plan[f"model.layers.{i}.self_attn.k_proj.k_scale"] = (torch.float32, ())
+            plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
+        shards, cur, size = [], {}, 0
+        for k in sorted(plan):
+            dt, shape = plan[k]
+            nb = dt.itemsize * int(torch.tensor(shape).prod()) if shape else dt.itemsize
+            if cur and size + nb > shard_mb * 1e6:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k] = plan[k]
+            size += nb
+        shards.append(cur)
+        self.total = sum(dt.itemsize * (int(torch.tensor(sh).prod()) if sh else 1) for dt, sh in plan.values())
+        self.where, self.writers = {}, []
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            self.writers.append(SafetensorsWriter(self.dir / name, shard, {"format": "pt"}))
+            self.where |= dict.fromkeys(shard, (name, len(self.writers) - 1))
+        for i, s in enumerate(kv_scale.tolist()):
+            for k in (f"model.layers.{i}.self_attn.k_proj.k_scale", f"model.layers.{i}.self_attn.v_proj.v_scale"):
+                self._w(k).write(k, torch.tensor(s, dtype=torch.float32))
+
+    def _w(self, key: str):
+        return self.writers[self.where[key][1]]
+
+    def write(self, key: str, t: torch.Tensor, row: int = 0) -> None:
+        if key not in self.where:  # lm_head of a tied model
+            return
+        self._w(key).write(key, t.detach().to(self.dtype) if t.is_floating_point() else t, row=row)
+
+    def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
+        p = f"model.layers.{i}."
+        for k, v in state.items():
+            if k.startswith(p):
+                self.write(k, v)
+
+    def close(self) -> Path:
+        for w in self.writers:
+            w.close()
+        weight_map = {k: name for k, (name, _) in self.where.items()}
+        atomic_write_json(self.dir / "model.safetensors.index.json", {"metadata": {"total_size": self.total}, "weight_map": weight_map})
+        hq = quant_config()
+        cfg = hf_config_dict(self.hf_config, self.dtype)
+        cfg["quantization_config"] = config_quantization(hq)
+        atomic_write_json(self.dir / "config.json", cfg)
+        atomic_write_json(self.dir / "hf_quant_config.json", hq)
+        if hasattr(self.tokenizer, "tok"):
+            self.tokenizer.tok.save_pretrained(str(self.dir))
+        return self.dir
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.abort()
+
+
 def write_hf_checkpoint(state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float) -> Path:
-    """state: the folded HF state dict; kv_scale: [L] FP8 dequant scale (amax/448) shared by K and V."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    if hf_config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    for i, s in enumerate(kv_scale.tolist()):
-        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(s, dtype=torch.float32)
-        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(s, dtype=torch.float32)
-    shards, cur, size = [], {}, 0
-    for k in sorted(tensors):
-        nb = tensors[k].numel() * tensors[k].element_size()
-        if cur and size + nb > shard_mb * 1e6:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k] = tensors[k]
-        size += nb
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_plain_safetensors(out_dir / name, shard)
-        weight_map |= dict.fromkeys(shard, name)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    atomic_write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    hq = quant_config()
-    cfg = hf_config_dict(hf_config, dtype)
-    cfg["quantization_config"] = config_quantization(hq)
-    atomic_write_json(out_dir / "config.json", cfg)
-    atomic_write_json(out_dir / "hf_quant_config.json", hq)
-    if hasattr(tokenizer, "tok"):
-        tokenizer.tok.save_pretrained(str(out_dir))
-    return out_dir
+    """state: the folded HF state dict; kv_scale: [L] FP8 dequant scale (amax/448) shared by K and V (one call, whole model)."""
+    w = HFWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, hf_config, tokenizer, out_dir, kv_scale, dtype, shard_mb)
+    try:
+        for k, v in state.items():
+            w.write(k, v)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def read_state(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -9,9 +9,14 @@ Both are compared, on the same held-out windows, with the unquantized original m
 """
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import torch
 
+from kvcompress.eval.attention import eval_call
 from kvcompress.eval.metrics import QualityAccumulator, next_token_logprobs
+from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, passes_for
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import native_spec
 from kvcompress.targets import trtllm_reader
@@ -19,12 +24,65 @@ from kvcompress.targets.hf_ckpt import read_state
 
 
 @torch.no_grad()
-def baseline_logprobs(model, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    dev = next(model.parameters()).device
-    out = []
-    for lo in range(0, windows.shape[0], batch_size):
-        out.append(next_token_logprobs(model(input_ids=windows[lo : lo + batch_size].to(dev), use_cache=False).logits))
-    return out
+def baseline_logprobs(lm, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
+    if lm.streamer is not None:
+        out = {}
+        lm.streamer.run(batches, passes_for(lm.model, [(None, {})]), head=lambda pi, i, logits: out.__setitem__(i, next_token_logprobs(logits)), progress=False)
+        return [out[i] for i in range(len(batches))]
+    return [next_token_logprobs(lm.model(input_ids=b.to(lm.device), use_cache=False).logits) for b in batches]
+
+
+@torch.no_grad()
+def _score_streamed(streamer, book: ScaleBook, windows: torch.Tensor, base: list[torch.Tensor], batch_size: int) -> dict:
+    """_score through the layer-streamed executor: the checkpoint is never loaded whole."""
+    acc = QualityAccumulator()
+    batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
+    streamer.run(batches, passes_for(streamer.model, [eval_call(book)]),
+                 head=lambda pi, i, logits: acc.update_logprobs(base[i], next_token_logprobs(logits), batches[i]), progress=False)
+    r = acc.result()
+    return {k: r[k] for k in ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")}
+
+
+def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
+    """The TensorRT-LLM checkpoint read back layer by layer under HF names (trtllm_reader.TrtllmAsHF)
+    into transformers' Llama (float32 math on the stored values), K/V quantized with its stored
+    kv_cache_quant_algo and per-layer scales."""
+    src = trtllm_reader.TrtllmAsHF(ckpt)
+    fmt = {"INT8": "native_int8", "FP8": "native_fp8"}[src.cfg["quantization"]["kv_cache_quant_algo"]]
+    streamer = LayerStreamer(build_empty(None, torch.float32, config=copy.deepcopy(hf_config)), src, torch.float32, device)
+    return _score_streamed(streamer, native_book_from_scales(geometry, fmt, src.kv_scales()), windows, base, batch_size)
+
+
+def remeasure_hf_streamed(ckpt, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
+    """The HF checkpoint streamed from its written config.json and shards, FP8 KV from its k_scale/v_scale."""
+    ck = Checkpoint(ckpt)
+    L = geometry["n_layers"]
+    k = torch.stack([ck._read(f"model.layers.{i}.self_attn.k_proj.k_scale").float() for i in range(L)])
+    v = torch.stack([ck._read(f"model.layers.{i}.self_attn.v_proj.v_scale").float() for i in range(L)])
+    if not torch.equal(k, v):
+        raise ValueError("k_scale != v_scale: kvcompress writes one shared scale per layer")
+    streamer = LayerStreamer(build_empty(Path(ckpt), torch.float32), ck, torch.float32, device)
+    return _score_streamed(streamer, native_book_from_scales(geometry, "native_fp8", k.reshape(-1)), windows, base, batch_size)
+
+
+def same_trtllm_tensors(a: Path, b: Path, n_layers: int) -> bool:
+    """Two TensorRT-LLM checkpoints (any tp sizes) merge to exactly the same tensors, compared layer by layer."""
+    ra, rb = trtllm_reader.TrtllmAsHF(a), trtllm_reader.TrtllmAsHF(b)
+    if not torch.equal(ra.kv_scales(), rb.kv_scales()):
+        return False
+    vocab = ra.shape("model.embed_tokens.weight")[0]
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        for lo in range(0, vocab, 4096):
+            hi = min(vocab, lo + 4096)
+            if not torch.equal(ra.rows(key, lo, hi, torch.float32, "cpu"), rb.rows(key, lo, hi, torch.float32, "cpu")):
+                return False
+    for i in range(n_layers):
+        keys = [f"model.layers.{i}.{n}" for n in trtllm_reader.HF_NAMES.values() if not n.endswith("bias")] + ["model.norm.weight"]
+        la, lb = ra.load(keys, torch.float32, "cpu"), rb.load(keys, torch.float32, "cpu")
+        if any(not torch.equal(la[k], lb[k]) for k in keys):
+            return False
+    return True
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.artifacts import atomic_write_json, save_plain_safetensors
+from kvcompress.artifacts import atomic_write_json
 from kvcompress.errors import UserError
 from kvcompress.models.base import DTYPES
 
@@ -78,55 +78,128 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
 
 
 def rank_weights(state: dict[str, torch.Tensor], geom, tp: int, rank: int, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One rank's tensors from a (folded) HF Llama state dict."""
-    out: dict[str, torch.Tensor] = {}
-    hd, nkv = geom.head_dim, geom.n_kv_heads
+    """One rank's tensors from a (folded) HF Llama state dict (meta tensors give the rank's plan)."""
+    out = global_rank_tensors(state, tp, rank, dtype)
+    for i in range(geom.n_layers):
+        out |= layer_rank_tensors(state, geom, i, tp, rank, kv_scales, dtype)
+    return out
+
+
+def global_rank_tensors(state: dict[str, torch.Tensor], tp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Embedding (replicated), lm_head (padded to a multiple of tp, split on rows), final norm."""
     emb = state["model.embed_tokens.weight"]
-    out["transformer.vocab_embedding.weight"] = emb
     lm = state.get("lm_head.weight", emb)
     pad = (-lm.shape[0]) % tp
     if pad:
         lm = torch.cat([lm, lm.new_zeros(pad, lm.shape[1])])
-    out["lm_head.weight"] = _split(lm, tp, rank, 0)
-    out["transformer.ln_f.weight"] = state["model.norm.weight"]
-    for i in range(geom.n_layers):
-        p, t = f"model.layers.{i}.", f"transformer.layers.{i}."
-        wq = state[p + "self_attn.q_proj.weight"]
-        wk = _dup_kv(state[p + "self_attn.k_proj.weight"], nkv, tp)
-        wv = _dup_kv(state[p + "self_attn.v_proj.weight"], nkv, tp)
-        assert wk.shape[0] % (tp * hd) == 0
-        out[t + "attention.qkv.weight"] = torch.cat([_split(wq, tp, rank, 0), _split(wk, tp, rank, 0), _split(wv, tp, rank, 0)])
-        if p + "self_attn.q_proj.bias" in state:
-            bq, bk, bv = (state[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
-            bk, bv = (_dup_kv(b.unsqueeze(1), nkv, tp).squeeze(1) for b in (bk, bv))
-            out[t + "attention.qkv.bias"] = torch.cat([_split(bq, tp, rank, 0), _split(bk, tp, rank, 0), _split(bv, tp, rank, 0)])
-        out[t + "attention.dense.weight"] = _split(state[p + "self_attn.o_proj.weight"], tp, rank, 1)
-        out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
-        out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
-        out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
-        out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)
-        out[t + "mlp.proj.weight"] = _split(state[p + "mlp.down_proj.weight"], tp, rank, 1)
-        if kv_scales is not None:
-            out[t + "attention.kv_cache_scaling_factor"] = kv_scales[i].reshape(1).float()
-    return {k: (v.to(dtype) if v.is_floating_point() and "scaling_factor" not in k else v) for k, v in out.items()}
+    out = {"transformer.vocab_embedding.weight": emb, "lm_head.weight": _split(lm, tp, rank, 0), "transformer.ln_f.weight": state["model.norm.weight"]}
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
+def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, rank: int, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One rank's tensors of decoder layer i; `state` needs only that layer's (folded) HF tensors."""
+    out: dict[str, torch.Tensor] = {}
+    hd, nkv = geom.head_dim, geom.n_kv_heads
+    p, t = f"model.layers.{i}.", f"transformer.layers.{i}."
+    wq = state[p + "self_attn.q_proj.weight"]
+    wk = _dup_kv(state[p + "self_attn.k_proj.weight"], nkv, tp)
+    wv = _dup_kv(state[p + "self_attn.v_proj.weight"], nkv, tp)
+    assert wk.shape[0] % (tp * hd) == 0
+    out[t + "attention.qkv.weight"] = torch.cat([_split(wq, tp, rank, 0), _split(wk, tp, rank, 0), _split(wv, tp, rank, 0)])
+    if p + "self_attn.q_proj.bias" in state:
+        bq, bk, bv = (state[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+        bk, bv = (_dup_kv(b.unsqueeze(1), nkv, tp).squeeze(1) for b in (bk, bv))
+        out[t + "attention.qkv.bias"] = torch.cat([_split(bq, tp, rank, 0), _split(bk, tp, rank, 0), _split(bv, tp, rank, 0)])
+    out[t + "attention.dense.weight"] = _split(state[p + "self_attn.o_proj.weight"], tp, rank, 1)
+    out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
+    out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+    out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
+    out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)
+    out[t + "mlp.proj.weight"] = _split(state[p + "mlp.down_proj.weight"], tp, rank, 1)
+    out = {k: v.to(dtype) for k, v in out.items()}
+    if kv_scales is not None:
+        out[t + "attention.kv_cache_scaling_factor"] = kv_scales[i].reshape(1).float()
+    return out
+
+
+class TrtllmWriter:
+    """Writes the rank files of one tp size tensor by tensor (kvcompress.targets.st_writer): the
+    plan comes from the model's meta tensors; layers arrive one at a time, the embedding and
+    lm_head in row blocks. Nothing larger than one layer is held."""
+
+    def __init__(self, meta_state: dict[str, torch.Tensor], geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None,
+                 kv_scales: torch.Tensor | None, hf_config):
+        from kvcompress.targets.st_writer import SafetensorsWriter
+
+        check_tp(geom, tp)
+        self.geom, self.dir, self.tp, self.dtype_name, self.dtype = geom, Path(out_dir), tp, dtype, DTYPES[dtype]
+        self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
+        self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
+        self.writers = []
+        for r in range(tp):
+            plan = {k: (v.dtype, tuple(v.shape)) for k, v in rank_weights(meta_state, geom, tp, r, kv_scales, self.dtype).items()}
+            self.writers.append(SafetensorsWriter(self.dir / f"rank{r}.safetensors", plan, {"format": "pt"}))
+
+    def write_rows(self, key: str, lo: int, rows: torch.Tensor) -> None:
+        """Rows lo.. of model.embed_tokens.weight / lm_head.weight (HF names) / the final norm."""
+        rows = rows.to(self.dtype)
+        if key == "model.norm.weight":
+            for w in self.writers:
+                w.write("transformer.ln_f.weight", rows)
+            return
+        if key == "model.embed_tokens.weight":
+            for w in self.writers:
+                w.write("transformer.vocab_embedding.weight", rows, row=lo)
+        if key == "lm_head.weight" or (key == "model.embed_tokens.weight" and self.hf_config.tie_word_embeddings):
+            per = (self.vocab + (-self.vocab) % self.tp) // self.tp  # rows per rank of the padded lm_head
+            hi = lo + rows.shape[0]
+            for r, w in enumerate(self.writers):
+                a, b = max(lo, r * per), min(hi, (r + 1) * per)
+                if a < b:
+                    w.write("lm_head.weight", rows[a - lo : b - lo], row=a - r * per)
+                if hi == self.vocab and r == self.tp - 1 and self.vocab < (r + 1) * per:  # zero padding rows
+                    w.write("lm_head.weight", rows.new_zeros((r + 1) * per - self.vocab, rows.shape[1]), row=self.vocab - r * per)
+
+    def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
+        for r, w in enumerate(self.writers):
+            for k, v in layer_rank_tensors(state, self.geom, i, self.tp, r, self.kv_scales, self.dtype).items():
+                w.write(k, v)
+
+    def close(self) -> Path:
+        for w in self.writers:
+            w.close()
+        atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo))
+        return self.dir
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.abort()
 
 
 def write_checkpoint(model_or_state, geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None, kv_scales: torch.Tensor | None, hf_config=None) -> Path:
-    """Write config.json and rank{r}.safetensors for tensor parallel size tp.
+    """Write config.json and rank{r}.safetensors for tensor parallel size tp (one call, whole model).
 
     model_or_state: a transformers model, or a (folded) HF state dict with its `hf_config`.
     """
-    check_tp(geom, tp)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(model_or_state, "state_dict"):
         hf_config = model_or_state.config
         state = {k: v.detach() for k, v in model_or_state.state_dict().items()}
     else:
         state = model_or_state
-    for r in range(tp):
-        save_plain_safetensors(out_dir / f"rank{r}.safetensors", rank_weights(state, geom, tp, r, kv_scales, DTYPES[dtype]))
-    atomic_write_json(out_dir / "config.json", trtllm_config(hf_config, geom, tp, dtype, kv_algo))
-    return out_dir
+    if hf_config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+    w = TrtllmWriter(meta, geom, out_dir, tp, dtype, kv_algo, kv_scales, hf_config)
+    try:
+        for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            if k in state:
+                w.write_rows(k, 0, state[k])
+        for i in range(geom.n_layers):
+            w.write_layer(state, i)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def read_config(ckpt: Path) -> dict:

@@ -21,8 +21,15 @@ from kvcompress.targets.trtllm_ckpt import read_config
 def merge_shards(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, merged tensors in float32): q, k, v un-fused, kv-head duplicates dropped."""
     cfg = read_config(ckpt)
+    ranks = [load_file(str(Path(ckpt) / f"rank{r}.safetensors")) for r in range(cfg["mapping"]["tp_size"])]
+    merged = merge_rank_tensors(cfg, ranks)
+    merged["lm_head.weight"] = merged["lm_head.weight"][: cfg["vocab_size"]]
+    return cfg, merged
+
+
+def merge_rank_tensors(cfg: dict, ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The same-named tensors of every rank merged back into one (float32), q|k|v un-fused."""
     tp = cfg["mapping"]["tp_size"]
-    ranks = [load_file(str(Path(ckpt) / f"rank{r}.safetensors")) for r in range(tp)]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]
     kv_per_rank = max(1, nkv // tp)
     merged: dict[str, torch.Tensor] = {}
@@ -42,8 +49,64 @@ def merge_shards(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             merged[name] = torch.cat(parts, dim=0)
         else:
             merged[name] = parts[0]
-    merged["lm_head.weight"] = merged["lm_head.weight"][: cfg["vocab_size"]]
-    return cfg, merged
+    return merged
+
+
+HF_NAMES = {"attention.q.weight": "self_attn.q_proj.weight", "attention.k.weight": "self_attn.k_proj.weight", "attention.v.weight": "self_attn.v_proj.weight",
+            "attention.q.bias": "self_attn.q_proj.bias", "attention.k.bias": "self_attn.k_proj.bias", "attention.v.bias": "self_attn.v_proj.bias",
+            "attention.dense.weight": "self_attn.o_proj.weight", "input_layernorm.weight": "input_layernorm.weight",
+            "post_layernorm.weight": "post_attention_layernorm.weight", "mlp.fc.weight": "mlp.gate_proj.weight", "mlp.gate.weight": "mlp.up_proj.weight",
+            "mlp.proj.weight": "mlp.down_proj.weight"}
+
+
+class TrtllmAsHF:
+    """A TensorRT-LLM checkpoint read back under Hugging Face names, one layer (or row block) at a
+    time: what the layer-streamed executor needs to re-measure a checkpoint too large to merge.
+    Names and splits are undone exactly as merge_shards does (fc = gate_proj, gate = up_proj)."""
+
+    def __init__(self, ckpt: Path):
+        from kvcompress.models.streaming import Checkpoint
+
+        self.dir = Path(ckpt)
+        self.cfg = read_config(ckpt)
+        self.tp = self.cfg["mapping"]["tp_size"]
+        self.ranks = [Checkpoint(self.dir, files=[self.dir / f"rank{r}.safetensors"]) for r in range(self.tp)]
+
+    def __contains__(self, key: str) -> bool:
+        return key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight") or key.startswith("model.layers.")
+
+    def shape(self, key: str) -> list[int]:
+        assert key == "model.embed_tokens.weight"
+        return self.ranks[0].shape("transformer.vocab_embedding.weight")
+
+    def kv_scales(self) -> torch.Tensor:
+        n = self.cfg["num_hidden_layers"]
+        return torch.cat([self.ranks[0]._read(f"transformer.layers.{i}.attention.kv_cache_scaling_factor").float() for i in range(n)])
+
+    def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        out = {}
+        if "model.norm.weight" in keys:
+            out["model.norm.weight"] = self.ranks[0]._read("transformer.ln_f.weight")
+        layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")})
+        for i in layers:
+            t = f"transformer.layers.{i}."
+            names = [n for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")]
+            merged = merge_rank_tensors(self.cfg, [{n: r._read(n) for n in names} for r in self.ranks])
+            out |= {f"model.layers.{i}.{HF_NAMES[n[len(t):]]}": v for n, v in merged.items()}
+        missing = [k for k in keys if k not in out]
+        if missing:
+            raise KeyError(f"TensorRT-LLM checkpoint {self.dir}: no tensor for {missing[:3]}")
+        return {k: out[k].to(device=device, dtype=dtype) for k in keys}
+
+    def rows(self, key: str, lo: int, hi: int, dtype: torch.dtype, device) -> torch.Tensor:
+        if key == "model.embed_tokens.weight":
+            return self.ranks[0].rows("transformer.vocab_embedding.weight", lo, hi, dtype, device)
+        per = self.ranks[0].shape("lm_head.weight")[0]  # rows per rank (padded)
+        parts = []
+        for r in range(lo // per, (hi - 1) // per + 1):
+            a, b = max(lo, r * per) - r * per, min(hi, (r + 1) * per) - r * per
+            parts.append(self.ranks[r].rows("lm_head.weight", a, b, dtype, device))
+        return torch.cat(parts)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
