@@ -66,6 +66,14 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     q_mem, kept_mem = _quality(lm_mem, books, windows)
     q_st, kept_st = _quality(lm_st, books, windows)
     assert q_mem == q_st
+    from kvcompress.config import TasksConfig
+    from kvcompress.eval.retrieval import run_tasks
+
+    corpus = list(load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})).texts[0].encode())
+    tcfg = TasksConfig(names=["passkey", "copy_uuid"], lengths=[120], depths=[0.3], seeds=2, greedy=False)
+    t_mem, t_st = run_tasks(lm_mem, books, corpus, tcfg, 8, progress=False), run_tasks(lm_st, books, corpus, tcfg, 8, progress=False)
+    drop = lambda t: {n: {k: v for k, v in r.items() if k != "greedy_check"} for n, r in t.items()}  # noqa: E731  (greedy: in memory only)
+    assert drop(t_mem) == drop(t_st) and len(t_mem["kv"]["rows"]) == 4
     assert all(torch.equal(a, b) for a, b in zip(kept_mem, kept_st))
     assert q_mem["kv"][0]["kl_mean"] > 0  # something was compressed: the comparison is not of two baselines
     assert self_check(lm_st, windows[:1], "tiny")["passed"]
@@ -130,8 +138,9 @@ def test_streamed_cli_run_on_a_sharded_checkpoint_exports_the_same_bytes(tmp_pat
         runs[s] = json.loads((run_dir / "report.json").read_text())
     st, mem = runs["true"], runs["false"]
     assert st["model"]["streamed"] is True and "streamed" not in mem["model"]
-    assert any("tasks not run: the model is streamed" in n for n in st["notes"])
+    assert any("greedy cross-check not run" in n for n in st["notes"])
     assert st["quality"] == mem["quality"]
+    assert st["tasks"]["rows"] == mem["tasks"]["rows"] and st["tasks"]["rows"]  # tasks streamed too, same scores
     assert st["export"]["files"] == mem["export"]["files"] and len(st["export"]["files"]) == 4
     for r in (st, mem):
         assert r["export"]["checks"] and all(c["status"] == "passed" for c in r["export"]["checks"])

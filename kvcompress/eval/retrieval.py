@@ -25,9 +25,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcompress.cache import CompressedCache
-from kvcompress.eval.attention import CONTEXT_PHASE, compressed_attention
+from kvcompress.eval.attention import CONTEXT_PHASE, compressed_attention, eval_call
 from kvcompress.eval.intervals import paired_drop, wilson
 from kvcompress.eval.tasks import TASKS
+from kvcompress.models.observe import attention_implementation
+from kvcompress.models.streaming import Pass
 
 NEEDLE_TASKS = ("passkey", "multikey", "vartrack")
 COPY_TASKS = ("copy_uuid", "copy_json")
@@ -41,26 +43,29 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[float, bool]:
 
 
 class _PrefixLayer(CacheLayerMixin):
-    """Hands attention the fixed exact prompt K/V followed by the new tokens; stores nothing."""
+    """Hands attention the fixed exact prompt K/V followed by the new tokens; stores nothing.
+    kv: the prompt's (k, v) [B, H, P, D], or a function giving them when the layer runs (streamed:
+    the prompt's K/V of a layer exist only once that layer has prefilled it)."""
 
     is_sliding = False
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, kv, prompt_len: int):
         super().__init__()
-        self.k, self.v = k, v  # [B, H, P, D]
+        self.kv, self.prompt_len = kv, prompt_len
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return torch.cat([self.k, key_states], -2), torch.cat([self.v, value_states], -2)
+        k, v = self.kv() if callable(self.kv) else self.kv
+        return torch.cat([k, key_states], -2), torch.cat([v, value_states], -2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.k.shape[-2] + query_length, 0
+        return self.prompt_len + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.k.shape[-2]
+        return self.prompt_len
 
     def get_max_length(self) -> int:
         return -1
@@ -70,7 +75,14 @@ class PrefixCache(Cache):
     """A teacher-forcing cache over a prefilled prompt: [prompt K/V (exact), answer K/V]."""
 
     def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__(layers=[_PrefixLayer(k, v) for k, v in prompt_kv])
+        super().__init__(layers=[_PrefixLayer((k, v), k.shape[-2]) for k, v in prompt_kv])
+
+    @classmethod
+    def over(cls, prefill: DynamicCache, n_layers: int, prompt_len: int) -> "PrefixCache":
+        """Over a prefill cache that is still being filled, layer by layer (streamed scoring)."""
+        c = cls([])
+        c.layers = [_PrefixLayer(lambda i=i: (prefill.layers[i].keys, prefill.layers[i].values), prompt_len) for i in range(n_layers)]
+        return c
 
 
 @torch.no_grad()
@@ -96,6 +108,41 @@ def score_sample(model, prompt: list[int], answer: list[int], books: dict) -> di
 
 
 @torch.no_grad()
+def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True) -> list[dict[str, tuple[float, bool]]]:
+    """score_sample for every sample through the layer-streamed executor: per layer, each sample's
+    prompt is prefilled exactly (its K/V kept for this layer only), then the answer is scored by the
+    unquantized side and by each book over that prefix, exactly as score_sample computes it."""
+    model, L = lm.model, lm.geometry.n_layers
+    caps = [DynamicCache(config=model.config) for _ in samples]
+    prompts = [torch.tensor([s.prompt]) for s in samples]
+    answers = [torch.tensor([s.answer[:-1] or s.answer[:1]]) for s in samples]  # 1-token answers: scored from the prefill alone
+    calls = [eval_call(None, exact=True)] + [eval_call(b) for b in books.values()]
+    passes = [Pass(kwargs=lambda i: {"cache": caps[i], "use_cache": True}, inputs=lambda i: prompts[i])]
+    passes += [Pass(kwargs=lambda i, kw=kw: {"cache": PrefixCache.over(caps[i], L, len(samples[i].prompt)), "use_cache": True, **kw},
+                    context=lambda impl=impl: attention_implementation(model, impl), inputs=lambda i: answers[i]) for impl, kw in calls]
+    names = ["fp16", *books]
+    first: dict[int, torch.Tensor] = {}
+    out: list[dict] = [{} for _ in samples]
+
+    def head(pi: int, i: int, logits: torch.Tensor) -> None:
+        ans = torch.tensor(samples[i].answer)
+        if pi == 0:
+            first[i] = logits[0, -1:]
+        else:
+            lg = first[i] if len(ans) == 1 else torch.cat([first[i], logits[0]])
+            out[i][names[pi - 1]] = _score(lg, ans)
+            if pi == len(passes) - 1:
+                first.pop(i)
+
+    def free(li: int) -> None:
+        for c in caps:
+            c.layers[li].keys = c.layers[li].values = None  # this layer's prompt K/V are no longer needed
+
+    lm.streamer.run(prompts, passes, head=head, progress=progress, desc="tasks", after_layer=free)
+    return out
+
+
+@torch.no_grad()
 def _greedy(model, prompt: list[int], n: int, cache) -> list[int]:
     dev = next(model.parameters()).device
     out = model.generate(torch.tensor([prompt], device=dev), cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -113,11 +160,13 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
     ]
     rows = []
     checked = defaultdict(int)
-    greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native}  # [agree, checked]
-    for s in tqdm(samples, desc="tasks", unit="sample", disable=not progress):
-        sc = score_sample(lm.model, s.prompt, s.answer, books)
+    streamed = lm.streamer is not None  # the greedy cross-check decodes token by token: in memory only
+    greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not streamed}  # [agree, checked]
+    scores = score_samples_streamed(lm, samples, books, progress) if streamed else None
+    for j, s in enumerate(tqdm(samples, desc="tasks", unit="sample", disable=not progress or streamed)):
+        sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books)
         rows.append({"task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed, **{f"{k}": v for k, v in sc.items()}})
-        if cfg.greedy and checked[s.task] < GREEDY_CHECKS_PER_TASK:
+        if cfg.greedy and greedy and checked[s.task] < GREEDY_CHECKS_PER_TASK:
             checked[s.task] += 1
             for name in greedy:
                 gen = _greedy(lm.model, s.prompt, len(s.answer), CompressedCache(books[name]))

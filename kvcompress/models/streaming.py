@@ -115,6 +115,7 @@ class Pass:
 
     kwargs: Callable[[int], dict] = lambda i: {}
     context: Callable[[], ContextManager] = nullcontext
+    inputs: Callable[[int], torch.Tensor] | None = None  # this pass's ids of batch i (default: the batch itself)
     hidden: list = field(default_factory=list)
     layer_kwargs: list = field(default_factory=list)
 
@@ -199,7 +200,8 @@ class LayerStreamer:
 
     @torch.no_grad()
     def run(self, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None] | None = None,
-            before_batch: Callable[[int], None] | None = None, progress: bool = True, desc: str = "layers") -> None:
+            before_batch: Callable[[int], None] | None = None, progress: bool = True, desc: str = "layers",
+            after_layer: Callable[[int], None] | None = None) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
         head(pass index, batch index, logits [B, T, V] float32) batch by batch, passes in order."""
         spill = self.device.type == "cuda"  # hidden states wait in pinned CPU memory between layers
@@ -208,7 +210,7 @@ class LayerStreamer:
         for i, ids in enumerate(batches):
             emb = self.embed(ids)
             for p in passes:
-                args, kw = self._catch(emb, p, i)
+                args, kw = self._catch(emb if p.inputs is None else self.embed(p.inputs(i)), p, i)
                 p.hidden.append(args[0].pin_memory() if spill else args[0])
                 p.layer_kwargs.append(kw)
         n = len(self.layers)
@@ -228,6 +230,8 @@ class LayerStreamer:
                         p.hidden[i] = out.pin_memory() if spill else out
             finally:
                 self._release(layer)
+            if after_layer is not None:
+                after_layer(li)
         if head is None:
             return
         self._materialize(self.model.model.norm, "model.norm.")

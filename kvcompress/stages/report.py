@@ -57,7 +57,7 @@ def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
             rows.append((f"  {name} exact (n={t0['n']})", f"{t0['exact_fp16']:.2f}{_ci(t0['exact_fp16_ci'])}",
                          *[f"{f.tasks['tasks'][name]['exact_compressed']:.2f}{_ci(f.tasks['tasks'][name]['exact_compressed_ci'])}" for f in fr]))
         rows.append(("greedy through CompressedCache agrees with scoring", "",
-                     *[(f"{f.tasks['greedy_check']['agree']}/{f.tasks['greedy_check']['checked']}" if f.tasks.get("greedy_check") else "n/a (simulated native cache)") for f in fr]))
+                     *[(f"{f.tasks['greedy_check']['agree']}/{f.tasks['greedy_check']['checked']}" if f.tasks.get("greedy_check") else "n/a (native cache simulated, or a streamed run)") for f in fr]))
     return head, rows
 
 

@@ -154,9 +154,9 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
-    if eval_cfg.tasks.names and lm.streamer is not None:
-        notes.append("tasks not run: the model is streamed layer by layer (model.streaming) and the long-context tasks do not stream yet")
-    elif eval_cfg.tasks.names:
+    if eval_cfg.tasks.names and lm.streamer is not None and eval_cfg.tasks.greedy:
+        notes.append("greedy cross-check not run: the model is streamed layer by layer (generation decodes token by token); tasks are scored through the same executor")
+    if eval_cfg.tasks.names:
         corpus = [i for t in texts.texts for i in lm.tokenizer.encode(t)]
         window = max(b.spec.window for b in books.values())  # facts before every format's fp16 window
         tasks = run_tasks(lm, by_name, corpus, eval_cfg.tasks, window, progress)
@@ -193,7 +193,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "quality": "measured here, on the one-pass decode-equivalent path whose equality with token-by-token decoding "
             "through CompressedCache is a CPU test (tests/test_eval_equivalence.py)",
             "tasks": "measured here in context-phase semantics; greedy generation through the real CompressedCache cross-checks a sample per task"
-            if tasks else ("not run: streamed model (the tasks do not stream yet)" if eval_cfg.tasks.names else "not run (eval.tasks.names is empty)"),
+            if tasks else "not run (eval.tasks.names is empty)",
             "memory": "reference byte accounting; equals CompressedCache.nbytes() of the real packed tensors (tests/test_cache.py)",
             "native formats": "simulated exactly as TensorRT-LLM quantizes (one scale per layer, K and V); the exported checkpoint is re-measured by export",
             "kernels": "not exercised by this report",
