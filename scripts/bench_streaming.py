@@ -22,6 +22,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "docs" / "bench" / "streaming.json"
+BEGIN, END = "<!-- streaming-bench:begin (rendered by scripts/bench_streaming.py --readme from docs/bench/streaming.json) -->", "<!-- streaming-bench:end -->"
+
+
+def render(r: dict) -> str:
+    """The README block, from a results file of this benchmark."""
+    s = r["synthetic"]
+    lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}, 2 CPU cores (`docs/bench/streaming.json`):", "",
+             "| measured | value |", "|---|---|",
+             f"| synthetic Llama checkpoint | {s['layers']} layers, hidden {s['hidden']}, {s['checkpoint_bytes'] / 1e9:.2f} GB (float32, sharded) |",
+             f"| streamed run (profile, fit, validate, export + read-back checks passed: {s['exported']}) | {s['seconds']:.0f} s; stages {', '.join(f'{k} {v:.0f} s' for k, v in s['stage_times_s'].items())} |",
+             f"| peak RSS of that run | {s['peak_rss_bytes'] / 1e9:.2f} GB = **{s['rss_over_checkpoint']:.3f} x** the checkpoint (target < 1/3) |",
+             f"| profile time per calibration token (CPU, streamed) | {1000 * s['stage_times_s']['profile'] / s['calib_tokens']:.1f} ms |"]
+    t = r.get("embedded")
+    if t:
+        lines += [f"| embedded SmolLM2: profile ({t['calib_tokens']} tokens) + validate ({t['eval_tokens']} tokens x {t['formats']} formats) | "
+                  f"in memory {t['in_memory_s']:.1f} s, streamed {t['streamed_s']:.1f} s: **{t['ratio']:.2f}x** (target <= 1.3); identical stats {t['identical_stats']}, identical metrics {t['identical_quality']} |"]
+    return "\n".join(lines + ["", END])
+
+
+def write_readme(r: dict) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + render(r) + tail)
 
 
 def peak_rss_run(args: list[str], env: dict) -> tuple[int, float, subprocess.CompletedProcess]:
@@ -101,8 +127,12 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir, removed)")
     ap.add_argument("--skip-time", action="store_true", help="skip part 2 (in-memory vs streamed time on the embedded model)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--readme", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into README.md")
     a = ap.parse_args()
-    out = {}
+    from datetime import datetime, timezone
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
+    out = {"command": "python scripts/bench_streaming.py --readme", "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
         s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d))
     print(f"synthetic Llama: {s['layers']} layers, hidden {s['hidden']}, checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB (float32)")
@@ -118,6 +148,10 @@ def main() -> None:
         print(f"  identical statistics: {t['identical_stats']}, identical quality metrics: {t['identical_quality']}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
+    if a.readme:
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps(out, indent=1) + "\n")
+        write_readme(out)
 
 
 if __name__ == "__main__":

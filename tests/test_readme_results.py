@@ -30,3 +30,13 @@ def test_results_files_are_data_with_provenance():
         r = json.loads(p.read_text())
         assert {"command", "ran", "model", "eval", "provenance", "formats", "stage_times_s"} <= set(r)
         assert r["formats"][0]["role"] == "primary"
+
+
+def test_readme_streaming_block_is_rendered_from_the_committed_benchmark():
+    spec = importlib.util.spec_from_file_location("bench_streaming", ROOT / "scripts" / "bench_streaming.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = json.loads(mod.RESULT.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert readme[readme.index(mod.BEGIN) : readme.index(mod.END) + len(mod.END)] == mod.render(r)
+    assert r["command"] in readme and r["git_sha"] and r["synthetic"]["exported"]
