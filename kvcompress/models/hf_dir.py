@@ -1,6 +1,7 @@
 """A local Hugging Face model directory (config.json + safetensors). Nothing is downloaded."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvcompress.errors import UserError
@@ -21,6 +22,19 @@ def check_dir(cfg) -> Path:
         raise UserError(f"model.path={cfg.path!r} does not exist or is not a directory")
     if not (p / "config.json").is_file():
         raise UserError(f"model.path={cfg.path!r} has no config.json (expected a Hugging Face model directory)")
+    try:
+        hf = json.loads((p / "config.json").read_text())
+        model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    except (json.JSONDecodeError, AttributeError):
+        raise UserError(f"model.path={cfg.path!r}: config.json is not a JSON object") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+    if not (isinstance(cls, str) and cls.endswith("ForCausalLM")) or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
+        raise UserError(f"model.path={cfg.path!r} holds a model_type={model_type!r} model, not a decoder-only causal LM "
+                        "transformers knows (e.g. llama, mistral, qwen2)")
+    if not any(p.glob("*.safetensors")):
+        raise UserError(f"model.path={cfg.path!r} has no *.safetensors weights (kvcompress reads safetensors only, never pickled .bin files)")
     return p
 
 

@@ -184,6 +184,17 @@ class LayerStreamer:
         return out
 
     # --- execution ---------------------------------------------------------------------------
+    def _spill(self, batches: list[torch.Tensor], passes: list[Pass]) -> bool:
+        """On a GPU, keep every pass's hidden states on the device if they take at most half of its
+        free memory after a layer is loaded (two layers' worth kept aside); else they wait in pinned
+        CPU memory between layers. On the CPU there is nothing to spill to."""
+        if self.device.type != "cuda":
+            return False
+        tokens = sum(int((b if p.inputs is None else p.inputs(i)).numel()) for p in passes for i, b in enumerate(batches))
+        need = tokens * self.hidden_size * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return need > 0.5 * (free - 2 * self.layer_bytes)
+
     def _catch(self, emb: torch.Tensor, p: Pass, i: int) -> tuple[tuple, dict]:
         def hook(module, args, kwargs):
             raise _Caught(args, kwargs)
@@ -204,7 +215,7 @@ class LayerStreamer:
             after_layer: Callable[[int], None] | None = None) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
         head(pass index, batch index, logits [B, T, V] float32) batch by batch, passes in order."""
-        spill = self.device.type == "cuda"  # hidden states wait in pinned CPU memory between layers
+        spill = self._spill(batches, passes)
         for p in passes:
             p.hidden, p.layer_kwargs = [], []
         for i, ids in enumerate(batches):
