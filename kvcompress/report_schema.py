@@ -17,6 +17,20 @@ class KLBin(_M):
     kl_mean: float
 
 
+class PositionBucket(_M):
+    """Quality of the predictions of tokens at positions [start, end) of a window (and the key
+    clipping of the compressed keys stored there)."""
+
+    start: int
+    end: int
+    tokens: int
+    kl_mean: float
+    ppl_baseline: float
+    ppl_compressed: float
+    ppl_delta_rel: float
+    key_clip_rate: Optional[float] = None  # compressed key elements at these positions that saturate
+
+
 class Quality(_M):
     """Compressed vs unquantized cache, same model, same held-out tokens (one-pass, decode-equivalent)."""
 
@@ -33,6 +47,7 @@ class Quality(_M):
     key_clip_rate: float  # fraction of compressed key elements outside the fitted range (saturated)
     value_clip_rate: float = 0.0  # native formats: V elements saturating the per-tensor scale
     kl_by_position: list[KLBin]
+    by_position: list[PositionBucket] = []  # 0-1K, 1K-2K, 2K-4K, 4K-8K, ... (the buckets the windows reach)
     attn_rel_error_per_layer: list[float]  # ||o_hat - o|| / ||o|| of each layer's attention output
 
 

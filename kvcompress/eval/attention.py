@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 
 from kvcompress import reference as ref
 from kvcompress.errors import UserError
+from kvcompress.eval.metrics import BUCKET_EDGES, position_bucket
 from kvcompress.models.observe import attention_implementation
 from kvcompress.scalebook import ScaleBook
 
@@ -45,12 +46,20 @@ class LayerErrors:
     quantized: torch.Tensor = None  # K elements stored compressed per layer
     v_clipped: torch.Tensor = None  # saturated V elements (native formats; per-token values never clip)
     v_quantized: torch.Tensor = None
+    clipped_by_bucket: torch.Tensor = None  # K elements saturating, per position bucket (metrics.BUCKET_EDGES)
+    quantized_by_bucket: torch.Tensor = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        z = lambda: torch.zeros(self.n_layers, dtype=torch.float64)  # noqa: E731
+        z = lambda n=self.n_layers: torch.zeros(n, dtype=torch.float64)  # noqa: E731
         self.attn_err_sq, self.attn_ref_sq, self.clipped, self.quantized = z(), z(), z(), z()
         self.v_clipped, self.v_quantized = z(), z()
+        self.clipped_by_bucket, self.quantized_by_bucket = z(len(BUCKET_EDGES) - 1), z(len(BUCKET_EDGES) - 1)
+
+    def clip_rate_by_bucket(self) -> dict[int, float]:
+        """{bucket: key clipping rate} for the buckets that stored compressed keys."""
+        q = self.quantized_by_bucket
+        return {int(b): float(self.clipped_by_bucket[b] / q[b]) for b in torch.nonzero(q > 0).flatten()}
 
     def rel_attn_error(self) -> list[float]:
         return (self.attn_err_sq / self.attn_ref_sq.clamp(min=1e-30)).sqrt().tolist()
@@ -112,6 +121,10 @@ def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.T
         kc = ref.key_clipped(k_hp, book.key_params(layer))
     e.clipped[layer] += float(kc[..., comp, :].sum())
     e.quantized[layer] += kc[..., comp, :].numel()
+    bucket = position_bucket(pos[comp]).cpu()  # by the position the key is stored at
+    per_pos = kc[..., comp, :].sum(dim=(0, 1, 3)).double().cpu()  # [positions]
+    e.clipped_by_bucket.index_add_(0, bucket, per_pos)
+    e.quantized_by_bucket.index_add_(0, bucket, torch.full_like(per_pos, kc.shape[0] * kc.shape[1] * kc.shape[3]))
 
 
 def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

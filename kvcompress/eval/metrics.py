@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 KL_POSITION_BIN = 64  # KL-vs-position curve resolution (tokens)
+BUCKET_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 1 << 62)  # position buckets of the report
+
+
+def position_bucket(pos: torch.Tensor) -> torch.Tensor:
+    """Bucket index of each position: [0, 1K) -> 0, [1K, 2K) -> 1, [2K, 4K) -> 2, ..."""
+    return torch.bucketize(pos, torch.tensor(BUCKET_EDGES[1:], device=pos.device), right=True)
 
 
 @dataclass
@@ -20,6 +26,7 @@ class QualityAccumulator:
     kl_values: list = field(default_factory=list)
     kl_pos_sum: dict = field(default_factory=dict)
     kl_pos_n: dict = field(default_factory=dict)
+    buckets: dict = field(default_factory=dict)  # bucket -> [tokens, nll_base, nll_comp, kl_sum]
 
     def update(self, logits_base: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
         """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
@@ -34,6 +41,15 @@ class QualityAccumulator:
         self.top1_agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
         kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)  # [B, T-1]  KL(base || comp)
         self.kl_values.append(kl.flatten().double())
+        nb, nc = -lb.gather(-1, tgt).squeeze(-1), -lc.gather(-1, tgt).squeeze(-1)  # [B, T-1]
+        pb = position_bucket(torch.arange(1, kl.shape[1] + 1))  # position of the predicted token
+        for b in pb.unique().tolist():
+            m = pb == b
+            acc = self.buckets.setdefault(b, [0, 0.0, 0.0, 0.0])
+            acc[0] += int(m.sum()) * kl.shape[0]
+            acc[1] += float(nb[:, m].double().sum())
+            acc[2] += float(nc[:, m].double().sum())
+            acc[3] += float(kl[:, m].double().sum())
         pos_bin = torch.arange(kl.shape[1]) // KL_POSITION_BIN
         for b in pos_bin.unique().tolist():
             sel = kl[:, pos_bin == b]
@@ -56,6 +72,11 @@ class QualityAccumulator:
             "top1_agree": self.top1_agree / max(1, self.n),
             "kl_by_position": [
                 {"start": b * KL_POSITION_BIN + 1, "kl_mean": self.kl_pos_sum[b] / self.kl_pos_n[b]} for b in sorted(self.kl_pos_sum)
+            ],
+            "by_position": [
+                {"start": BUCKET_EDGES[b], "end": BUCKET_EDGES[b + 1], "tokens": n, "kl_mean": k / n, "ppl_baseline": math.exp(x / n),
+                 "ppl_compressed": math.exp(y / n), "ppl_delta_rel": math.exp((y - x) / n) - 1}
+                for b, (n, x, y, k) in sorted(self.buckets.items())
             ],
         }
 

@@ -25,6 +25,10 @@ def _ci(c) -> str:
     return "" if not c else f" [{c[0]:.2f}, {c[1]:.2f}]"
 
 
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+
 def _results(r: Report):
     from kvcompress.stages.validate import report_primary
 
@@ -45,6 +49,13 @@ def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
         ("key / value clipping (saturation) rate", "", *[f"{f.quality.key_clip_rate:.2e} / {f.quality.value_clip_rate:.2e}" for f in fr]),
         ("bits per element (all metadata)", "16", *[f"{f.memory.bits_per_element:.2f}" for f in fr]),
     ]
+    for i, b in enumerate(q0.by_position):  # the same buckets for every format (same windows)
+        cells = []
+        for f in fr:
+            x = f.quality.by_position[i] if i < len(f.quality.by_position) else None
+            cells.append("n/a" if x is None else f"KL {x.kl_mean:.2e}, ppl {100 * x.ppl_delta_rel:+.3f}%, K clip "
+                         + ("n/a" if x.key_clip_rate is None else f"{x.key_clip_rate:.1e}"))
+        rows.append((f"positions {_k(b.start)}-{_k(b.end)} (n={b.tokens}): KL, ppl delta, key clip", f"ppl {_fmt(b.ppl_baseline)}", *cells))
     if fr[0].tasks:
         for key, label in (("retrieval", "retrieval exact"), ("exact_copy", "exact copy")):
             g0 = fr[0].tasks.get(key)

@@ -23,7 +23,7 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs
+from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.observe import attention_implementation
@@ -131,6 +131,9 @@ def memory_summary(spec: KVSpec, geom: Geometry, context: int) -> Memory:
 
 
 def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: LayerErrors, tasks, eval_cfg, geom) -> FormatResult:
+    clip = errors.clip_rate_by_bucket()
+    quality = {**quality, "by_position": [{**b, "key_clip_rate": clip.get(i)} for i, b in
+                                          ((position_bucket(torch.tensor(b["start"])).item(), b) for b in quality.get("by_position", []))]}
     q = Quality(semantics=DECODE_EQUIVALENT, **quality, key_clip_rate=errors.clip_rate(), value_clip_rate=errors.value_clip_rate(),
                 attn_rel_error_per_layer=errors.rel_attn_error())
     gates, verdict, basis = evaluate_gates(eval_cfg.gates, quality, tasks)

@@ -1,0 +1,45 @@
+"""Quality and key clipping by position bucket (0-1K, 1K-2K, 2K-4K, ...): the report shows where
+in a long window a format starts to lose quality."""
+import math
+
+import torch
+
+from conftest import fitted_book
+from kvcompress.eval.metrics import BUCKET_EDGES, QualityAccumulator, position_bucket
+from kvcompress.stages.validate import evaluate_quality
+
+
+def test_position_bucket_edges():
+    assert position_bucket(torch.tensor([0, 1023, 1024, 2047, 2048, 4095, 4096, 8191, 8192])).tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    assert BUCKET_EDGES[:5] == (0, 1024, 2048, 4096, 8192)
+
+
+def test_buckets_partition_the_tokens_and_match_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 2500, 11
+    lb = torch.log_softmax(torch.randn(B, T - 1, V, generator=g), -1)
+    lc = torch.log_softmax(torch.randn(B, T - 1, V, generator=g), -1)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    acc = QualityAccumulator()
+    acc.update_logprobs(lb, lc, ids)
+    r = acc.result()
+    bs = r["by_position"]
+    assert [(b["start"], b["end"]) for b in bs] == [(0, 1024), (1024, 2048), (2048, 4096)]
+    assert sum(b["tokens"] for b in bs) == r["tokens"] == B * (T - 1)
+    kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)  # [B, T-1]; column t predicts position t + 1
+    sel = slice(1023, 2047)  # predicted positions 1024..2047
+    assert math.isclose(bs[1]["kl_mean"], float(kl[:, sel].double().mean()), rel_tol=1e-9)
+    nll_b = -lb.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, sel].double().mean()
+    assert math.isclose(bs[1]["ppl_baseline"], math.exp(float(nll_b)), rel_tol=1e-9)
+    assert math.isclose(sum(b["kl_mean"] * b["tokens"] for b in bs) / r["tokens"], r["kl_mean"], rel_tol=1e-6)
+
+
+def test_key_clip_rate_by_position_adds_up(tiny_llama):
+    book = fitted_book(tiny_llama, name="k4", key={"bits": 4}, window=16, sink_tokens=0)
+    windows = torch.randint(0, 256, (1, 1300), generator=torch.Generator().manual_seed(1))
+    (q, errors), = evaluate_quality(tiny_llama, {"k4": book}, windows, 1, progress=False)[0].values()
+    by = errors.clip_rate_by_bucket()
+    assert set(by) == {0, 1}  # keys stored at 0..1023 and 1024..1299
+    total = float(errors.clipped_by_bucket.sum() / errors.quantized_by_bucket.sum())
+    assert math.isclose(total, errors.clip_rate(), rel_tol=1e-9) and errors.clip_rate() > 0
+    assert [b["start"] for b in q["by_position"]] == [0, 1024]
