@@ -13,7 +13,7 @@ import re
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcompress.errors import UserError
-from kvcompress.spec import NATIVE_ALGO, Frozen, KVSpec, native_spec
+from kvcompress.spec import ALGO_FORMAT, NATIVE_ALGO, Frozen, KVSpec, native_spec
 
 STAGES = ("profile", "fit", "validate", "export")
 
@@ -131,7 +131,7 @@ class ExportConfig(Frozen):
     name: Literal["none", "trtllm"] = "trtllm"
     tp_sizes: list[int] = [1]
     # kv_cache_quant_algo of trtllm_ckpt/: auto = the kv format when it is native, else INT8
-    native_kv: Literal["auto", "INT8", "FP8"] = "auto"
+    native_kv: Literal["auto", "INT8", "FP8", "NVFP4"] = "auto"
     dtype: Literal["float16", "bfloat16"] = "float16"
     archs: list[Literal["sm_80", "sm_90"]] = ["sm_80", "sm_90"]
     build_engine: Literal["auto", "never", "always"] = "auto"
@@ -181,10 +181,10 @@ class RunConfig(Frozen):
         return specs
 
     def trtllm_format(self) -> str:
-        """native_int8 | native_fp8: the KV format of trtllm_ckpt/."""
+        """native_int8 | native_fp8 | native_nvfp4: the KV format of trtllm_ckpt/."""
         if self.kv.is_native:
             return self.kv.format
-        return "native_fp8" if self.export.native_kv == "FP8" else "native_int8"
+        return ALGO_FORMAT.get(self.export.native_kv, "native_int8")
 
 
 def _format_error(err: ValidationError, data: dict) -> str:

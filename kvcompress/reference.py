@@ -188,15 +188,45 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- TensorRT-LLM's native KV formats
-NATIVE_QMAX = {"native_int8": 127.0, "native_fp8": 448.0}
+NATIVE_QMAX = {"native_int8": 127.0, "native_fp8": 448.0, "native_nvfp4": 448.0}  # per-layer scale = amax / qmax
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """Round to FP4 e2m1 {0, 0.5, 1, 1.5, 2, 3, 4, 6} (sign kept), ties to even, saturating at 6."""
+    a = y.abs()
+    idx = torch.searchsorted(E2M1_BOUNDS.to(a.device), a.contiguous())
+    idx = idx + (a.unsqueeze(-1) == E2M1_BOUNDS.to(a.device)[[1, 3, 5]]).any(-1).long()  # 0.75, 1.75, 3.5 round up to even
+    return torch.where(y < 0, -1.0, 1.0) * E2M1_VALUES.to(a.device)[idx]
+
+
+def nvfp4_fake_quant(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """TensorRT-LLM's NVFP4 KV cache, with the semantics of NVIDIA Model Optimizer 0.47 (its
+    NVFP4 KV config: e2m1 values, dynamic per-16-element blocks along the head dim, FP8 e4m3 block
+    scales; NVFP4QTensor.quantize/dequantize): global scale s2 = scale / 6 with the per-layer
+    scale = amax / 448 (ModelOpt exports the KV scale as amax / 448 for NVFP4 as for FP8); block
+    scale sb = e4m3(clamp(block_amax / (6 * s2), 2^-9, 448)) (1 for an all-zero block);
+    x_hat = e2m1_round(x / (sb * s2)) * sb * s2. x: [..., D], D a multiple of 16."""
+    s2 = torch.as_tensor(scale, dtype=torch.float32, device=x.device) / E2M1_MAX
+    xb = x.float().unflatten(-1, (-1, NVFP4_BLOCK))  # [..., D/16, 16]
+    sb = xb.abs().amax(-1, keepdim=True) / (E2M1_MAX * s2)
+    sb = torch.where(sb == 0, torch.ones_like(sb), sb).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn).float()
+    q = e2m1_round(xb / (sb * s2))
+    return (q * (sb * s2)).flatten(-2).to(x.dtype)
 
 
 def native_fake_quant(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) -> torch.Tensor:
     """TensorRT-LLM's per-tensor KV cache: one dequant scale s per layer (kv_cache_scaling_factor).
 
     native_int8: q = clamp(round_half_even(x / s), -127, 127) (s = amax / 127, as its converter sets);
-    native_fp8:  q = float8_e4m3fn(clamp(x / s, -448, 448)) (s = amax / 448);  x_hat = q * s.
+    native_fp8:  q = float8_e4m3fn(clamp(x / s, -448, 448)) (s = amax / 448);  x_hat = q * s;
+    native_nvfp4: per-16-element FP4 blocks under the global scale s / 6 (nvfp4_fake_quant).
     """
+    if fmt == "native_nvfp4":
+        return nvfp4_fake_quant(x, scale)
     xf = x.float() / scale
     if fmt == "native_int8":
         q = round_half_even(xf).clamp_(-127, 127)
@@ -208,7 +238,8 @@ def native_fake_quant(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) ->
 
 
 def native_saturated(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) -> torch.Tensor:
-    """Bool mask of elements that TensorRT-LLM's per-tensor quantizer saturates (clamps)."""
+    """Bool mask of elements that TensorRT-LLM's per-tensor quantizer saturates (clamps). NVFP4: an
+    element beyond 448 * scale lies in a block whose FP8 block scale clamps at 448 (the global range)."""
     z = (x.float() / scale).abs()
     return z > 127.5 if fmt == "native_int8" else z > NATIVE_QMAX[fmt]
 
@@ -281,6 +312,9 @@ def cache_nbytes(
     lh = n_layers * n_kv_heads * batch
     if key_bits == "native":  # TensorRT-LLM INT8/FP8: one byte per element, one fp32 scale per layer
         return {"key_payload": lh * n_tokens * head_dim, "value_payload": lh * n_tokens * head_dim, "static": n_layers * 4}
+    if key_bits == "native_nvfp4":  # 4 bits per element + one FP8 scale per 16 elements (K and V), a global scale per layer
+        return {"key_payload": lh * n_tokens * head_dim // 2, "value_payload": lh * n_tokens * head_dim // 2,
+                "block_scales": 2 * lh * n_tokens * (head_dim // NVFP4_BLOCK), "static": n_layers * 4}
     if key_bits == 16:
         return {"fp16_tokens": lh * n_tokens * 2 * head_dim * HP_BYTES, "static": 0}
     return {
@@ -300,7 +334,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         n_layers=geometry.n_layers,
         n_kv_heads=geometry.n_kv_heads,
         head_dim=geometry.head_dim,
-        key_bits="native" if spec.is_native else spec.key.bits,
+        key_bits=("native_nvfp4" if spec.format == "native_nvfp4" else "native") if spec.is_native else spec.key.bits,
         value_bits=spec.value.bits,
         value_group=spec.value_group(geometry.head_dim),
         outlier_channels=spec.outlier_channels,

@@ -59,6 +59,7 @@ class MemoryBreakdown(_M):
     sinks: float = 0
     window: float = 0
     fp16_tokens: float = 0
+    block_scales: float = 0  # NVFP4: one FP8 scale per 16 elements of K and of V
 
 
 class Memory(_M):

@@ -48,7 +48,9 @@ class KVSpec(Frozen):
 
     format=kvcompress: the full format (per-channel keys, per-token values, window, sinks, outliers).
     format=native_int8 / native_fp8: TensorRT-LLM's own KV cache, simulated exactly: one scale per
-    layer shared by K and V, no window, no sinks (key/value bits and groups are then unused). With
+    layer shared by K and V, no window, no sinks (key/value bits and groups are then unused).
+    format=native_nvfp4: TensorRT-LLM's NVFP4 KV cache (FP4 e2m1 values, one FP8 e4m3 scale per 16
+    contiguous channels computed on write, the per-layer scale as the global scale; Blackwell). With
     fold_keys (fold_values), per-channel key (value) factors tied across RoPE pairs are folded into
     W_q/W_k (W_v/W_o) first, so the single scale sees equalised channels. "auto" (the default) lets
     `fit` decide each fold and its strength by measuring the error on the calibration sample; the
@@ -56,7 +58,7 @@ class KVSpec(Frozen):
     """
 
     name: str
-    format: Literal["kvcompress", "native_int8", "native_fp8"] = "kvcompress"
+    format: Literal["kvcompress", "native_int8", "native_fp8", "native_nvfp4"] = "kvcompress"
     fold_keys: Union[bool, Literal["auto"]] = "auto"
     fold_values: Union[bool, Literal["auto"]] = "auto"
     fold_strength: Union[float, Literal["auto"]] = "auto"  # 0 = no migration, 1 = full equalisation
@@ -103,14 +105,17 @@ class KVSpec(Frozen):
             raise UserError(f"kv.outlier_channels={self.outlier_channels} must be < head_dim={head_dim}")
         if head_dim % 2:
             raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
+        if self.format == "native_nvfp4" and head_dim % 16:
+            raise UserError(f"kv=native_nvfp4 needs head_dim divisible by its 16-element blocks; head_dim={head_dim}")
 
     def value_group(self, head_dim: int) -> int:
         return self.value.group_size or head_dim
 
 
-NATIVE_ALGO = {"native_int8": "INT8", "native_fp8": "FP8"}  # TensorRT-LLM kv_cache_quant_algo
+NATIVE_ALGO = {"native_int8": "INT8", "native_fp8": "FP8", "native_nvfp4": "NVFP4"}  # TensorRT-LLM kv_cache_quant_algo
+ALGO_FORMAT = {v: k for k, v in NATIVE_ALGO.items()}
 
 
 def native_spec(fmt: str) -> KVSpec:
-    """The stock TensorRT-LLM KV format `fmt` (native_int8 | native_fp8), fold decided in fit."""
+    """The stock TensorRT-LLM KV format `fmt` (native_int8 | native_fp8 | native_nvfp4), fold decided in fit."""
     return KVSpec(name=fmt, format=fmt, window=0, sink_tokens=0)

@@ -279,6 +279,9 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
         "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values")}, "fold_guard": trt_guard, "remeasured": c_trt,
     }
+    if algo == "NVFP4":
+        artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
+                                                              "or re-export with export.native_kv=FP8")
     artifacts["hf_ckpt"] = {
         "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
         "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],

@@ -18,6 +18,7 @@ from kvcompress.eval.attention import eval_call
 from kvcompress.eval.metrics import QualityAccumulator, next_token_logprobs
 from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, passes_for
 from kvcompress.scalebook import ScaleBook
+from kvcompress.spec import ALGO_FORMAT
 from kvcompress.spec import native_spec
 from kvcompress.targets import trtllm_reader
 from kvcompress.targets.hf_ckpt import read_state
@@ -49,7 +50,7 @@ def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, windows, base, ba
     into transformers' Llama (float32 math on the stored values), K/V quantized with its stored
     kv_cache_quant_algo and per-layer scales."""
     src = trtllm_reader.TrtllmAsHF(ckpt)
-    fmt = {"INT8": "native_int8", "FP8": "native_fp8"}[src.cfg["quantization"]["kv_cache_quant_algo"]]
+    fmt = ALGO_FORMAT[src.cfg["quantization"]["kv_cache_quant_algo"]]
     streamer = LayerStreamer(build_empty(None, torch.float32, config=copy.deepcopy(hf_config)), src, torch.float32, device)
     return _score_streamed(streamer, native_book_from_scales(geometry, fmt, src.kv_scales()), windows, base, batch_size)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kvcompress import reference as ref
+from kvcompress.spec import ALGO_FORMAT
 from kvcompress.targets.trtllm_ckpt import read_config
 
 
@@ -146,7 +147,7 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
         q, k = _rope(q, pos, cfg["rotary_base"]), _rope(k, pos, cfg["rotary_base"])
         if simulate_kv_quant and algo:
             s = w[t + "attention.kv_cache_scaling_factor"].item()
-            fmt = {"INT8": "native_int8", "FP8": "native_fp8"}[algo]
+            fmt = ALGO_FORMAT[algo]
             k, v = ref.native_fake_quant(ref.to_hp(k), s, fmt), ref.native_fake_quant(ref.to_hp(v), s, fmt)
         g = nh // nkv
         a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True, scale=1 / math.sqrt(hd))
