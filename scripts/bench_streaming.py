@@ -62,7 +62,7 @@ def peak_rss_run(args: list[str], env: dict) -> tuple[int, float, subprocess.Com
     return usage.ru_maxrss * 1024, time.time() - t0, subprocess.CompletedProcess(args, p.returncode, text, "")
 
 
-def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: str = "smoke", eval_: str = "smoke") -> dict:
+def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: str = "smoke", eval_: str = "smoke", device: str = "cpu") -> dict:
     # The checkpoint is written by a subprocess: a child inherits its parent's peak RSS at exec on
     # Linux (vfork), so this process must stay small for the child's ru_maxrss to be its own.
     ckpt = workdir / "synthetic_llama"
@@ -73,7 +73,7 @@ def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: 
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     run_dir = workdir / "run"
     rss, secs, res = peak_rss_run([sys.executable, "-m", "kvcompress", "model=llama3_8b", f"model.path={ckpt}", "model.name=synthetic_llama",
-                                   "model.device=cpu", "model.dtype=float32", "model.streaming=true", f"calib={calib}", f"eval={eval_}",
+                                   f"model.device={device}", "model.dtype=float32", "model.streaming=true", f"calib={calib}", f"eval={eval_}",
                                    f"hydra.run.dir={run_dir}"], env)
     if res.returncode:
         raise SystemExit(f"streamed run failed ({res.returncode}):\n{res.stdout[-3000:]}")
@@ -85,7 +85,7 @@ def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: 
             "exported": bool(report.get("export")) and all(c["status"] == "passed" for c in report["export"]["checks"])}
 
 
-def time_modes(repeats: int = 2) -> dict:
+def time_modes(repeats: int = 2, device: str = "cpu") -> dict:
     """profile + validate (quality) of the embedded model, in memory vs streamed, same process."""
     import torch
 
@@ -101,7 +101,7 @@ def time_modes(repeats: int = 2) -> dict:
     from _common import cache_dir, calib_config, eval_config, kv_spec, model_config  # noqa: E402
 
     calib, ev, kv, mcfg = calib_config("default"), eval_config("default"), kv_spec("int8k_int4v"), model_config("smollm2_135m")
-    lms: dict[bool, LoadedModel] = {s: load_model(mcfg.model_copy(update={"streaming": s}), cache_dir()) for s in (False, True)}
+    lms: dict[bool, LoadedModel] = {s: load_model(mcfg.model_copy(update={"streaming": s, "device": device}), cache_dir()) for s in (False, True)}
     texts = load_texts(calib)
     windows = token_windows(lms[False].tokenizer, load_texts(ev), ev.n_windows, ev.seq_len, seed=ev.seed)
     times = {False: [], True: []}
@@ -127,14 +127,15 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir, removed)")
     ap.add_argument("--skip-time", action="store_true", help="skip part 2 (in-memory vs streamed time on the embedded model)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--device", default="cpu", help="compute device of both parts (a GPU host: cuda:0; peak RSS is then host memory)")
     ap.add_argument("--readme", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into README.md")
     a = ap.parse_args()
     from datetime import datetime, timezone
 
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
-    out = {"command": "python scripts/bench_streaming.py --readme", "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
+    out = {"command": "python scripts/bench_streaming.py --readme", "device": a.device, "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
-        s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d))
+        s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d), device=a.device)
     print(f"synthetic Llama: {s['layers']} layers, hidden {s['hidden']}, checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB (float32)")
     print(f"  streamed profile+fit+validate+export (exported and re-measured: {s['exported']}; {s['calib_tokens']} calibration tokens, {s['eval_tokens']} eval tokens): {s['seconds']:.0f} s "
           f"(stages {s['stage_times_s']})")
@@ -142,7 +143,7 @@ def main() -> None:
     if s["stage_times_s"] and s["calib_tokens"]:
         print(f"  profile time per calibration token: {1000 * s['stage_times_s']['profile'] / s['calib_tokens']:.1f} ms")
     if not a.skip_time:
-        t = out["embedded"] = time_modes()
+        t = out["embedded"] = time_modes(device=a.device)
         print(f"embedded SmolLM2-135M, profile ({t['calib_tokens']} tokens) + validate ({t['eval_tokens']} tokens x {t['formats']} formats):")
         print(f"  in memory {t['in_memory_s']:.1f} s, streamed {t['streamed_s']:.1f} s: streamed / in-memory = {t['ratio']:.2f} (target <= 1.3)")
         print(f"  identical statistics: {t['identical_stats']}, identical quality metrics: {t['identical_quality']}")

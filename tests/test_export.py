@@ -315,3 +315,33 @@ def test_reader_reproduces_smollm2(tmp_path, tp):
         expect = lm.model(input_ids=ids).logits
     # 30 layers in float32 with SDPA on both sides; transformers' RMSNorm round-trips through float32 too
     torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=2e-4, rtol=2e-4)
+
+
+def test_reader_applies_llama3_rope_scaling(tmp_path):
+    """A Llama-3.1-style checkpoint (rope_type llama3): the reader's RoPE follows the written
+    rotary_scaling, so the re-measurement of such an export runs the model it claims to."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompress.models.base import Geometry
+
+    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # peaked attention: positions matter
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    geom = Geometry.from_hf_config(cfg)
+    write_checkpoint(model, geom, tmp_path, 1, "float32", None, None)
+    assert json.loads((tmp_path / "config.json").read_text())["rotary_scaling"]["type"] == "llama3"
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=2e-5, rtol=2e-5)
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["rotary_scaling"] = None  # what ignoring the scaling computes: clearly different
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2

@@ -125,8 +125,10 @@ def test_streamed_cli_run_on_a_sharded_checkpoint_exports_the_same_bytes(tmp_pat
     every read-back check passed in both (the streamed one re-measures layer by layer)."""
     from kvcompress.models.synthetic import synthetic_config, write_synthetic
 
-    ckpt = write_synthetic(tmp_path / "synth", synthetic_config(0.004, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, tie=True),
-                           shard_bytes=600_000)
+    llama31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # Llama-3.x RoPE scaling, active at these short windows
+    ckpt = write_synthetic(tmp_path / "synth", synthetic_config(0.004, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, tie=True,
+                                                                rope=llama31), shard_bytes=600_000)
     assert len(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1  # really sharded
     common = ("model=llama3_8b", f"model.path={ckpt}", "model.name=synth", "model.device=cpu", "model.dtype=float32",
               "calib=smoke", "eval=smoke", "kv=native_int8", "export.tp_sizes=[1,2]")
@@ -145,6 +147,11 @@ def test_streamed_cli_run_on_a_sharded_checkpoint_exports_the_same_bytes(tmp_pat
     for r in (st, mem):
         assert r["export"]["checks"] and all(c["status"] == "passed" for c in r["export"]["checks"])
     assert any("layer by layer" in c["check"] for c in st["export"]["checks"])
+    run_dir = tmp_path / "run_true" / "export"
+    trt = json.loads((run_dir / "trtllm_ckpt" / "tp1" / "config.json").read_text())
+    hf = json.loads((run_dir / "hf_ckpt" / "config.json").read_text())
+    assert trt["rotary_scaling"]["type"] == "llama3" and trt["rotary_scaling"]["factor"] == 8.0 and trt["rotary_base"] == 500000.0
+    assert hf["rope_scaling"]["rope_type"] == "llama3" and hf["rope_theta"] == 500000.0
     for a, b in zip(st["export"]["checks"], mem["export"]["checks"]):
         if isinstance(a["detail"], dict) and "remeasured_kl" in a["detail"]:
             assert a["detail"]["remeasured_kl"] == pytest.approx(b["detail"]["remeasured_kl"], rel=1e-3)

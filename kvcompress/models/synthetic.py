@@ -22,8 +22,9 @@ DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 
 def synthetic_config(target_gb: float, hidden: int = 2048, heads: int = 16, kv_heads: int = 4, intermediate: int = 5632,
-                     vocab: int = 49152, dtype: str = "float32", tie: bool = False, max_position: int = 8192):
-    """A LlamaConfig whose checkpoint is about target_gb (10^9 bytes) in `dtype`."""
+                     vocab: int = 49152, dtype: str = "float32", tie: bool = False, max_position: int = 8192, rope: dict | None = None):
+    """A LlamaConfig whose checkpoint is about target_gb (10^9 bytes) in `dtype` (rope: transformers'
+    rope_parameters, e.g. Llama-3.1's {"rope_type": "llama3", "factor": 8.0, ...})."""
     from transformers import LlamaConfig
 
     esize = torch.empty(0, dtype=DTYPE_NAMES[dtype]).element_size()
@@ -33,7 +34,8 @@ def synthetic_config(target_gb: float, hidden: int = 2048, heads: int = 16, kv_h
     layers = max(1, round((target_gb * 1e9 - fixed) / per_layer))
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd, max_position_embeddings=max_position,
-                       tie_word_embeddings=tie, dtype=dtype, bos_token_id=0, eos_token_id=0, architectures=["LlamaForCausalLM"])
+                       tie_word_embeddings=tie, dtype=dtype, bos_token_id=0, eos_token_id=0, architectures=["LlamaForCausalLM"],
+                       **({"rope_parameters": rope} if rope else {}))
 
 
 def _layer_tensors(cfg, i: int, gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:

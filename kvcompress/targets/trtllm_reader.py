@@ -114,10 +114,31 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+def rope_inv_freq(D: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [D/2] of the checkpoint's RoPE, with its `rotary_scaling` applied:
+    none, "linear" (all frequencies / factor) or "llama3" (Llama-3.1's published rule: low
+    frequencies / factor, high ones kept, a smooth ramp between). Other types are refused."""
+    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    kind = (scaling or {}).get("type")
+    if kind is None:
+        return inv
+    f = float(scaling["factor"])
+    if kind == "linear":
+        return inv / f
+    if kind == "llama3":
+        lo, hi, old = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(mid, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+    raise ValueError(f"trtllm_reader: rotary_scaling type {kind!r} is not implemented (none, linear, llama3)")
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, base: float, scaling: dict | None = None) -> torch.Tensor:
     """GPT-NeoX rotary embedding: channel pairs (d, d + D/2). x: [B, H, T, D]."""
     D = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    inv = rope_inv_freq(D, base, scaling)
     ang = pos.float()[:, None] * inv[None, :]  # [T, D/2]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     rot = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
@@ -144,7 +165,7 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
         q = F.linear(h, w[t + "attention.q.weight"], w.get(t + "attention.q.bias")).view(B, T, nh, hd).transpose(1, 2)
         k = F.linear(h, w[t + "attention.k.weight"], w.get(t + "attention.k.bias")).view(B, T, nkv, hd).transpose(1, 2)
         v = F.linear(h, w[t + "attention.v.weight"], w.get(t + "attention.v.bias")).view(B, T, nkv, hd).transpose(1, 2)
-        q, k = _rope(q, pos, cfg["rotary_base"]), _rope(k, pos, cfg["rotary_base"])
+        q, k = _rope(q, pos, cfg["rotary_base"], cfg.get("rotary_scaling")), _rope(k, pos, cfg["rotary_base"], cfg.get("rotary_scaling"))
         if simulate_kv_quant and algo:
             s = w[t + "attention.kv_cache_scaling_factor"].item()
             fmt = ALGO_FORMAT[algo]
