@@ -141,6 +141,9 @@ class CompressedCache(Cache):
                 f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "
                 "validate simulates it exactly, CompressedCache holds the kvcompress format only"
             )
+        if book.spec.key.group_tokens:
+            raise UserError(f"kv.key.group_tokens={book.spec.key.group_tokens} (KIVI-style keys) is a comparison format simulated in validate only; "
+                            "CompressedCache holds the kvcompress format")
         n = book.geometry["n_layers"]
         layers = [_Fp16Layer() for _ in range(n)] if book.spec.is_baseline else [CompressedLayer(book, i) for i in range(n)]
         super().__init__(layers=layers)

@@ -162,6 +162,9 @@ class RunConfig(Frozen):
             raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
         if "export" in self.stages and self.export.name == "none":
             raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
+        if self.kv.key.group_tokens and "export" in self.stages:
+            raise ValueError(f"kv={self.kv.name} uses KIVI-style keys (kv.key.group_tokens={self.kv.key.group_tokens}), a comparison format "
+                             "that is validated but never shipped: add export=none")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
             raise ValueError(
                 f"export.native_kv={self.export.native_kv} contradicts kv={self.kv.name} ({NATIVE_ALGO[self.kv.format]}); "

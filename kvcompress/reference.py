@@ -138,6 +138,19 @@ def fake_quant_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
     return decode_keys(*encode_keys(k, p), p).to(k.dtype)
 
 
+def fake_quant_keys_grouped(k: torch.Tensor, bits: int, group_tokens: int) -> torch.Tensor:
+    """KIVI-style keys (comparison format): per channel, asymmetric, scale and min (fp16, rounded
+    outward) over aligned groups of `group_tokens` positions [G*j, G*j + G), computed when written:
+    the value quantizer applied along tokens. k: [..., T, D]; a last partial group is quantized
+    over the tokens it has (in the one-pass evaluation it is always inside the fp16 window)."""
+    T = k.shape[-2]
+    pad = (-T) % group_tokens
+    kt = k.transpose(-1, -2)  # [..., D, T]
+    if pad:
+        kt = torch.cat([kt, kt[..., -1:].expand(*kt.shape[:-1], pad)], -1)  # repeat the last token: no effect on min/max
+    return fake_quant_values(kt, bits, group_tokens)[..., :T].transpose(-1, -2).to(k.dtype)
+
+
 # ---------------------------------------------------------------- values
 def _round_outward_fp16(x: torch.Tensor, direction: float) -> torch.Tensor:
     """Round float32 -> float16 toward -inf (direction=-inf) or +inf (direction=+inf)."""
@@ -297,6 +310,7 @@ def cache_nbytes(
     window: int,
     n_tokens: int,
     batch: int = 1,
+    key_group_tokens: int = 0,
 ) -> dict[str, int]:
     """Exact bytes of every tensor a compressed cache holding n_tokens per sequence allocates.
 
@@ -317,7 +331,7 @@ def cache_nbytes(
                 "block_scales": 2 * lh * n_tokens * (head_dim // NVFP4_BLOCK), "static": n_layers * 4}
     if key_bits == 16:
         return {"fp16_tokens": lh * n_tokens * 2 * head_dim * HP_BYTES, "static": 0}
-    return {
+    out = {
         "key_payload": lh * n_comp * head_dim * key_bits // 8,
         "key_outliers": lh * n_comp * outlier_channels * HP_BYTES,
         "value_payload": lh * n_comp * head_dim * value_bits // 8,
@@ -326,6 +340,10 @@ def cache_nbytes(
         "window": lh * n_win * 2 * head_dim * HP_BYTES,
         "static": n_layers * n_kv_heads * (head_dim * 2 * KEY_SCALE_BYTES + outlier_channels * OUTLIER_INDEX_BYTES),
     }
+    if key_group_tokens:  # KIVI-style keys: fp16 scale + min per channel per group of tokens, no static scales
+        out["key_meta"] = lh * (-(-n_comp // key_group_tokens)) * head_dim * 2 * HP_BYTES
+        out["static"] = 0
+    return out
 
 
 def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str, int]:
@@ -342,6 +360,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         window=spec.window,
         n_tokens=n_tokens,
         batch=batch,
+        key_group_tokens=0 if spec.is_native else spec.key.group_tokens,
     )
 
 

@@ -29,6 +29,10 @@ class KeySpec(Frozen):
     clip_percentile: float = Field(99.99, gt=50.0, le=100.0)
     # scale[d] == scale[d + D/2]: commutes with RoPE (needed for the exact export fold)
     tie_rope_pairs: bool = True
+    # 0: the static per-channel scales above. G > 0: KIVI-style keys for comparison (Liu et al. 2024):
+    # per-channel asymmetric scales computed at write time over aligned groups of G tokens (fp16
+    # scale and min per channel and group); simulated in validate only (no CompressedCache, kernels, export)
+    group_tokens: int = Field(0, ge=0)
 
 
 class ValueSpec(Frozen):
@@ -76,6 +80,9 @@ class KVSpec(Frozen):
             raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
         if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
             raise ValueError("kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8) only")
+        if self.key.group_tokens and (self.is_native or self.outlier_channels or self.window < self.key.group_tokens):
+            raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (KIVI-style keys) needs the kvcompress format, no outlier channels "
+                             f"and kv.window >= group_tokens (a group is quantized once all its tokens left the window); got window={self.window}")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
             raise ValueError(f"kv.fold_strength={self.fold_strength} must be 'auto' or in [0, 1]")
         return self

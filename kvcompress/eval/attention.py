@@ -94,7 +94,8 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
         sk, sv, s = native_factors(book, layer, key.device)
         fmt = book.spec.format
         return k_hp, v_hp, (ref.native_fake_quant(k_hp / sk, s, fmt) * sk).to(key.dtype), (ref.native_fake_quant(v_hp / sv, s, fmt) * sv).to(value.dtype)
-    k_hat = ref.fake_quant_keys(k_hp, book.key_params(layer))
+    g = book.spec.key.group_tokens
+    k_hat = ref.fake_quant_keys_grouped(k_hp, book.spec.key.bits, g) if g else ref.fake_quant_keys(k_hp, book.key_params(layer))
     v_hat = ref.fake_quant_values(v_hp, book.spec.value.bits, book.value_group)
     return k_hp, v_hp, k_hat, v_hat
 
@@ -117,6 +118,8 @@ def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.T
         kc, vc = ref.native_saturated(k_hp / sk, s, spec.format), ref.native_saturated(v_hp / sv, s, spec.format)
         e.v_clipped[layer] += float(vc[..., comp, :].sum())
         e.v_quantized[layer] += vc[..., comp, :].numel()
+    elif spec.key.group_tokens:
+        kc = torch.zeros_like(k_hp, dtype=torch.bool)  # scales computed at write time from the group's own range: nothing clips
     else:
         kc = ref.key_clipped(k_hp, book.key_params(layer))
     e.clipped[layer] += float(kc[..., comp, :].sum())

@@ -1,0 +1,49 @@
+"""kv=kivi_int4: a KIVI-style comparison format (keys per channel over groups of tokens, scales
+computed when written), validated beside the project's formats, never shipped."""
+import pytest
+import torch
+
+from conftest import fitted_book
+from kvcompress import reference as ref
+from kvcompress.errors import UserError
+
+
+def test_grouped_keys_quantize_each_channel_over_aligned_token_groups():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 70, 8, generator=g) * torch.linspace(0.1, 10, 8)  # [B, H, T, D], channels of different ranges
+    kq = ref.fake_quant_keys_grouped(k, 4, 32)
+    assert kq.shape == k.shape
+    for lo in (0, 32, 64):  # groups [0, 32), [32, 64), [64, 70)
+        blk = kq[0, 0, lo : lo + 32]  # [tokens, D]
+        for d in range(8):
+            assert blk[:, d].unique().numel() <= 16  # 4 bits per channel within a group
+        # each group's range is its own: a group never sees another group's values
+        src = k[0, 0, lo : lo + 32]
+        assert (blk - src).abs().amax(0).le((src.amax(0) - src.amin(0)) / 15 * 0.5 + 1e-2).all()
+    # the same as the value quantizer along tokens
+    expect = ref.fake_quant_values(k[..., :64, :].transpose(-1, -2), 4, 32).transpose(-1, -2)
+    assert torch.equal(kq[..., :64, :], expect)
+
+
+def test_grouped_key_bytes_and_the_compressed_cache_refuses(tiny_llama):
+    from kvcompress.cache import CompressedCache
+    from kvcompress.models.base import Geometry
+
+    geo = Geometry(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64, hidden_size=128, vocab_size=10, max_position=64, rope_theta=1e4, architecture="x")
+    from kvcompress.spec import KVSpec
+
+    spec = KVSpec(name="kivi", key={"bits": 4, "symmetric": False, "group_tokens": 32}, value={"bits": 4, "group_size": 32}, window=128, sink_tokens=0)
+    b = ref.spec_cache_nbytes(spec, geo, 128 + 320)
+    assert b["key_meta"] == 10 * 64 * 2 * 2 and b["static"] == 0  # 10 groups of 32 compressed tokens x D channels x (scale, min) fp16
+    book = fitted_book(tiny_llama, name="kivi", key={"bits": 4, "symmetric": False, "group_tokens": 32}, value={"bits": 4, "group_size": 32}, window=32, sink_tokens=0)
+    with pytest.raises(UserError, match="comparison format"):
+        CompressedCache(book)
+
+
+def test_group_tokens_needs_a_window_at_least_one_group():
+    from pydantic import ValidationError
+
+    from kvcompress.spec import KVSpec
+
+    with pytest.raises(ValidationError, match="kv.window >= group_tokens"):
+        KVSpec(name="x", key={"bits": 4, "group_tokens": 64}, window=32)
