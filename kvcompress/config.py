@@ -119,6 +119,9 @@ class EvalConfig(Frozen):
     tasks: TasksConfig = TasksConfig()
     gates: list[Gate] = []
     fail_on_gate: bool = False
+    # kv presets (conf/kv/<name>.yaml) validated beside the run's format on the same windows against
+    # the same baseline pass, for comparison only (fitted, reported, never exported)
+    compare: list[str] = []
 
 
 class ExportConfig(Frozen):
@@ -162,6 +165,8 @@ class RunConfig(Frozen):
             raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
         if "export" in self.stages and self.export.name == "none":
             raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
+        for name in self.eval.compare:
+            kv_preset(name)  # a bad name fails here, before any work
         if self.kv.key.group_tokens and "export" in self.stages:
             raise ValueError(f"kv={self.kv.name} uses KIVI-style keys (kv.key.group_tokens={self.kv.key.group_tokens}), a comparison format "
                              "that is validated but never shipped: add export=none")
@@ -176,11 +181,14 @@ class RunConfig(Frozen):
         """Every format this run fits and validates: the kv format, plus the native fallbacks that
         export writes (trtllm_ckpt: export.native_kv; hf_ckpt: FP8). Keys are ScaleBook roles."""
         specs = {"primary": self.kv}
-        if self.export.name == "none" or "export" not in self.stages:
-            return specs
-        for role, fmt in (("trtllm", self.trtllm_format()), ("hf", "native_fp8")):
-            if fmt != self.kv.format and fmt not in {s.format for s in specs.values()}:
-                specs[role] = native_spec(fmt)
+        if self.export.name != "none" and "export" in self.stages:
+            for role, fmt in (("trtllm", self.trtllm_format()), ("hf", "native_fp8")):
+                if fmt != self.kv.format and fmt not in {s.format for s in specs.values()}:
+                    specs[role] = native_spec(fmt)
+        for name in self.eval.compare:
+            spec = kv_preset(name)
+            if spec.name not in {s.name for s in specs.values()} and not (spec.is_native and spec.format in {s.format for s in specs.values()}):
+                specs[f"compare:{name}"] = spec
         return specs
 
     def trtllm_format(self) -> str:
@@ -188,6 +196,19 @@ class RunConfig(Frozen):
         if self.kv.is_native:
             return self.kv.format
         return ALGO_FORMAT.get(self.export.native_kv, "native_int8")
+
+
+def kv_preset(name: str) -> KVSpec:
+    """The KVSpec of conf/kv/<name>.yaml (eval.compare)."""
+    from omegaconf import OmegaConf
+
+    from kvcompress.errors import UserError
+
+    p = Path(__file__).resolve().parents[1] / "conf" / "kv" / f"{name}.yaml"
+    if not p.is_file():
+        allowed = sorted(f.stem for f in p.parent.glob("*.yaml"))
+        raise UserError(f"eval.compare names kv preset {name!r}, which does not exist; allowed: {', '.join(allowed)}")
+    return KVSpec.model_validate(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
 
 
 def _format_error(err: ValidationError, data: dict) -> str:

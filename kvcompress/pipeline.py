@@ -178,7 +178,8 @@ def finish(r: Run, times: dict[str, float]) -> None:
     if data is not None:
         lines.append(f"verdict {data['kv']['name']} (primary, {data['verdict_basis'] and ', '.join(data['verdict_basis']) or 'no gates'}): {data['verdict'].upper()}")
         for fb in data.get("fallbacks", []):
-            lines.append(f"verdict {fb['name']} ({fb['tier']} fallback for {fb['role']}_ckpt): {fb['verdict'].upper()}")
+            what = "compared, not shipped" if fb["role"].startswith("compare:") else f"{fb['tier']} fallback for {fb['role']}_ckpt"
+            lines.append(f"verdict {fb['name']} ({what}): {fb['verdict'].upper()}")
         ex = data.get("export")
         if ex:
             lines.append(f"exported to {r.dir / 'export'}:")

@@ -92,7 +92,7 @@ class FormatResult(_M):
 
     name: str
     tier: str  # custom | native | baseline
-    role: str  # primary | trtllm (fallback written to trtllm_ckpt) | hf (FP8 fallback written to hf_ckpt)
+    role: str  # primary | trtllm (fallback written to trtllm_ckpt) | hf (FP8 fallback written to hf_ckpt) | compare:<name> (eval.compare, not shipped)
     kv: dict
     quality: Quality
     memory: Memory

@@ -25,6 +25,7 @@ BAD = [
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
     (["model=tiny_qwen2"], "export=trtllm supports LlamaForCausalLM; this model is Qwen2ForCausalLM: add export=none"),
     (["kv=kivi_int4"], "a comparison format that is validated but never shipped: add export=none"),
+    (["eval.compare=[nope]"], "eval.compare names kv preset 'nope', which does not exist; allowed:"),
 ]
 
 

@@ -47,3 +47,22 @@ def test_group_tokens_needs_a_window_at_least_one_group():
 
     with pytest.raises(ValidationError, match="kv.window >= group_tokens"):
         KVSpec(name="x", key={"bits": 4, "group_tokens": 64}, window=32)
+
+
+def test_eval_compare_validates_presets_beside_the_run_without_shipping_them(tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "eval.compare=[kivi_int4,native_nvfp4,native_int8]", f"hydra.run.dir={run_dir}",
+                cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((run_dir / "report.json").read_text())
+    roles = {f["name"]: f["role"] for f in rep["fallbacks"]}
+    assert roles == {"native_int8": "trtllm", "native_fp8": "hf", "kivi_int4": "compare:kivi_int4", "native_nvfp4": "compare:native_nvfp4"}
+    kivi = next(f for f in rep["fallbacks"] if f["name"] == "kivi_int4")
+    assert kivi["quality"]["tokens"] == rep["quality"]["tokens"] and kivi["quality"]["ppl_baseline"] == rep["quality"]["ppl_baseline"]  # same windows, same baseline
+    assert kivi["memory"]["breakdown_per_token"]["key_meta"] > 0 and kivi["quality"]["key_clip_rate"] == 0
+    assert set(rep["export"]["artifacts"]) == {"trtllm_ckpt", "hf_ckpt", "plugin_bundle"}  # compared formats are not shipped
+    assert "Compared (eval.compare, not shipped)" in (run_dir / "report.md").read_text()

@@ -25,6 +25,12 @@ def _ci(c) -> str:
     return "" if not c else f" [{c[0]:.2f}, {c[1]:.2f}]"
 
 
+def _role_label(f) -> str:
+    if f.role.startswith("compare:"):
+        return f"Compared (eval.compare, not shipped) {f.tier} tier {f.name}"
+    return f"Native fallback {f.name} ({f.role}_ckpt)"
+
+
 def _k(n: int) -> str:
     return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
 
@@ -86,7 +92,7 @@ def render_md(r: Report) -> str:
     title = f"{r.model.get('architecture')} ({r.model.get('name')}: {r.model.get('path') or r.model.get('file') or r.model.get('source')})"
     out = [f"# kvcompress report: {title} / {r.kv['name']}", "", f"**Verdict ({r.kv['name']}): {r.verdict.upper()}**", ""]
     for f in r.fallbacks:
-        out.append(f"**Native fallback {f.name} ({f.role}_ckpt): {f.verdict.upper()}**  ")
+        out.append(f"**{_role_label(f)}: {f.verdict.upper()}**  ")
     out += ["", "| format | gate | threshold | value | status |", "|---|---|---|---|---|"]
     out += [f"| {' | '.join(row)} |" for row in gate_rows(r)]
     out += [f"- {n}" for n in r.notes]
@@ -170,7 +176,7 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
         f"{html.escape(str(r.model.get('path') or r.model.get('file') or r.model.get('source')))}) / {html.escape(r.kv['name'])}</h1>",
         f"<p id='verdict'>Verdict: {r.verdict.upper()}</p>",
     ]
-    parts += [f"<p><b>Native fallback {html.escape(f.name)} ({f.role}_ckpt): {f.verdict.upper()}</b></p>" for f in r.fallbacks]
+    parts += [f"<p><b>{html.escape(_role_label(f))}: {f.verdict.upper()}</b></p>" for f in r.fallbacks]
     parts.append("<table><tr><th>format</th><th>gate</th><th>threshold</th><th>value</th><th>status</th></tr>")
     parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in gate_rows(r)]
     parts.append("</table>")
