@@ -373,6 +373,26 @@ def _allowed(pos: torch.Tensor, s_idx: torch.Tensor, sliding_window: int | None)
     return allowed
 
 
+def _reachable(pos: torch.Tensor, S: int, sink_tokens: int, window: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Key column ranges a block of queries at positions `pos` can read (causal): compressed part
+    [0, max(pos) - window + 1), fp16 part sinks [0, sink_tokens) and the window band
+    [min(pos) - window + 1, max(pos) + 1). Everything outside is masked anyway."""
+    pmin, pmax = int(pos.min()), int(pos.max())
+    end = min(S, pmax + 1)
+    comp = [(0, max(0, min(end, pmax - window + 1)))]
+    band_lo = max(0, pmin - window + 1)
+    sinks = min(sink_tokens, end)
+    hp = [(0, end)] if band_lo <= sinks else [(0, sinks), (band_lo, end)]
+    return comp, hp
+
+
+def _take_cols(x: torch.Tensor, ranges: list[tuple[int, int]], dim: int = -1) -> torch.Tensor:
+    parts = [x.narrow(dim, a, b - a) for a, b in ranges if b > a]
+    if not parts:
+        return x.narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def mixed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -420,9 +440,12 @@ def mixed_attention(
             allowed = allowed & key_mask[:, None, None, :]
         hp = fp16_mask(pos, S, sink_tokens, window)
         parts = []
-        for (kk, vv), m in zip(kv, (allowed & ~hp, allowed & hp)):
+        for (kk, vv), m, cols in zip(kv, (allowed & ~hp, allowed & hp), _reachable(pos, S, sink_tokens, window)):
+            # only the key columns this block of queries can reach in this part (causality, window band)
+            m = _take_cols(m, cols)
             if not m.any():
                 continue
+            kk, vv = _take_cols(kk, cols, -2), _take_cols(vv, cols, -2)
             o, lse = flash(qf[:, :, lo:hi], kk, vv, 0.0, False, attn_mask=torch.zeros(m.shape, dtype=dt).masked_fill_(~m, float("-inf")), scale=scaling)
             parts.append((o, lse.masked_fill(~m.any(-1), float("-inf"))))  # a row with no key here: weight 0
         if not parts:
