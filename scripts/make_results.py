@@ -26,6 +26,8 @@ BEGIN, END = "<!-- results:begin (rendered by scripts/make_results.py from docs/
 
 COMMANDS = {
     "default": "python -m kvcompress",
+    # 4 held-out windows of 8192 tokens; the stock and comparison formats on the same windows, one baseline pass
+    "long8k": "python -m kvcompress eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4]",
 }
 
 
@@ -44,7 +46,7 @@ def summarise(report: dict, command: str, run_dir: Path) -> dict:
                 "verdict_basis": report.get("verdict_basis", [])}]
     formats += [{k: f[k] for k in ("name", "tier", "role", "quality", "memory", "tasks", "verdict", "verdict_basis")} for f in report.get("fallbacks", [])]
     for f in formats:
-        f["quality"] = {k: f["quality"][k] for k in ("tokens", "ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree", "key_clip_rate", "value_clip_rate", "semantics")}
+        f["quality"] = {k: f["quality"].get(k) for k in ("tokens", "ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree", "key_clip_rate", "value_clip_rate", "semantics", "by_position")}
         f["memory"] = {k: f["memory"][k] for k in ("context", "bytes_per_token_fp16", "bytes_per_token_compressed", "compression_ratio", "bits_per_element")}
         if f["tasks"]:
             f["tasks"] = {k: f["tasks"][k] for k in ("semantics", "retrieval", "exact_copy", "greedy_check")}
@@ -88,10 +90,16 @@ def render(results: dict[str, dict]) -> str:
                 "|---|---|---|---|---|---|---|---|---|"]
         for f in r["formats"]:
             q, m = f["quality"], f["memory"]
-            role = {"primary": "kv format", "trtllm": "trtllm_ckpt", "hf": "hf_ckpt"}.get(f["role"], f["role"])
+            role = {"primary": "kv format", "trtllm": "trtllm_ckpt", "hf": "hf_ckpt"}.get(f["role"], "compared")
             out.append(f"| {f['name']} ({f['tier']}, {role}) | {f['verdict'].upper()} | {m['bits_per_element']:.2f} | {100 * q['ppl_delta_rel']:+.3f}% | "
                        f"{q['kl_mean']:.2e} / {q['kl_p99']:.2e} | {100 * q['top1_agree']:.2f}% | {q['key_clip_rate']:.1e} / {q['value_clip_rate']:.1e} | "
                        f"{_fmt_drop(f['tasks'], 'retrieval')} | {_fmt_drop(f['tasks'], 'exact_copy')} |")
+        if any(len(f["quality"].get("by_position") or []) > 1 for f in r["formats"]):
+            b0 = r["formats"][0]["quality"]["by_position"]
+            out += ["", "KL mean by position of the predicted token (" + " / ".join(f"{b['start'] // 1024}K-{b['end'] // 1024}K" for b in b0) + "), key clip rate in the last bucket: "
+                    + "; ".join(f"{f['name']} " + " / ".join(f"{b['kl_mean']:.1e}" for b in f["quality"]["by_position"])
+                                + (f" (clip {f['quality']['by_position'][-1]['key_clip_rate']:.1e})" if f["quality"]["by_position"][-1].get("key_clip_rate") is not None else "")
+                                for f in r["formats"]) + "."]
         if r["export"]:
             out += ["", "Exported checkpoints read back and re-measured: " + "; ".join(
                 f"{n} (from {e['validated_as']}) KL {e['remeasured']['remeasured_kl']:.2e} vs validated {e['remeasured']['validated_kl']:.2e} "
