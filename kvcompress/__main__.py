@@ -11,8 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from kvcompress.errors import UserError
+from kvcompress.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "kv", "calib", "eval", "export")
 
 

@@ -200,15 +200,12 @@ class RunConfig(Frozen):
 
 def kv_preset(name: str) -> KVSpec:
     """The KVSpec of conf/kv/<name>.yaml (eval.compare)."""
-    from omegaconf import OmegaConf
+    from kvcompress.paths import CONF_DIR, load_preset
 
-    from kvcompress.errors import UserError
-
-    p = Path(__file__).resolve().parents[1] / "conf" / "kv" / f"{name}.yaml"
-    if not p.is_file():
-        allowed = sorted(f.stem for f in p.parent.glob("*.yaml"))
+    if not (CONF_DIR / "kv" / f"{name}.yaml").is_file():
+        allowed = sorted(f.stem for f in (CONF_DIR / "kv").glob("*.yaml"))
         raise UserError(f"eval.compare names kv preset {name!r}, which does not exist; allowed: {', '.join(allowed)}")
-    return KVSpec.model_validate(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
+    return KVSpec.model_validate(load_preset("kv", name))
 
 
 def _format_error(err: ValidationError, data: dict) -> str:

@@ -87,8 +87,7 @@ def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Te
 def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> dict:
     """The folded q/k/v/o tensors of layer L (float32); `state` needs only that layer's tensors."""
     out = {}
-    D, H = geom.head_dim, geom.n_kv_heads
-    g = geom.n_heads // H
+    g = geom.n_heads // geom.n_kv_heads
     p = f"model.layers.{L}.self_attn."
     if sigma is not None:
         s = sigma[L].reshape(-1).float()  # [H*D]

@@ -1,8 +1,18 @@
-"""Where kvcompress keeps per-machine caches (converted weights, kv_stats)."""
+"""Where kvcompress keeps per-machine caches (converted weights, kv_stats) and its config presets."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config groups (model, kv, calib, eval, export)
+
+
+def load_preset(group: str, name: str) -> dict:
+    """conf/<group>/<name>.yaml as a plain dict (interpolations resolved)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), resolve=True)
 
 
 def default_cache_dir() -> Path:

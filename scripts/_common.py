@@ -4,17 +4,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvcompress.config import CalibConfig, EvalConfig, ModelConfig  # noqa: E402
+from kvcompress.paths import load_preset  # noqa: E402
 from kvcompress.spec import KVSpec  # noqa: E402
 
 
 def _load(group: str, name: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"), resolve=True)
+    return load_preset(group, name)
 
 
 def model_config(name: str) -> ModelConfig:

@@ -12,7 +12,6 @@ from transformers import DynamicCache
 from conftest import ROOT, run_cli, tiny_lm
 from kvcompress.fold import apply_fold, fold_factors
 from kvcompress.targets import launchers, trtllm_reader
-from kvcompress.targets.hf_ckpt import read_kv_scales
 from kvcompress.targets.trtllm_ckpt import rank_weights, write_checkpoint
 
 

@@ -250,8 +250,8 @@ def test_a_directory_that_is_not_a_supported_model_is_one_line(tmp_path, case):
     (d / "config.json").write_text("{not json" if case == "not_json" else json.dumps(cfg))
     (d / ("pytorch_model.bin" if case == "bin_only" else "model.safetensors")).write_bytes(b"\0" * 16)
     needle = {"bert": "model_type='bert' model, not a decoder-only causal LM", "bin_only": "no *.safetensors weights", "not_json": "config.json is not a JSON object"}[case]
-    for streaming in ("true", "false"):
-        r = run_cli("model=llama3_8b", f"model.path={d}", "model.device=cpu", f"model.streaming={streaming}", "export=none", f"hydra.run.dir={tmp_path / 'run'}")
+    for mode in ("true", "false"):
+        r = run_cli("model=llama3_8b", f"model.path={d}", "model.device=cpu", f"model.streaming={mode}", "export=none", f"hydra.run.dir={tmp_path / 'run'}")
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode != 0 and len(lines) == 1 and needle in lines[0], r.stderr
         assert not (tmp_path / "run").exists()

@@ -16,7 +16,7 @@ none for a custom implementation); causality and sliding windows are rebuilt fro
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -204,5 +204,5 @@ def compressed_attention(model, book: ScaleBook | None, errors: LayerErrors | No
     evaluation path with nothing compressed, for the self-check.
     """
     impl, kw = eval_call(book, errors, q_block, exact)
-    with attention_implementation(model, impl) if impl else nullcontext():
+    with attention_implementation(model, impl):
         yield kw

@@ -70,7 +70,10 @@ AttentionInterface.register(OBSERVE_ATTN, _observing_attention)
 
 @contextmanager
 def attention_implementation(model, name: str):
-    """Temporarily switch a model's attention implementation (restored on exit)."""
+    """Temporarily switch a model's attention implementation (restored on exit); None: the model's own."""
+    if name is None:
+        yield
+        return
     old = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:

@@ -76,7 +76,8 @@ class Checkpoint:
     def stored_dtype(self, key: str) -> torch.dtype:
         return ST_DTYPES[self.entries[key][1]["dtype"]]
 
-    def _read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor `key` (or its rows lo:hi) as stored: exactly its bytes, nothing else read."""
         if key not in self.entries:
             raise UserError(f"checkpoint {str(self.dir)!r} lacks tensor {key!r}, which the model needs")
         f, e, start = self.entries[key]
@@ -98,11 +99,11 @@ class Checkpoint:
 
     def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         """The named tensors, cast to dtype and placed on device."""
-        return {k: self._read(k).to(device=device, dtype=dtype) for k in keys}
+        return {k: self.read(k).to(device=device, dtype=dtype) for k in keys}
 
     def rows(self, key: str, lo: int, hi: int, dtype: torch.dtype, device) -> torch.Tensor:
         """Rows lo:hi of a tensor, reading only those bytes."""
-        return self._read(key, lo, hi).to(device=device, dtype=dtype)
+        return self.read(key, lo, hi).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -281,7 +282,22 @@ def passes_for(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
     from kvcompress.models.observe import attention_implementation
 
     return [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw},
-                 context=lambda impl=impl: attention_implementation(model, impl) if impl else nullcontext()) for impl, kw in calls]
+                 context=lambda impl=impl: attention_implementation(model, impl)) for impl, kw in calls]
+
+
+def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
+    """head(call index, batch index, logits) for every batch under each (attention implementation,
+    forward keywords) call, calls in order per batch: in memory batch by batch, or layer by layer
+    when the model is streamed. The one way evaluations run a LoadedModel."""
+    from kvcompress.models.observe import attention_implementation
+
+    if lm.streamer is not None:
+        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc)
+        return
+    for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
+        for pi, (impl, kw) in enumerate(calls):
+            with attention_implementation(lm.model, impl):
+                head(pi, i, lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
 
 
 def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):

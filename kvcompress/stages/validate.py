@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
@@ -26,8 +24,7 @@ from kvcompress.eval.gates import evaluate_gates
 from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
-from kvcompress.models.observe import attention_implementation
-from kvcompress.models.streaming import passes_for
+from kvcompress.models.streaming import run_calls
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
 from kvcompress.report_schema import FormatResult, Memory, Quality, Report
@@ -47,23 +44,12 @@ def baseline_label(model) -> str:
     return f"unquantized cache ({str(next(model.parameters()).dtype).removeprefix('torch.')})"
 
 
-def _calls_logits(lm, ids: torch.Tensor, calls: list[tuple[str | None, dict]]) -> list[torch.Tensor]:
-    """Logits of one batch under each (attention implementation, keywords) call, in memory or streamed."""
-    if lm.streamer is None:
-        out = []
-        for impl, kw in calls:
-            with attention_implementation(lm.model, impl) if impl else nullcontext():
-                out.append(lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
-        return out
-    got = {}
-    lm.streamer.run([ids], passes_for(lm.model, calls), head=lambda pi, i, logits: got.__setitem__(pi, logits), progress=False)
-    return [got[i] for i in range(len(calls))]
-
-
 @torch.no_grad()
 def self_check(lm, ids: torch.Tensor, name: str) -> dict:
     """The evaluation attention with nothing compressed must reproduce the model's own forward."""
-    base, same = _calls_logits(lm, ids, [(None, {}), eval_call(None, exact=True)])
+    got = {}
+    run_calls(lm, [ids], [(None, {}), eval_call(None, exact=True)], lambda pi, i, logits: got.__setitem__(pi, logits))
+    base, same = got[0], got[1]
     kl = kl_mean(base, same)
     out = {"kl_mean": kl, "max_kl": SELF_CHECK_MAX_KL, "tokens": int(ids.numel()), "passed": kl < SELF_CHECK_MAX_KL}
     if not out["passed"]:
@@ -101,13 +87,7 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
         if pi == len(calls) - 1:
             base.pop(i)
 
-    if lm.streamer is not None:
-        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc="validate")
-    else:
-        for i, ids in enumerate(tqdm(batches, desc="validate", unit="batch", disable=not progress)):
-            for pi, (impl, kw) in enumerate(calls):
-                with attention_implementation(lm.model, impl) if impl else nullcontext():
-                    head(pi, i, lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
+    run_calls(lm, batches, calls, head, progress)
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
 
 

@@ -59,7 +59,7 @@ class HFWriter:
     arrive one at a time, the embedding and lm_head in row blocks."""
 
     def __init__(self, meta_state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float):
-        from kvcompress.targets.st_writer import SafetensorsWriter
+        from kvcompress.targets.st_writer import SafetensorsWriter, nbytes
 
         self.dir, self.hf_config, self.tokenizer, self.dtype, self.kv_scale = Path(out_dir), hf_config, tokenizer, dtype, kv_scale
         plan = {k: ((dtype if v.is_floating_point() else v.dtype), tuple(v.shape)) for k, v in meta_state.items()}
@@ -70,15 +70,14 @@ class HFWriter:
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
         shards, cur, size = [], {}, 0
         for k in sorted(plan):
-            dt, shape = plan[k]
-            nb = dt.itemsize * int(torch.tensor(shape).prod()) if shape else dt.itemsize
+            nb = nbytes(*plan[k])
             if cur and size + nb > shard_mb * 1e6:
                 shards.append(cur)
                 cur, size = {}, 0
             cur[k] = plan[k]
             size += nb
         shards.append(cur)
-        self.total = sum(dt.itemsize * (int(torch.tensor(sh).prod()) if sh else 1) for dt, sh in plan.values())
+        self.total = sum(nbytes(*v) for v in plan.values())
         self.where, self.writers = {}, []
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -142,10 +141,6 @@ def read_state(ckpt: Path) -> dict[str, torch.Tensor]:
     for f in sorted(set(index["weight_map"].values())):
         out |= load_file(str(Path(ckpt) / f))
     return out
-
-
-def read_kv_scales(ckpt: Path) -> dict[str, float]:
-    return {k: float(v) for k, v in read_state(ckpt).items() if k.endswith(("k_scale", "v_scale"))}
 
 
 def read_config(ckpt: Path) -> dict:

@@ -16,22 +16,22 @@ import torch
 
 from kvcompress.eval.attention import eval_call
 from kvcompress.eval.metrics import QualityAccumulator, next_token_logprobs
-from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, passes_for
+from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, passes_for, run_calls
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import ALGO_FORMAT
 from kvcompress.spec import native_spec
 from kvcompress.targets import trtllm_reader
 from kvcompress.targets.hf_ckpt import read_state
 
+SCORED = ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")  # what a re-measurement reports
+
 
 @torch.no_grad()
 def baseline_logprobs(lm, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
-    if lm.streamer is not None:
-        out = {}
-        lm.streamer.run(batches, passes_for(lm.model, [(None, {})]), head=lambda pi, i, logits: out.__setitem__(i, next_token_logprobs(logits)), progress=False)
-        return [out[i] for i in range(len(batches))]
-    return [next_token_logprobs(lm.model(input_ids=b.to(lm.device), use_cache=False).logits) for b in batches]
+    out = {}
+    run_calls(lm, batches, [(None, {})], lambda pi, i, logits: out.__setitem__(i, next_token_logprobs(logits)))
+    return [out[i] for i in range(len(batches))]
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def _score_streamed(streamer, book: ScaleBook, windows: torch.Tensor, base: list
     streamer.run(batches, passes_for(streamer.model, [eval_call(book)]),
                  head=lambda pi, i, logits: acc.update_logprobs(base[i], next_token_logprobs(logits), batches[i]), progress=False)
     r = acc.result()
-    return {k: r[k] for k in ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")}
+    return {k: r[k] for k in SCORED}
 
 
 def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
@@ -59,8 +59,8 @@ def remeasure_hf_streamed(ckpt, geometry: dict, windows, base, batch_size: int, 
     """The HF checkpoint streamed from its written config.json and shards, FP8 KV from its k_scale/v_scale."""
     ck = Checkpoint(ckpt)
     L = geometry["n_layers"]
-    k = torch.stack([ck._read(f"model.layers.{i}.self_attn.k_proj.k_scale").float() for i in range(L)])
-    v = torch.stack([ck._read(f"model.layers.{i}.self_attn.v_proj.v_scale").float() for i in range(L)])
+    k = torch.stack([ck.read(f"model.layers.{i}.self_attn.k_proj.k_scale").float() for i in range(L)])
+    v = torch.stack([ck.read(f"model.layers.{i}.self_attn.v_proj.v_scale").float() for i in range(L)])
     if not torch.equal(k, v):
         raise ValueError("k_scale != v_scale: kvcompress writes one shared scale per layer")
     streamer = LayerStreamer(build_empty(Path(ckpt), torch.float32), ck, torch.float32, device)
@@ -79,7 +79,9 @@ def same_trtllm_tensors(a: Path, b: Path, n_layers: int) -> bool:
             if not torch.equal(ra.rows(key, lo, hi, torch.float32, "cpu"), rb.rows(key, lo, hi, torch.float32, "cpu")):
                 return False
     for i in range(n_layers):
-        keys = [f"model.layers.{i}.{n}" for n in trtllm_reader.HF_NAMES.values() if not n.endswith("bias")] + ["model.norm.weight"]
+        keys = ra.layer_keys(i) + ["model.norm.weight"]
+        if keys != rb.layer_keys(i) + ["model.norm.weight"]:
+            return False
         la, lb = ra.load(keys, torch.float32, "cpu"), rb.load(keys, torch.float32, "cpu")
         if any(not torch.equal(la[k], lb[k]) for k in keys):
             return False
@@ -93,7 +95,7 @@ def _score(logits_fn, windows: torch.Tensor, base: list[torch.Tensor], batch_siz
         ids = windows[lo : lo + batch_size]
         acc.update_logprobs(base[i], next_token_logprobs(logits_fn(ids)), ids)
     r = acc.result()
-    return {k: r[k] for k in ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree")}
+    return {k: r[k] for k in SCORED}
 
 
 def remeasure_trtllm(ckpt, windows, base, batch_size: int) -> dict:

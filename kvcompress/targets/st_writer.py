@@ -19,6 +19,14 @@ DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
                torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of this dtype and shape."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 class SafetensorsWriter:
     def __init__(self, path: str | Path, plan: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None):
         self.path = Path(path)
@@ -28,9 +36,7 @@ class SafetensorsWriter:
         self.offsets: dict[str, int] = {}
         for k in sorted(self.plan):
             dt, shape = self.plan[k]
-            n = dt.itemsize
-            for s in shape:
-                n *= s
+            n = nbytes(dt, shape)
             header[k] = {"dtype": DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [off, off + n]}
             self.offsets[k] = off
             off += n
@@ -60,7 +66,7 @@ class SafetensorsWriter:
         self.written[name] += data.nbytes
 
     def close(self) -> Path:
-        short = [k for k, n in self.written.items() if n != self._nbytes(k)]
+        short = [k for k, n in self.written.items() if n != nbytes(*self.plan[k])]
         if short:
             self.abort()
             raise RuntimeError(f"{self.path.name}: tensors not (fully) written: {short[:3]}")
@@ -75,10 +81,3 @@ class SafetensorsWriter:
         if not self.f.closed:
             self.f.close()
         self.tmp.unlink(missing_ok=True)
-
-    def _nbytes(self, name: str) -> int:
-        dt, shape = self.plan[name]
-        n = dt.itemsize
-        for s in shape:
-            n *= s
-        return n

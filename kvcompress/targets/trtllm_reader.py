@@ -82,17 +82,24 @@ class TrtllmAsHF:
 
     def kv_scales(self) -> torch.Tensor:
         n = self.cfg["num_hidden_layers"]
-        return torch.cat([self.ranks[0]._read(f"transformer.layers.{i}.attention.kv_cache_scaling_factor").float() for i in range(n)])
+        return torch.cat([self.ranks[0].read(f"transformer.layers.{i}.attention.kv_cache_scaling_factor").float() for i in range(n)])
+
+    def layer_keys(self, i: int) -> list[str]:
+        """The HF names of layer i's tensors in this checkpoint (biases included when written)."""
+        t = f"transformer.layers.{i}."
+        names = [n[len(t):].replace("qkv", q) for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")
+                 for q in (("q", "k", "v") if ".qkv." in n else ("qkv",))]
+        return [f"model.layers.{i}.{HF_NAMES[n]}" for n in names]
 
     def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         out = {}
         if "model.norm.weight" in keys:
-            out["model.norm.weight"] = self.ranks[0]._read("transformer.ln_f.weight")
+            out["model.norm.weight"] = self.ranks[0].read("transformer.ln_f.weight")
         layers = sorted({int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")})
         for i in layers:
             t = f"transformer.layers.{i}."
             names = [n for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")]
-            merged = merge_rank_tensors(self.cfg, [{n: r._read(n) for n in names} for r in self.ranks])
+            merged = merge_rank_tensors(self.cfg, [{n: r.read(n) for n in names} for r in self.ranks])
             out |= {f"model.layers.{i}.{HF_NAMES[n[len(t):]]}": v for n, v in merged.items()}
         missing = [k for k in keys if k not in out]
         if missing:
