@@ -1,9 +1,11 @@
 """`python -m kvcompress ...`: Hydra glue only. Config -> RunConfig -> pipeline.run."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import hydra
@@ -66,6 +68,8 @@ def hydra_main(cfg) -> None:
     except KeyboardInterrupt:
         # stages write to temporary names and rename when complete: nothing half-written remains
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn the clean exit into a kill
+        for tmp in run_dir.glob(".*.tmp"):  # a stage interrupted inside its own cleanup: finish it
+            shutil.rmtree(tmp, ignore_errors=True)
         print(f"kvcompress: interrupted; nothing partial was left in {run_dir}", file=sys.stderr)
         sys.exit(130)
 
@@ -77,7 +81,18 @@ def remove_if_empty(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _unraisable(u) -> None:
+    """Ctrl-C landing while Python runs a finalizer (__del__) is "ignored" and printed with a
+    traceback; deliver it again instead, so it interrupts the run like any other Ctrl-C."""
+    if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+        # not from here: a signal raised inside this hook would interrupt the hook itself
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return
+    sys.__unraisablehook__(u)
+
+
 def main() -> None:
+    sys.unraisablehook = _unraisable
     check_overrides(sys.argv[1:])
     hydra_main()
 

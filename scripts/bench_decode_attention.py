@@ -6,16 +6,16 @@
 1. Correctness on the device: the Triton kernels against the reference (mixed lengths, GQA 8,
    head dim 128, int8 keys / int4 values, sinks and window) -- append bit-exact, decode within
    the test tolerance.
-2. Speed at Llama-70B shapes (8 kv heads, head dim 128, GQA 8), contexts 4K/16K/32K/128K,
-   batch 1/8/32: the kvcompress decode kernel (split-K + reduce) vs torch SDPA over an fp16
-   cache. Bandwidth is computed on the bytes each side actually reads (reference byte
-   accounting for the compressed cache: payload, metadata, sinks and window).
+2. Speed: the rows of `scripts/predict_decode.py` (Llama-3.1-70B and -8B shapes, batch 1, 4K/32K/128K
+   context, each custom-tier format with a compiled head-dim-128 variant), measured: one layer's
+   kvcompress decode attention (split + reduce kernels, the plan's tiles and split count) vs torch
+   SDPA over an fp16 cache, times the layer count; same columns, so the prediction and the
+   measurement compare line by line.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -25,18 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcompress import reference as ref  # noqa: E402
-from kvcompress.kernels import ops  # noqa: E402
+from kvcompress.kernels import ops, plan  # noqa: E402
+from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, MODELS, ROW_COLUMNS  # noqa: E402
 from kvcompress.kernels.layout import PackedKV  # noqa: E402
 from kvcompress.reference import KeyParams  # noqa: E402
 
-H200_PEAK_BPS = 4.8e12
-H, G, D = 8, 8, 128  # Llama-70B per layer
-SPEC = dict(key_bits=8, value_bits=4, group=32, n_sink=4, window=128, n_out=0)
-
-
-def key_params(device) -> KeyParams:
-    return KeyParams(8, torch.full((H, D), 0.05, device=device), torch.zeros(H, D, device=device), torch.zeros(H, 0, dtype=torch.long, device=device))
+H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 
 def check_correctness(device: str) -> dict:
@@ -50,7 +44,7 @@ def check_correctness(device: str) -> dict:
     kv = PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
     pd = KeyParams(8, p.scale.to(device), p.zero.to(device), p.outlier_idx.to(device))
     q = torch.randn(len(lens), H * G, D, generator=g).to(device)
-    out = ops.decode_attention(q, kv, pd, D**-0.5, splits=8, block_t=32)
+    out = ops.decode_attention(q, kv, pd, D**-0.5)  # the plan's tiles and split count
     err = float((out - ops.decode_attention_reference(q, kv, pd, D**-0.5)).abs().max())
     # append: a fresh cache filled token by token must equal the reference bytes
     T = 300
@@ -64,27 +58,18 @@ def check_correctness(device: str) -> dict:
     return {"decode_max_abs_err": err, "decode_tol": 3e-3, "decode_ok": err <= 3e-3, "append_bit_exact": exact}
 
 
-def random_cache(B: int, T: int, device: str) -> PackedKV:
+def random_cache(B: int, T: int, fmt, h: int, d: int, device: str) -> PackedKV:
     """A full compressed cache of T tokens per sequence with random codes (speed only)."""
-    kv = PackedKV.empty(B, H, D, T, n_sink=SPEC["n_sink"], window=SPEC["window"], n_out=0, key_bits=8, value_bits=4, group=32, device=device)
-    kv.k_payload.copy_(torch.randint(-127, 128, kv.k_payload.shape, dtype=torch.int8, device=device))
+    kv = PackedKV.empty(B, h, d, T, n_sink=fmt.n_sink, window=fmt.window, n_out=fmt.n_out, key_bits=fmt.key_bits, value_bits=fmt.value_bits,
+                        group=fmt.group, device=device)
+    kv.k_payload.copy_(torch.randint(-127, 128, kv.k_payload.shape, dtype=torch.int8, device=device).to(kv.k_payload.dtype))
     kv.v_payload.copy_(torch.randint(0, 256, kv.v_payload.shape, dtype=torch.uint8, device=device))
     kv.v_scale.fill_(0.01)
     kv.v_min.fill_(-0.08)
-    for t in (kv.sink_k, kv.sink_v, kv.win_k, kv.win_v):
+    for t in (kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_outliers):
         t.normal_()
     kv.lens.fill_(T)
     return kv
-
-
-def bytes_read_compressed(B: int, T: int) -> int:
-    b = ref.cache_nbytes(n_layers=1, n_kv_heads=H, head_dim=D, key_bits=8, value_bits=4, value_group=32, outlier_channels=0, sink_tokens=SPEC["n_sink"], window=SPEC["window"], n_tokens=T, batch=B)
-    return sum(v for k, v in b.items() if k != "static") + b["static"] + B * H * G * D * 2
-
-
-def splits_for(B: int, T: int) -> int:
-    """Enough programs to fill ~2 waves of 132 SMs, with >= 512 tokens per split."""
-    return max(1, min(64, math.ceil(264 / (B * H)), max(1, T // 512)))
 
 
 def timeit(fn, device: str, reps: int) -> float:
@@ -98,34 +83,31 @@ def timeit(fn, device: str, reps: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench(device: str, contexts: list[int], batches: list[int], reps: int) -> list[dict]:
+def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
+    """The rows of scripts/predict_decode.py, measured: one layer's decode attention at batch 1
+    (kvcompress split + reduce kernels vs torch SDPA over an fp16 cache), times the layer count."""
     rows = []
-    p = key_params(device)
-    for T in contexts:
-        for B in batches:
-            kv = random_cache(B, T, device)
-            q = torch.randn(B, H * G, D, device=device, dtype=torch.float16)
-            splits = splits_for(B, T)
-            prep = ops.kernel_key_params(p, device)
-            t_kvc = timeit(lambda: ops.decode_attention(q, kv, p, D**-0.5, splits=splits, block_t=32, prepared=prep), device, reps)
-            del kv
-            kf = torch.randn(B, H, T, D, device=device, dtype=torch.float16)
-            vf = torch.randn(B, H, T, D, device=device, dtype=torch.float16)
-            q4 = q.unsqueeze(2)  # [B, HQ, 1, D]
-            t_fp16 = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True), device, reps)
-            del kf, vf
-            b_kvc, b_fp16 = bytes_read_compressed(B, T), 2 * B * H * T * D * 2 + B * H * G * D * 2
-            rows.append(
-                {
-                    "context": T, "batch": B, "splits": splits,
-                    "kvc_s": t_kvc, "fp16_s": t_fp16, "speedup": t_fp16 / t_kvc,
-                    "kvc_bytes": b_kvc, "fp16_bytes": b_fp16,
-                    "kvc_TBps": b_kvc / t_kvc / 1e12, "fp16_TBps": b_fp16 / t_fp16 / 1e12,
-                    "kvc_pct_peak": 100 * b_kvc / t_kvc / H200_PEAK_BPS, "fp16_pct_peak": 100 * b_fp16 / t_fp16 / H200_PEAK_BPS,
-                }
-            )
-            print(f"T={T:>6} B={B:>2} splits={splits:>2} | kvc {t_kvc * 1e6:9.1f} us {rows[-1]['kvc_TBps']:5.2f} TB/s ({rows[-1]['kvc_pct_peak']:4.1f}%) | "
-                  f"fp16 {t_fp16 * 1e6:9.1f} us {rows[-1]['fp16_TBps']:5.2f} TB/s ({rows[-1]['fp16_pct_peak']:4.1f}%) | speed-up {rows[-1]['speedup']:4.2f}x", flush=True)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    for model, (layers, hq, h, d) in models.items():
+        for T in contexts:
+            q = torch.randn(1, hq, d, device=device, dtype=torch.float16)
+            kf = torch.randn(1, h, T, d, device=device, dtype=torch.float16)
+            vf = torch.randn(1, h, T, d, device=device, dtype=torch.float16)
+            t_fp16 = timeit(lambda q=q, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kf, vf, enable_gqa=True), device, reps)
+            kf = vf = None  # free before the compressed caches are built
+            for name, fmt in FORMATS.items():
+                kv = random_cache(1, T, fmt, h, d, device)
+                p = KeyParams(fmt.key_bits, torch.full((h, d), 0.05, device=device), torch.zeros(h, d, device=device),
+                              torch.arange(fmt.n_out, device=device).repeat(h, 1))
+                prep = ops.kernel_key_params(p, device)
+                block = plan.block_t(d, fmt.value_bits)
+                splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block,
+                                            plan.SM_COUNT.get(gpu.split()[-1], 132) if device == "cuda" else 132)
+                t_kvc = timeit(lambda kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)
+                kv = None
+                rows.append({"model": model, "gpu": gpu, "context": T, "batch": 1, "format": name, "splits": splits,
+                             "kvc_us": layers * t_kvc * 1e6, "fp16_us": layers * t_fp16 * 1e6, "speedup": t_fp16 / t_kvc})
+                print(" ".join(f"{rows[-1][c]:>12.2f}" if isinstance(rows[-1][c], float) else f"{rows[-1][c]:>12}" for c in ROW_COLUMNS), flush=True)
     return rows
 
 
@@ -145,14 +127,16 @@ def main() -> int:
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     if a.smoke:
-        global H, G
-        H, G = 2, 8
         result["correctness"] = {"skipped": "smoke mode (tests/test_kernels.py covers correctness on CPU)"}
-        result["rows"] = bench(device, [300], [1, 2], a.reps)
+        print("MEASURED (smoke: tiny shapes on the CPU interpreter; times meaningless)")
+        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS))
+        result["rows"] = bench(device, {"tiny": (2, 16, 2, 128)}, [300], a.reps)
     else:
         result["correctness"] = check_correctness(device)
         print("correctness:", result["correctness"], flush=True)
-        result["rows"] = bench(device, [4096, 16384, 32768, 131072], [1, 8, 32], a.reps)
+        print("MEASURED on", result["device"], "(the rows of scripts/predict_decode.py: one layer timed, times the layer count; batch 1)")
+        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS))
+        result["rows"] = bench(device, MODELS, CONTEXTS, a.reps)
     result["wall_s"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out} in {result['wall_s']:.0f} s")

@@ -60,6 +60,18 @@ def test_decode_attention_matches_reference(lens, H, G, D, kb, vb, group, n_out,
     torch.testing.assert_close(out, ops.decode_attention_reference(q, kv, p, D**-0.5), **DECODE_TOL)
 
 
+@pytest.mark.parametrize("lens,H,G,D,kb,vb,group,n_out,n_sink", [DECODE_CASES[i] for i in (0, 3, 4, 6)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_decode_with_the_plans_tiles_and_any_split_count(lens, H, G, D, kb, vb, group, n_out, n_sink, splits):
+    """What ships: kvcompress.kernels.plan's BLOCK_T and warps, the heuristic's split count (None)
+    or any other (the split count is a launch argument), against the reference."""
+    ks, vs = make_seqs(lens, H, D, seed=3)
+    p = make_params(H, D, kb, n_out, ks)
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=n_sink, window=W, value_bits=vb, group=group), DEVICE)
+    q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    torch.testing.assert_close(ops.decode_attention(q, kv, p, D**-0.5, splits=splits), ops.decode_attention_reference(q, kv, p, D**-0.5), **DECODE_TOL)
+
+
 def test_decode_asymmetric_keys_fold_the_zero_point():
     lens, H, D = [100, 33], 2, 64
     ks, vs = make_seqs(lens, H, D)
@@ -138,4 +150,7 @@ def test_bench_script_smoke_runs_on_cpu(tmp_path):
                        capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert len(rows) == 2 and all(r["kvc_bytes"] < r["fp16_bytes"] for r in rows)
+    from kvcompress.kernels.bytes_model import FORMATS, ROW_COLUMNS
+
+    assert [r["format"] for r in rows] == list(FORMATS) and all(set(ROW_COLUMNS) <= set(r) for r in rows)
+    assert all(r["kvc_us"] > 0 and r["fp16_us"] > 0 and r["splits"] >= 1 for r in rows)

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvcompress.kernels import plan
 from kvcompress.kernels.ops import decode_launch_params
 from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
 
@@ -33,7 +33,8 @@ REGS_LIMIT = 255
 
 @dataclass(frozen=True)
 class Variant:
-    """One specialisation: kv format and head geometry (G = query heads per kv head)."""
+    """One specialisation: kv format and head geometry (G = query heads per kv head). Tile sizes
+    default to kvcompress.kernels.plan's choice; the split count is a launch argument."""
 
     name: str
     head_dim: int
@@ -44,9 +45,14 @@ class Variant:
     n_sink: int
     window: int
     n_out: int
-    splits: int = 8
-    block_t: int = 32
-    decode_warps: int = 8
+    block_t: int = 0  # 0: plan.block_t(head_dim, value_bits)
+    decode_warps: int = 0  # 0: plan.decode_warps(head_dim)
+
+    def __post_init__(self):
+        if not self.decode_warps:
+            object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim))
+        if not self.block_t:
+            object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps))
 
 
 VARIANTS = {
@@ -68,16 +74,26 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*u8", "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
     common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
-    launch = decode_launch_params(v.gqa, v.n_sink, v.n_out, v.splits, v.block_t)
+    launch = decode_launch_params(v.gqa, v.n_sink, v.n_out, v.block_t)
     n_out_pad = launch["N_OUT_PAD"]
     append_sig = {"KN": "*fp16", "VN": "*fp16", "KS": "*fp32", "KZ": "*fp32", "OIDX": "*i32", **store, "H": "i32", "CAP": "i32"}
-    split_sig = {"Q": "*fp16", "KS": "*fp32", "KZM": "*fp32", "OIDX": "*i32", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32"}
-    reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32"}
+    split_sig = {"Q": "*fp16", "KS": "*fp32", "KZM": "*fp32", "OIDX": "*i32", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
+    reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
     return [
         ("kv_append", kv_append_kernel, append_sig, {**common, "N_OUT_PAD": n_out_pad}, 2),
         ("decode_split", decode_split_kernel, split_sig, {**common, **launch}, v.decode_warps),
-        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim, "SPLITS": v.splits, "SPLITS_PAD": triton.next_power_of_2(v.splits)}, 1),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
     ]
+
+
+POINTER_ALIGN = 16  # bytes: every buffer the launchers pass must start on a 16-byte boundary (checked by the launchers)
+
+
+def aligned_attrs(fn, sig: dict) -> dict:
+    """Triton's divisibility hint for every pointer argument: the base address is a multiple of
+    POINTER_ALIGN bytes, so loads of contiguous rows can be vectorized (what Triton's JIT assumes
+    for 16-byte-aligned tensors). The C launchers refuse misaligned buffers."""
+    return {(fn.arg_names.index(k),): [["tt.divisibility", POINTER_ALIGN]] for k, t in sig.items() if t.startswith("*")}
 
 
 def _cuobjdump() -> str:
@@ -113,7 +129,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
     for v in variants:
         for kname, fn, sig, consts, warps in _specs(v):
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
-            src = ASTSource(fn=fn, signature=full_sig, constexprs=consts)
+            src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
             ck = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
             name = f"{kname}_{v.name}"
             (out / f"{name}.ptx").write_text(ck.asm["ptx"])
@@ -133,6 +149,9 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
             entries.append(entry)
     meta = {"arch": arch, "triton": triton.__version__, "kernels": entries}
     (out / "kernels.json").write_text(json.dumps(meta, indent=2))
+    from kvcompress.kernels.audit import audit_dir  # the SASS audit of every AOT build, stored beside it
+
+    audit_dir(out)
     return meta
 
 

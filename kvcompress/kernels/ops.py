@@ -9,6 +9,8 @@ import torch
 import triton
 
 from kvcompress import reference as ref
+from kvcompress.kernels import plan
+from kvcompress.kernels.bytes_model import CacheFormat
 from kvcompress.kernels.layout import PackedKV
 from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
 from kvcompress.reference import KeyParams
@@ -46,17 +48,25 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
     kv.lens += 1
 
 
-def decode_launch_params(G: int, n_sink: int, n_out: int, splits: int, block_t: int = 64) -> dict:
-    return dict(G=G, G_PAD=_pad(G, MIN_DOT), NS_PAD=_pad(n_sink, MIN_DOT), N_OUT_PAD=_pad(n_out), BLOCK_T=block_t, SPLITS=splits)
+def decode_launch_params(G: int, n_sink: int, n_out: int, block_t: int) -> dict:
+    return dict(G=G, G_PAD=_pad(G, MIN_DOT), NS_PAD=_pad(n_sink, MIN_DOT), N_OUT_PAD=_pad(n_out), BLOCK_T=block_t)
 
 
-def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float, splits: int = 4, block_t: int = 64, prepared=None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float, splits: int | None = None, block_t: int | None = None,
+                     prepared=None, num_warps: int | None = None) -> torch.Tensor:
     """q: [B, HQ, D] one query per sequence -> [B, HQ, D] float32, over sinks + compressed + window.
 
+    Tile sizes and the split count default to kvcompress.kernels.plan's choice for this shape.
     `prepared` = kernel_key_params(p, device), to keep that host work out of a timed loop.
     """
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
+    warps = num_warps or plan.decode_warps(D)
+    block_t = block_t or plan.block_t(D, kv.value_bits, warps)
+    if splits is None:
+        n_comp = max(0, int(kv.lens.max()) - kv.n_sink - kv.window)
+        tok = CacheFormat("", kv.key_bits, kv.value_bits, kv.group, kv.n_sink, kv.window, kv.k_outliers.shape[-1]).token_bytes(D)
+        splits = plan.choose_splits(B, H, n_comp, HQ // H, D, tok, block_t)
     scale, _, zm, idx = prepared or kernel_key_params(p, q.device)
     mo = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
     lo = torch.empty_like(mo)
@@ -64,12 +74,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     decode_split_kernel[(B, H, splits)](
         q.contiguous(), scale, zm, idx,
         kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
-        mo, lo, ao, sm_scale, H, kv.k_payload.shape[2],
+        mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
         D=D, NS=kv.n_sink, W=kv.window, N_OUT=idx.shape[-1], KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
-        **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], splits, block_t),
+        **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], block_t), num_warps=warps,
     )
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device)
-    decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, D=D, SPLITS=splits, SPLITS_PAD=_pad(splits))
+    decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, splits, D=D)
     return out
 
 

@@ -5,10 +5,14 @@
   outlier channels to the fp16 side store; values: per-token groups, fp16 scale/min rounded
   outward) -- the rounding points of kvcompress.reference.
 * `decode_split_kernel`: one query token per sequence, all query heads of a kv head in one
-  program (GQA), split-K over the compressed store (flash-decoding). Key scales are folded into
-  the query (q * s_k), the zero point into a per-query constant; int8/int4 codes and value
-  codes are dequantized in registers. Sinks and the window are read as fp16 by the last split.
-* `decode_reduce_kernel`: combines the splits' (max, sum, acc).
+  program (GQA), split-K over the compressed store (flash-decoding; the split count is a launch
+  argument, kvcompress.kernels.plan chooses it). Key scales are folded into the query (q * s_k),
+  the zero point into a per-query constant; int8/int4 codes and value codes are dequantized in
+  registers. Each packed row is read as one contiguous run of bytes and the per-token metadata as
+  one contiguous [D/G] vector, so on 16-byte-aligned buffers the payload loads compile to 128-bit
+  (64-bit for narrower rows) loads (kvcompress.kernels.audit checks the SASS). Sinks and the
+  window are read as fp16 by the last split.
+* `decode_reduce_kernel`: combines the splits' (max, sum, acc), one split at a time.
 No kernel writes fp16 K/V of the compressed region anywhere.
 """
 from __future__ import annotations
@@ -154,14 +158,28 @@ def kv_append_kernel(
 
 
 @triton.jit
-def _load_codes(base, rows, d, mask, BITS: tl.constexpr, D: tl.constexpr, SIGNED_OFFSET: tl.constexpr):
-    """[BLOCK_T, D] float32 codes from int8 rows or packed int4 rows (low nibble = even channel)."""
+def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SIGNED_OFFSET: tl.constexpr):
+    """[BLOCK_T, D] float32 codes from int8 rows or packed int4 rows (low nibble = even channel).
+
+    Each row is read as one contiguous run of bytes (D or D/2), so the loads vectorize (16-byte
+    aligned buffers); int4 nibbles are split in registers and interleaved back to channel order."""
     if BITS == 4:
-        byte = tl.load(base + rows[:, None] * (D // 2) + (d // 2)[None, :], mask=mask[:, None], other=0)
-        code = ((byte >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 0xF).to(tl.float32)
+        HALF: tl.constexpr = D // 2
+        byte = tl.load(base + rows[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=mask[:, None], other=0)
+        code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_T, D)).to(tl.float32)
         return code - SIGNED_OFFSET
     else:
-        return tl.load(base + rows[:, None] * D + d[None, :], mask=mask[:, None], other=0).to(tl.float32)
+        return tl.load(base + rows[:, None] * D + tl.arange(0, D)[None, :], mask=mask[:, None], other=0).to(tl.float32)
+
+
+@triton.jit
+def _load_group_meta(base, rows, mask, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A token's per-group fp16 metadata [BLOCK_T, D // GROUP], read contiguously, broadcast to [BLOCK_T, D]."""
+    NG: tl.constexpr = D // GROUP
+    if NG == 1:  # one value per token: a [BLOCK_T] vector, broadcast along the channels
+        return tl.broadcast_to(tl.load(base + rows, mask=mask, other=0.0).to(tl.float32)[:, None], (BLOCK_T, D))
+    m = tl.load(base + rows[:, None] * NG + tl.arange(0, NG)[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_T, NG, GROUP)), (BLOCK_T, D))
 
 
 @triton.jit
@@ -183,10 +201,10 @@ def decode_split_kernel(
     KS, KZM, OIDX,  # key scale [H, D] fp32; zero with outlier channels zeroed [H, D] fp32; [H, N_OUT] int32
     SK, SV, WK, WV, KP, KO, VP, VS, VM, LENS,
     MO, LO, AO,  # [B, HQ, SPLITS] fp32, [B, HQ, SPLITS] fp32, [B, HQ, SPLITS, D] fp32
-    sm_scale, H, CAP,
+    sm_scale, H, CAP, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
     N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -208,7 +226,6 @@ def decode_split_kernel(
     per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
     lo = split * per
     hi = tl.minimum(lo + per, n_comp)
-    NG: tl.constexpr = D // GROUP
     if N_OUT > 0:
         jo = tl.arange(0, N_OUT_PAD)
         oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=0)
@@ -216,20 +233,22 @@ def decode_split_kernel(
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         tmask = rows < hi
-        kq = _load_codes(KP, bh * CAP + rows, d, tmask, KEY_BITS, D, 8.0)
+        kq = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
         s = tl.dot(qs, tl.trans(kq.to(tl.float16)))  # [G_PAD, BLOCK_T]
         if N_OUT > 0:
-            ko = tl.load(KO + (bh * CAP + rows[:, None]) * N_OUT + jo[None, :], mask=tmask[:, None] & (jo < N_OUT)[None, :], other=0.0).to(tl.float32)
-            s += tl.sum(q_out[:, None, :] * ko[None, :, :], axis=2)
+            for j in tl.static_range(N_OUT):  # one fp16 outlier channel at a time: q_j * k_j (fp32)
+                q_j = tl.sum(tl.where((jo == j)[None, :], q_out, 0.0), axis=1)
+                k_j = tl.load(KO + (bh * CAP + rows) * N_OUT + j, mask=tmask, other=0.0).to(tl.float32)
+                s += q_j[:, None] * k_j[None, :]
         s = (s + qz[:, None]) * sm_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vc = _load_codes(VP, bh * CAP + rows, d, tmask, VAL_BITS, D, 0.0)
-        vsc = tl.load(VS + (bh * CAP + rows[:, None]) * NG + (d // GROUP)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        vmn = tl.load(VM + (bh * CAP + rows[:, None]) * NG + (d // GROUP)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0)
+        vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+        vmn = _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
@@ -258,18 +277,21 @@ def decode_split_kernel(
 
 
 @triton.jit
-def decode_reduce_kernel(MO, LO, AO, OUT, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """out = sum_i exp(m_i - m) acc_i / sum_i exp(m_i - m) l_i  over the splits of one query row."""
+def decode_reduce_kernel(MO, LO, AO, OUT, SPLITS, D: tl.constexpr):
+    """out = sum_i exp(m_i - m) acc_i / sum_i exp(m_i - m) l_i  over the SPLITS splits of one query
+    row, merged one split at a time (online, so any split count runs with the same registers)."""
     row = tl.program_id(0)
-    si = tl.arange(0, SPLITS_PAD)
-    smask = si < SPLITS
-    m = tl.load(MO + row * SPLITS + si, mask=smask, other=float("-inf"))
-    lsum = tl.load(LO + row * SPLITS + si, mask=smask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
     d = tl.arange(0, D)
-    acc = tl.load(AO + (row * SPLITS + si[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(lsum * w, axis=0)
+    m = tl.load(MO + row * SPLITS)
+    den = tl.load(LO + row * SPLITS)
+    num = tl.load(AO + row * SPLITS * D + d)
+    for i in range(1, SPLITS):
+        m_i = tl.load(MO + row * SPLITS + i)
+        m_new = tl.maximum(m, m_i)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+        b = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - m_safe))
+        den = den * a + tl.load(LO + row * SPLITS + i) * b
+        num = num * a + tl.load(AO + (row * SPLITS + i) * D + d) * b
+        m = m_new
     tl.store(OUT + row * D + d, num / tl.where(den == 0.0, 1.0, den))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -88,13 +89,25 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
         f"d{geom.head_dim}_g{geom.n_heads // geom.n_kv_heads}_{s.name}", geom.head_dim, geom.n_heads // geom.n_kv_heads,
         s.key.bits, s.value.bits, s.value_group(geom.head_dim), s.sink_tokens, s.window, s.outlier_channels,
     )
-    env = {k: val for k, val in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    procs = {arch: subprocess.Popen([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", arch, "--out", str(out / "kernels" / arch),
-                                     "--variant-json", json.dumps(v.__dict__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for arch in archs}
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = {}
+    try:
+        for arch in archs:
+            procs[arch] = subprocess.Popen([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", arch, "--out", str(out / "kernels" / arch),
+                                            "--variant-json", json.dumps(v.__dict__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        errs = {arch: p.communicate()[1] for arch, p in procs.items()}
+    except BaseException:  # Ctrl-C: stop the compilers before the caller removes the directory they write into
+        with _uninterruptible():
+            for p in procs.values():  # os-level: an interrupted communicate() can leave the Popen's wait lock held
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                    os.waitpid(p.pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass  # already exited and reaped
+        raise
     kernels = {}
     for arch, p in procs.items():
-        _, err = p.communicate()
+        err = errs[arch]
         if p.returncode:
             raise RuntimeError(f"AOT compile for {arch} failed: {err.strip()[-600:]}")
         kdir = out / "kernels" / arch
@@ -103,6 +116,10 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
         kernels[arch] = [k["name"] for k in meta]
         checks.add(f"AOT kernels {arch}: no spills (cuobjdump)", not any(k["spills"] for k in meta),
                    {k["name"]: {"registers": k["registers"], "local": k["local"], "stack": k["stack"]} for k in meta})
+        audit = json.loads((kdir / "audit.json").read_text())["kernels"]  # written by the AOT build (kvcompress.kernels.audit)
+        loops = {k["name"]: k["main_loop"]["narrowest_payload_bits"] for k in audit if "main_loop" in k}
+        checks.add(f"AOT kernels {arch}: decode payload read by >= 64-bit loads (SASS audit, audit.json)", all(b >= 64 for b in loops.values()),
+                   {n: f"{b}-bit" for n, b in loops.items()})
         _compile_launchers(kdir, files, arch, checks)
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")

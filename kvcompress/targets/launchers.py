@@ -2,13 +2,16 @@
 
 For each kernel in kernels.json: `kvc_<name>_load()` loads the embedded cubin and
 `kvc_<name>_launch(stream, gx, gy, gz, <typed kernel args>)` launches it with the block size and
-shared memory Triton compiled it for. Triton kernels take two trailing scratch pointers
+shared memory Triton compiled it for, after checking every buffer is 16-byte aligned (the kernels
+are compiled for aligned, vectorized loads; a misaligned buffer returns CUDA_ERROR_INVALID_VALUE). Triton kernels take two trailing scratch pointers
 (global and profile scratch), passed as null since these kernels need none.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from kvcompress.kernels.aot import POINTER_ALIGN
 
 C_TYPES = {"i32": "int32_t", "fp32": "float"}
 
@@ -30,6 +33,7 @@ def generate(kernel_dir: Path) -> list[Path]:
         cubin = (kernel_dir / f"{name}.cubin").read_bytes()
         data = ",".join(str(b) for b in cubin)
         args = ", ".join(f"&{a}" for a in k["signature"]) + ", &global_scratch, &profile_scratch"
+        align_check = " || ".join(f"({a} % {POINTER_ALIGN})" for a, t in k["signature"].items() if t.startswith("*")) or "0"
         src = f"""/* {name}: Triton kernel `{k['function']}` for {meta['arch']}, {k['num_warps']} warps, {k['shared']} B shared memory.
    constexprs: {json.dumps(k['constexprs'])} */
 #include "kvc_launchers.h"
@@ -51,6 +55,8 @@ CUresult kvc_{name}_load(void) {{
 
 CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned gz, {params}) {{
   CUdeviceptr global_scratch = 0, profile_scratch = 0;
+  /* compiled for {POINTER_ALIGN}-byte-aligned buffers (vectorized loads): refuse anything else */
+  if ({align_check}) return CUDA_ERROR_INVALID_VALUE;
   void *args[] = {{{args}}};
   if (!function_) {{ CUresult r = kvc_{name}_load(); if (r != CUDA_SUCCESS) return r; }}
   return cuLaunchKernel(function_, gx, gy, gz, {32 * k['num_warps']}, 1, 1, {k['shared']}, stream, args, NULL);

@@ -11,6 +11,7 @@
 // Output: 0 out [B, HQ, D] fp32.  Workspace: split partials (max, sum, acc).
 #include "kvc_launchers.h"
 #include <NvInferRuntime.h>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -60,7 +61,7 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
   int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t, DynamicPluginTensorDesc const*, int32_t) noexcept override { return 0; }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*, int32_t) const noexcept override {
     size_t rows = size_t(in[0].max.d[0]) * in[0].max.d[1];
-    return rows * p_.splits * (2 + p_.D) * sizeof(float);
+    return rows * p_.splits * (2 + p_.D) * sizeof(float) + 32;  // + 2 x 16: each part starts 16-byte aligned
   }
   int32_t onShapeChange(PluginTensorDesc const*, int32_t, PluginTensorDesc const*, int32_t) noexcept override { return 0; }
   IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
@@ -75,15 +76,20 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
   int32_t enqueue(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs, void* const* outputs,
                   void* workspace, cudaStream_t stream) noexcept override {
     auto ptr = [&](int i) { return reinterpret_cast<CUdeviceptr>(inputs[i]); };
+    // the AOT kernels are compiled for 16-byte-aligned buffers (vectorized loads; kvcompress.kernels.aot.POINTER_ALIGN)
+    for (int i = 0; i < 14; ++i)
+      if (ptr(i) % 16) return -1;
+    if (reinterpret_cast<uintptr_t>(workspace) % 16 || reinterpret_cast<uintptr_t>(outputs[0]) % 16) return -1;
     unsigned B = in[0].dims.d[0], HQ = in[0].dims.d[1];
     CUdeviceptr mo = reinterpret_cast<CUdeviceptr>(workspace);
-    CUdeviceptr lo = mo + size_t(B) * HQ * p_.splits * sizeof(float);
-    CUdeviceptr ao = lo + size_t(B) * HQ * p_.splits * sizeof(float);
+    size_t part = (size_t(B) * HQ * p_.splits * sizeof(float) + 15) & ~size_t(15);
+    CUdeviceptr lo = mo + part;
+    CUdeviceptr ao = lo + part;
     CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(1), ptr(2), ptr(3),
                                          ptr(4), ptr(5), ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13),
-                                         mo, lo, ao, p_.sm_scale, p_.H, p_.cap);
+                                         mo, lo, ao, p_.sm_scale, p_.H, p_.cap, p_.splits);
     if (r != CUDA_SUCCESS) return int32_t(r);
-    r = KVC_DECODE_REDUCE_LAUNCH(reinterpret_cast<CUstream>(stream), B * HQ, 1, 1, mo, lo, ao, reinterpret_cast<CUdeviceptr>(outputs[0]));
+    r = KVC_DECODE_REDUCE_LAUNCH(reinterpret_cast<CUstream>(stream), B * HQ, 1, 1, mo, lo, ao, reinterpret_cast<CUdeviceptr>(outputs[0]), p_.splits);
     return int32_t(r);
   }
 

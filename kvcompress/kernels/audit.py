@@ -1,0 +1,202 @@
+"""SASS audit of the AOT-compiled kernels: what the compiled code really does, on a CPU machine.
+
+    python -m kvcompress.kernels.audit --arch sm_90 [--variant NAME ...] [--aot DIR] [--out audit.json]
+
+Compiles the variants (or reads an AOT output directory), disassembles each cubin with the
+cuobjdump Triton ships, and reports per kernel: registers per thread, spills (local memory /
+stack), static and dynamic shared memory, threads per block, theoretical occupancy on sm_80 and
+sm_90 (published per-architecture limits), and for the decode kernel's main loop (the first loop
+of decode_split_kernel: its compressed-store loop) the global loads by width and the bytes they
+bring per iteration, beside what the layout needs (kvcompress.kernels.bytes_model). Every AOT
+build writes this as audit.json next to kernels.json (the plugin bundle ships it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from kvcompress.kernels.bytes_model import CacheFormat, main_loop_bytes
+
+# Published limits (CUDA C Programming Guide, "Compute Capabilities" table; occupancy calculator).
+ARCH_LIMITS = {
+    "sm_80": {"regs_per_sm": 65536, "max_warps_per_sm": 64, "max_ctas_per_sm": 32, "smem_per_sm": 167936, "smem_reserved_per_cta": 1024,
+              "reg_alloc_unit": 256, "max_regs_per_thread": 255},
+    "sm_90": {"regs_per_sm": 65536, "max_warps_per_sm": 64, "max_ctas_per_sm": 32, "smem_per_sm": 233472, "smem_reserved_per_cta": 1024,
+              "reg_alloc_unit": 256, "max_regs_per_thread": 255},
+}
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def _tool(name: str) -> str:
+    import shutil
+
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    found = str(bundled) if bundled.is_file() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"no {name} found (Triton's bundled one or the CUDA toolkit's)")
+    return found
+
+
+def sass(cubin: Path) -> str:
+    r = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed on {cubin.name}: {r.stderr.strip()[-300:]}")
+    return r.stdout
+
+
+def parse(text: str) -> list[tuple[int, str, str]]:
+    """[(address, opcode, operands)] of the SASS listing."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _INSTR.finditer(text)]
+
+
+def loops(instrs: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+    """(start, end) address ranges closed by a backward branch, in program order."""
+    out = []
+    for addr, op, args in instrs:
+        m = re.match(r"\s*(0x[0-9a-f]+)", args)
+        if op.startswith("BRA") and m and int(m.group(1), 16) < addr:
+            out.append((int(m.group(1), 16), addr))
+    return sorted(out)
+
+
+def load_width_bits(op: str) -> int | None:
+    """Width of a global load (LDG, or LDGSTS = cp.async global -> shared), else None."""
+    if not (op.startswith("LDG.") or op == "LDG" or op.startswith("LDGSTS")):
+        return None
+    for suffix, bits in ((".128", 128), (".64", 64), (".U16", 16), (".S16", 16), (".U8", 8), (".S8", 8)):
+        if suffix in op:
+            return bits
+    return 32
+
+
+def global_loads(instrs, lo: int = 0, hi: int = 1 << 62) -> Counter:
+    """{width in bits: number of load instructions} in [lo, hi]."""
+    c = Counter()
+    for addr, op, _ in instrs:
+        w = load_width_bits(op)
+        if w is not None and lo <= addr <= hi:
+            c[w] += 1
+    return c
+
+
+def occupancy(regs: int, threads: int, smem: int, arch: str) -> dict:
+    """Resident CTAs and warps per SM (the occupancy calculator's three limits)."""
+    lim = ARCH_LIMITS[arch]
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(regs, 1) * 32 // lim["reg_alloc_unit"]) * lim["reg_alloc_unit"]
+    by_regs = lim["regs_per_sm"] // (regs_per_warp * warps)
+    by_warps = lim["max_warps_per_sm"] // warps
+    by_smem = lim["smem_per_sm"] // (smem + lim["smem_reserved_per_cta"])
+    ctas = min(by_regs, by_warps, by_smem, lim["max_ctas_per_sm"])
+    limiter = min((("registers", by_regs), ("warps", by_warps), ("shared memory", by_smem), ("CTA slots", lim["max_ctas_per_sm"])), key=lambda t: t[1])[0]
+    return {"ctas_per_sm": ctas, "warps_per_sm": ctas * warps, "occupancy": ctas * warps / lim["max_warps_per_sm"], "limited_by": limiter}
+
+
+def static_shared(cubin: Path) -> int:
+    r = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
+    m = re.search(r"SHARED:(\d+)", r.stdout)
+    return int(m.group(1)) if m else 0
+
+
+def audit_kernel(entry: dict, kdir: Path) -> dict:
+    cubin = kdir / f"{entry['name']}.cubin"
+    instrs = parse(sass(cubin))
+    threads = 32 * entry["num_warps"]
+    st = static_shared(cubin)
+    smem = entry["shared"] + st
+    out = {
+        "name": entry["name"], "kernel": entry["kernel"], "registers": entry["registers"], "spills": entry["spills"],
+        "local_bytes": entry["local"], "stack_bytes": entry["stack"], "shared_static": st, "shared_dynamic": entry["shared"],
+        "threads_per_block": threads, "occupancy": {a: occupancy(entry["registers"], threads, smem, a) for a in ARCH_LIMITS},
+        "global_loads": {str(w): n for w, n in sorted(global_loads(instrs).items())}, "instructions": len(instrs),
+    }
+    if entry["kernel"] == "decode_split":
+        v = entry["variant"]
+        lp = loops(instrs)
+        if not lp:
+            raise RuntimeError(f"{entry['name']}: no loop found in the SASS")
+        lo, hi = lp[0]
+        loads = global_loads(instrs, lo, hi)
+        fmt = CacheFormat(v["name"], v["key_bits"], v["value_bits"], v["group"], v["n_sink"], v["window"], v["n_out"])
+        need = main_loop_bytes(fmt, v["head_dim"], v["block_t"])
+        by_width = {w: n * threads * w // 8 for w, n in loads.items()}  # if every thread executes each load once per iteration
+        out["main_loop"] = {
+            "range": [hex(lo), hex(hi)], "block_t": v["block_t"],
+            "loads": {str(w): n for w, n in sorted(loads.items())},
+            "bytes_per_iteration_by_width": {str(w): b for w, b in sorted(by_width.items())},
+            "layout_bytes_per_iteration": need,
+            "wide_bytes": sum(b for w, b in by_width.items() if w >= 64),
+            "bytes_per_cache_element": sum(by_width.values()) / (v["block_t"] * v["head_dim"] * 2),
+            "format_bytes_per_cache_element": (need["payload"] + need["metadata"]) / (v["block_t"] * v["head_dim"] * 2),
+            "narrowest_payload_bits": payload_load_bits(by_width, need["payload"]),
+        }
+    return out
+
+
+def payload_load_bits(by_width: dict[int, int], payload: float) -> int:
+    """The narrowest width W such that loads at least W bits wide carry the payload: the payload
+    (every packed K/V byte of the block) cannot come from narrower loads. 0 if even all loads
+    together bring less than the payload."""
+    for w in sorted(by_width, reverse=True):
+        if sum(b for x, b in by_width.items() if x >= w) >= payload:
+            return w
+    return 0
+
+
+def audit_dir(kdir: Path) -> dict:
+    """Audit every kernel of an AOT output directory; writes and returns kdir/audit.json."""
+    meta = json.loads((kdir / "kernels.json").read_text())
+    res = {"arch": meta["arch"], "triton": meta["triton"], "tool": "cuobjdump -sass (Triton's bundled copy)",
+           "limits": ARCH_LIMITS, "kernels": [audit_kernel(e, kdir) for e in meta["kernels"]]}
+    tmp = kdir / "audit.json.tmp"
+    tmp.write_text(json.dumps(res, indent=2))
+    tmp.replace(kdir / "audit.json")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvcompress.kernels.aot import ARCHS, VARIANTS, compile_all
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, help=f"one of {', '.join(ARCHS)}")
+    ap.add_argument("--variant", action="append", default=None, help="variant name(s) of the default set (default: all)")
+    ap.add_argument("--aot", type=Path, default=None, help="an existing AOT output directory (default: compile now)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the audit JSON here")
+    a = ap.parse_args(argv)
+    if a.arch not in ARCHS:
+        print(f"kvcompress: error: --arch={a.arch} is not supported; allowed: {', '.join(ARCHS)}", file=sys.stderr)
+        return 2
+    known = {v.name: v for v in VARIANTS["default"]}
+    bad = [n for n in (a.variant or []) if n not in known]
+    if bad:
+        print(f"kvcompress: error: --variant={bad[0]} is unknown; allowed: {', '.join(known)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        kdir = a.aot or Path(tmp)
+        if a.aot is None:
+            compile_all(a.arch, kdir, [known[n] for n in a.variant] if a.variant else VARIANTS["default"])
+        res = audit_dir(kdir)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=2))
+    for k in res["kernels"]:
+        occ = k["occupancy"][a.arch]
+        line = (f"{k['name']:<36} regs {k['registers']:>3} spills {'yes' if k['spills'] else 'no ':<3} smem {k['shared_static'] + k['shared_dynamic']:>6} B "
+                f"{k['threads_per_block']:>3} thr  {occ['ctas_per_sm']:>2} CTAs/SM {occ['warps_per_sm']:>2} warps ({occ['limited_by']})")
+        if "main_loop" in k:
+            ml = k["main_loop"]
+            line += (f"  main loop: loads {', '.join(f'{n}x{w}b' for w, n in ml['loads'].items())}; payload via >= {ml['narrowest_payload_bits']}-bit loads; "
+                     f"{ml['bytes_per_cache_element']:.3f} B/elem loaded vs {ml['format_bytes_per_cache_element']:.3f} in the format")
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The decode kernel's tile sizes and split heuristic, chosen from the bytes model (one place).
+
+Tiles (per kv format and head dim, fixed at compile time):
+  * warps: 4 for head dim <= 64, else 8 (a [BLOCK_T, D] tile per iteration; 8 warps keep the
+    fp32 accumulator of G <= 16 query rows x 128 channels in registers without spills).
+  * BLOCK_T: tokens per main-loop iteration, so that every thread's share of the narrowest packed
+    payload row block (the values: BLOCK_T * D * value_bits / 8 bytes) is one 128-bit load:
+    BLOCK_T = 16 B * threads / (D * value_bits / 8), at least 32 (tl.dot's minimum of 16, and
+    one warp's rows), at most 128. E.g. D=128 int4 values, 8 warps: 64; D=64, 4 warps: 64.
+Splits (per launch, a runtime argument; flash-decoding's split-K over the compressed store):
+  * fill: enough programs (batch x kv heads x splits) for CTAS_PER_SM resident CTAs on every SM
+    of the target GPU (132 on H100/H200): a decode step at batch 1 has only n_kv_heads programs;
+  * traffic: each split writes G * (D + 2) fp32 partials that the reduce kernel reads back; they
+    stay below MAX_PARTIAL_FRAC of the payload a kv head reads (so modelled bytes stay within a few
+    percent of the format's byte accounting);
+  * never more splits than main-loop blocks, never fewer than 1.
+"""
+from __future__ import annotations
+
+import math
+
+PAYLOAD_LOAD_BYTES = 16  # one 128-bit load per thread per payload row block
+MIN_BLOCK_T, MAX_BLOCK_T = 32, 128
+CTAS_PER_SM = 2  # target resident decode CTAs per SM (the audit checks the compiled kernels reach it)
+MAX_PARTIAL_FRAC = 0.05  # split partial traffic (write + read) <= 5% of the kv head's payload
+MAX_SPLITS = 64
+SM_COUNT = {"H100": 132, "H200": 132, "A100": 108}
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}  # bytes/s, published HBM peak
+
+
+def decode_warps(head_dim: int) -> int:
+    return 4 if head_dim <= 64 else 8
+
+
+def block_t(head_dim: int, value_bits: int, warps: int | None = None) -> int:
+    """Tokens per main-loop iteration (see the module docstring)."""
+    threads = 32 * (warps or decode_warps(head_dim))
+    row = head_dim * value_bits // 8
+    t = PAYLOAD_LOAD_BYTES * threads // max(row, 1)
+    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, 1 << (t.bit_length() - 1)))
+
+
+def partial_bytes_per_split(gqa: int, head_dim: int) -> int:
+    """Bytes one split of one kv head adds: (max, sum, acc[D]) fp32 per query row, written then read."""
+    return 2 * gqa * (head_dim + 2) * 4
+
+
+def choose_splits(batch: int, n_kv_heads: int, n_comp: int, gqa: int, head_dim: int, token_bytes: float,
+                  block: int, sm_count: int = 132, ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """Split count of one decode launch (see the module docstring). token_bytes: bytes a compressed
+    token of one kv head occupies (payload + metadata)."""
+    fill = math.ceil(sm_count * ctas_per_sm / max(1, batch * n_kv_heads))
+    traffic = math.floor(MAX_PARTIAL_FRAC * n_comp * token_bytes / partial_bytes_per_split(gqa, head_dim))
+    blocks = math.ceil(n_comp / block)
+    return max(1, min(fill, traffic, blocks, MAX_SPLITS))

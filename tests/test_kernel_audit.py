@@ -1,0 +1,158 @@
+"""The compiled kernels, audited on CPU: SASS load widths, spills, occupancy, and the bytes model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcompress.kernels import plan
+from kvcompress.kernels.audit import ARCH_LIMITS, load_width_bits, loops, occupancy, parse, payload_load_bits
+from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, FP16, MODELS, DecodeShape, decode_bytes, format_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="module")
+def audit_sm90(tmp_path_factory):
+    """One AOT build of the default variants for sm_90; the build writes audit.json beside kernels.json."""
+    out = tmp_path_factory.mktemp("aot90")
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads((out / "audit.json").read_text())
+
+
+def _decode(audit, name):
+    return next(k for k in audit["kernels"] if k["name"] == f"decode_split_{name}")
+
+
+def test_aot_build_stores_the_audit(audit_sm90):
+    assert audit_sm90["arch"] == "sm_90"
+    names = {k["name"] for k in audit_sm90["kernels"]}
+    assert {"decode_split_d128_g8_int8k_int4v", "decode_split_d64_g3_int8k_int4v", "kv_append_d128_g8_int8k_int4v"} <= names
+    for k in audit_sm90["kernels"]:
+        assert k["instructions"] > 0 and k["threads_per_block"] % 32 == 0 and set(k["occupancy"]) == set(ARCH_LIMITS)
+
+
+def test_int8k_int4v_d128_reads_its_payload_with_128_bit_loads(audit_sm90):
+    ml = _decode(audit_sm90, "d128_g8_int8k_int4v")["main_loop"]
+    assert ml["narrowest_payload_bits"] == 128
+    # the 128-bit loads carry the payload and nothing much else: no byte is fetched twice
+    assert ml["layout_bytes_per_iteration"]["payload"] <= ml["wide_bytes"] <= sum(ml["layout_bytes_per_iteration"].values())
+    assert ml["bytes_per_cache_element"] == pytest.approx(ml["format_bytes_per_cache_element"], rel=0.02)
+
+
+def test_every_decode_kernel_loads_payload_at_least_64_bits_wide_without_spills(audit_sm90):
+    for k in audit_sm90["kernels"]:
+        assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
+        if k["kernel"] == "decode_split":
+            assert k["main_loop"]["narrowest_payload_bits"] >= 64, k["name"]
+
+
+@pytest.mark.parametrize("name", ["d128_g8_int8k_int4v", "d128_g8_int8", "d128_g8_int4", "d64_g3_int8k_int4v"])
+def test_decode_occupancy_on_sm90(audit_sm90, name):
+    occ = _decode(audit_sm90, name)["occupancy"]["sm_90"]
+    assert occ["ctas_per_sm"] >= plan.CTAS_PER_SM or occ["warps_per_sm"] >= 8, occ
+
+
+def test_sass_parsing_on_a_handwritten_listing():
+    text = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 LDG.E.U8 R2, desc[UR4][R4.64] ;
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R3+0x100], desc[UR4][R6.64], !P0 ;
+        /*0030*/                   LDG.E.64 R8, desc[UR4][R6.64] ;
+        /*0040*/                   LDG.E R9, desc[UR4][R6.64] ;
+        /*0050*/              @!P0 BRA 0x10 ;
+        /*0060*/                   EXIT ;
+    """
+    ins = parse(text)
+    assert [op for _, op, _ in ins] == ["MOV", "LDG.E.U8", "LDGSTS.E.BYPASS.128", "LDG.E.64", "LDG.E", "BRA", "EXIT"]
+    assert loops(ins) == [(0x10, 0x50)]
+    assert [load_width_bits(op) for _, op, _ in ins] == [None, 8, 128, 64, 32, None, None]
+    # payload of 4096 B per iteration: 256 threads x 16 B at 128 bits covers it; narrow loads can't
+    assert payload_load_bits({128: 4096, 16: 512}, 4096) == 128
+    assert payload_load_bits({128: 2048, 64: 2048, 8: 256}, 4096) == 64
+    assert payload_load_bits({8: 256}, 4096) == 0
+
+
+def test_occupancy_follows_the_published_limits():
+    # 255 regs x 256 threads: 65280 regs > half the file: one CTA; 64 regs x 128 threads: warp-limited
+    assert occupancy(255, 256, 0, "sm_90")["ctas_per_sm"] == 1
+    # 64 regs/thread: 2048 regs per warp, 32 warps fill the 65536-register file: half occupancy
+    assert occupancy(64, 128, 0, "sm_90") == {"ctas_per_sm": 8, "warps_per_sm": 32, "occupancy": 0.5, "limited_by": "registers"}
+    # 33 regs round up to 40 per thread (256-register warp allocation unit): 1280 per warp
+    assert occupancy(33, 32, 0, "sm_90")["ctas_per_sm"] == 32 and occupancy(33, 256, 0, "sm_90")["ctas_per_sm"] == 6
+    assert occupancy(32, 128, 100_000, "sm_80")["ctas_per_sm"] == 1  # shared memory: 167936 // 101024
+    assert occupancy(32, 128, 100_000, "sm_80")["limited_by"] == "shared memory"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_modelled_bytes_within_10_percent_of_the_accounting_at_4k_plus(model, fmt, batch):
+    layers, hq, h, d = MODELS[model]
+    f = FORMATS[fmt]
+    for ctx in CONTEXTS:
+        shape = DecodeShape(batch, hq, h, d, ctx)
+        splits = plan.choose_splits(batch, h, ctx - f.n_sink - f.window, hq // h, d, f.token_bytes(d), plan.block_t(d, f.value_bits))
+        b = decode_bytes(shape, f, splits)
+        acc = format_bytes(shape, f)
+        cache = sum(v for k, v in b.items() if k in ("key_payload", "key_outliers", "value_payload", "value_meta", "sinks", "window"))
+        assert cache == acc  # the kernel reads every cache byte exactly once
+        assert sum(b.values()) <= 1.10 * acc, (ctx, splits, b)
+
+
+def test_gqa_reads_each_kv_byte_once_per_kv_head():
+    f = FORMATS["int8k_int4v"]
+    a = decode_bytes(DecodeShape(1, 8, 8, 128, 32768), f, 4)
+    b = decode_bytes(DecodeShape(1, 64, 8, 128, 32768), f, 4)
+    for k in ("key_payload", "value_payload", "value_meta", "sinks", "window"):
+        assert a[k] == b[k]
+    assert b["query"] == 8 * a["query"]
+
+
+def test_split_heuristic_fills_the_gpu_and_bounds_partial_traffic():
+    f = FORMATS["int8k_int4v"]
+    tok = f.token_bytes(128)
+    s = plan.choose_splits(1, 8, 131072, 8, 128, tok, 64)
+    assert 8 * s >= 132 * plan.CTAS_PER_SM  # batch 1 at long context: enough CTAs for every SM
+    assert plan.choose_splits(64, 8, 131072, 8, 128, tok, 64) == 1  # a large batch fills the GPU alone
+    for n in (300, 4096, 32768):
+        s = plan.choose_splits(1, 8, n, 8, 128, tok, 64)
+        assert s == 1 or s * plan.partial_bytes_per_split(8, 128) <= plan.MAX_PARTIAL_FRAC * n * tok
+    assert plan.choose_splits(1, 8, 0, 8, 128, tok, 64) == 1
+
+
+def test_block_t_gives_every_thread_a_128_bit_share_of_the_value_payload():
+    for d, vb in ((128, 4), (64, 4), (128, 8)):
+        w = plan.decode_warps(d)
+        assert plan.block_t(d, vb, w) * d * vb // 8 == 16 * 32 * w
+
+
+def test_predicted_int8k_int4v_speedup_over_fp16_at_32k():
+    """The README's prediction, recomputed from the bytes model (bandwidth cancels in the ratio)."""
+    layers, hq, h, d = MODELS["llama3.1-70b"]
+    f = FORMATS["int8k_int4v"]
+    shape = DecodeShape(1, hq, h, d, 32768)
+    s = plan.choose_splits(1, h, 32768 - 132, hq // h, d, f.token_bytes(d), plan.block_t(d, f.value_bits))
+    assert sum(decode_bytes(shape, FP16, 1).values()) / sum(decode_bytes(shape, f, s).values()) >= 2.2
+
+
+def test_audit_cli_rejects_bad_input():
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_75"], capture_output=True, text=True, env=_env())
+    assert p.returncode == 2 and "--arch=sm_75" in p.stderr and "allowed: sm_80, sm_90" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variant", "nope"], capture_output=True, text=True, env=_env())
+    assert p.returncode == 2 and "--variant=nope" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_audit_cli_one_variant(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variant", "d64_g3_int8k_int4v", "--out", str(tmp_path / "a.json")],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert "payload via >= 128-bit loads" in p.stdout
+    assert [k["name"] for k in json.loads((tmp_path / "a.json").read_text())["kernels"]] == [
+        "kv_append_d64_g3_int8k_int4v", "decode_split_d64_g3_int8k_int4v", "decode_reduce_d64_g3_int8k_int4v"]

@@ -1,0 +1,41 @@
+"""The README's predicted decode table comes from scripts/predict_decode.py and the bytes model."""
+import json
+import os
+import sys
+
+import pytest
+
+from kvcompress.kernels import plan
+from kvcompress.kernels.bytes_model import FORMATS, FP16, MODELS, DecodeShape, decode_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def _rows():
+    return json.loads(open(os.path.join(ROOT, "docs", "bench", "predict_decode.json")).read())["rows"]
+
+
+def test_every_predicted_row_recomputes_from_the_bytes_model():
+    rows = _rows()
+    assert {(r["model"], r["gpu"], r["context"], r["format"]) for r in rows} == {
+        (m, g, c, f) for m in MODELS for g in ("H200", "H100") for c in (4096, 32768, 131072) for f in FORMATS}
+    for r in rows:
+        layers, hq, h, d = MODELS[r["model"]]
+        f = FORMATS[r["format"]]
+        shape = DecodeShape(1, hq, h, d, r["context"])
+        splits = plan.choose_splits(1, h, r["context"] - f.n_sink - f.window, hq // h, d, f.token_bytes(d), r["block_t"], plan.SM_COUNT[r["gpu"]], r["ctas_per_sm"])
+        assert splits == r["splits"]
+        kvc = layers * sum(decode_bytes(shape, f, splits).values())
+        fp16 = layers * sum(decode_bytes(shape, FP16, 1).values())
+        bw = plan.PEAK_BANDWIDTH[r["gpu"]]
+        assert r["kvc_us"] == pytest.approx(kvc / bw * 1e6) and r["fp16_us"] == pytest.approx(fp16 / bw * 1e6)
+        assert r["payload_load_bits"] >= 64
+
+
+def test_readme_table_is_the_rendered_prediction():
+    from predict_decode import README_BEGIN, README_END, table
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text[text.index(README_BEGIN) + len(README_BEGIN): text.index(README_END)]
+    assert table(_rows()) in block and "not measured" in block
