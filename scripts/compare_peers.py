@@ -1,6 +1,17 @@
 """kvcompress beside other stacks' quantized KV caches, same windows, same metric code.
 
-    python scripts/compare_peers.py [--model smollm2_135m] [--windows 2] [--seq-len 1024] [--chunk 16]
+    python scripts/compare_peers.py [--model smollm2_135m] [--windows 2] [--seq-len 1024] [--chunk 16] [--no-chunked]
+
+Part 1, the native tier against NVIDIA Model Optimizer (the tool TensorRT-LLM users calibrate
+KV-cache scales with; `nvidia-modelopt`, a dev dependency): ModelOpt's KV-only FP8 and INT8
+calibration (max calibration over the same calibration windows kvcompress profiles; weights and
+activations untouched) exported as TensorRT-LLM checkpoints by ModelOpt's own exporter, and
+kvcompress's native_fp8 / native_int8 ScaleBooks written as TensorRT-LLM checkpoints by kvcompress's
+exporter; all four read back by the same independent reader (kvcompress.targets.trtllm_reader:
+fp16 weights, KV quantized from the stored kv_cache_scaling_factor) and scored on the held-out
+windows of `eval=default` against one baseline. What is compared is what each checkpoint encodes.
+
+Part 2 (chunked decoding):
 
 Every cache (fp16 DynamicCache baseline, kvcompress CompressedCache, transformers' QuantizedCache
 with the quanto backend at 4 and 2 bits, axis_key 0 (its default) and -1) is driven by the same
@@ -17,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -60,6 +70,88 @@ def quanto_bits(nbits: int, group: int, residual: int, T: int) -> float:
     return (quantized * (nbits + 2 * 16 / group) + min(T, residual) * 16) / T
 
 
+def modelopt_checkpoint(lm, fmt: str, calib_windows: torch.Tensor, out: Path) -> Path:
+    """ModelOpt KV-only calibration (FP8: its FP8_KV_CFG preset; INT8: the same with 8-bit integer
+    quantizers) on a copy of the model, exported by ModelOpt as a tp=1 TensorRT-LLM checkpoint."""
+    import copy
+    import json
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    kv = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+    if fmt == "INT8":
+        for e in kv:
+            e["cfg"] = {**e["cfg"], "num_bits": 8}
+    cfg = {"quant_cfg": [{"quantizer_name": "*", "enable": False}] + kv, "algorithm": "max"}
+    model = copy.deepcopy(lm.model)
+
+    def loop(m):
+        for i in range(calib_windows.shape[0]):
+            m(calib_windows[i : i + 1])
+
+    model = mtq.quantize(model, cfg, forward_loop=loop)
+    export_tensorrt_llm_checkpoint(model, "llama", torch.float16, str(out), inference_tensor_parallel=1)
+    # ModelOpt 0.47 reads rope_theta from the transformers 4.x config attribute; under transformers 5
+    # (rope_parameters) its config.json has no rotary_base, and TensorRT-LLM would then use its
+    # default 10000. Add the model's value so that the comparison measures the KV cache, not that gap.
+    cfg_path = out / "config.json"
+    c = json.loads(cfg_path.read_text())
+    if "rotary_base" not in c:
+        rp = getattr(lm.model.config, "rope_parameters", None) or {}
+        c["rotary_base"] = float(rp.get("rope_theta", getattr(lm.model.config, "rope_theta", 10000.0)))
+        c["kvcompress_note"] = "rotary_base added by scripts/compare_peers.py (absent from ModelOpt 0.47's export under transformers 5)"
+        cfg_path.write_text(json.dumps(c, indent=2))
+    return out
+
+
+def kvcompress_checkpoint(lm, book, out: Path) -> Path:
+    """kvcompress's exporter: the native ScaleBook folded and written as a tp=1 TensorRT-LLM checkpoint."""
+    from kvcompress.config import ExportConfig
+    from kvcompress.stages.export import write_native_checkpoints
+
+    write_native_checkpoints(lm, lm.geometry, book, book, ExportConfig(), [out / "tp1"], out / "hf", progress=False)
+    return out / "tp1"
+
+
+@torch.no_grad()
+def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "default") -> None:
+    import json
+    import tempfile
+
+    from kvcompress.spec import native_spec
+    from kvcompress.targets.recheck import baseline_logprobs, remeasure_trtllm
+
+    if importlib.util.find_spec("modelopt") is None:
+        print("nvidia-modelopt not installed (pip install -e .[dev]): the Model Optimizer rows are skipped")
+        return
+    calib, ev = calib_config(calib_name), eval_config(eval_name)
+    cw = token_windows(lm.tokenizer, load_texts(calib), calib.n_samples, calib.seq_len, seed=calib.seed)
+    windows = token_windows(lm.tokenizer, load_texts(ev), ev.n_windows, ev.seq_len, seed=ev.seed)
+    base = baseline_logprobs(lm, windows, 1)
+    stats = profile(lm, calib, load_texts(calib), progress=False)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in ("FP8", "INT8"):
+            ck = modelopt_checkpoint(lm, algo, cw, Path(tmp) / f"modelopt_{algo}")
+            rows[f"Model Optimizer {algo}"] = (ck, remeasure_trtllm(ck, windows, base, 1))
+        for fmt in ("native_fp8", "native_int8"):
+            ck = kvcompress_checkpoint(lm, fit(stats, native_spec(fmt)), Path(tmp) / fmt)
+            rows[f"kvcompress {fmt}"] = (ck, remeasure_trtllm(ck, windows, base, 1))
+        ref_kl = rows["Model Optimizer FP8"][1]["kl_mean"]
+        print(f"native tier: TensorRT-LLM checkpoints read back and scored on {windows.shape[0]} x {windows.shape[1]} held-out tokens "
+              f"(eval={eval_name}); calibration {cw.shape[0]} x {cw.shape[1]} tokens")
+        print(f"{'checkpoint':<28} {'kv algo':>7} {'KV scale range':>17} {'ppl delta':>10} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'KL / ModelOpt FP8':>18}")
+        for name, (ck, r) in rows.items():
+            cfg = json.loads((Path(ck) / "config.json").read_text())
+            from safetensors import safe_open
+
+            with safe_open(str(Path(ck) / "rank0.safetensors"), "pt") as f:
+                sc = torch.stack([f.get_tensor(k).float().flatten()[0] for k in f.keys() if k.endswith("attention.kv_cache_scaling_factor")])
+            print(f"{name:<28} {cfg['quantization']['kv_cache_quant_algo']:>7} {float(sc.min()):8.3g}-{float(sc.max()):<8.3g} "
+                  f"{100 * r['ppl_delta_rel']:+9.3f}% {r['kl_mean']:9.2e} {r['kl_p99']:9.2e} {100 * r['top1_agree']:6.2f}% {r['kl_mean'] / ref_kl:17.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2_135m")
@@ -68,8 +160,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--passkeys", type=int, default=6)
     ap.add_argument("--passkey-len", type=int, default=1024)
+    ap.add_argument("--no-chunked", action="store_true", help="only part 1 (the native tier vs Model Optimizer)")
+    ap.add_argument("--calib", default="default", help="calib preset of part 1")
+    ap.add_argument("--eval", default="default", help="eval preset of part 1 (its held-out windows)")
     a = ap.parse_args()
     lm = load_model(model_config(a.model), cache_dir())
+    native_vs_modelopt(lm, a.calib, a.eval)
+    if a.no_chunked:
+        return
     cfg = lm.model.config
     calib = calib_config("default")
     stats = profile(lm, calib, load_texts(calib), progress=False)

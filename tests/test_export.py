@@ -1,5 +1,6 @@
 """Export: exact fold, TensorRT-LLM checkpoint read back by a plain PyTorch forward, bundle, policy."""
 import copy
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -344,3 +345,17 @@ def test_reader_applies_llama3_rope_scaling(tmp_path):
     c["rotary_scaling"] = None  # what ignoring the scaling computes: clearly different
     (tmp_path / "config.json").write_text(json.dumps(c))
     assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("modelopt") is None, reason="nvidia-modelopt (dev dependency) not installed")
+def test_compare_peers_native_tier_against_model_optimizer(tmp_path):
+    """scripts/compare_peers.py part 1 on the tiny model: ModelOpt's FP8 and INT8 TensorRT-LLM
+    checkpoints and kvcompress's, read back by one reader, one row each."""
+    env = {**__import__("os").environ, "KVCOMPRESS_CACHE": str(tmp_path / "c")}
+    p = subprocess.run([sys.executable, "scripts/compare_peers.py", "--model", "tiny_llama", "--calib", "smoke", "--eval", "smoke", "--no-chunked"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {ln.split("  ")[0].strip(): ln for ln in p.stdout.splitlines() if ln.startswith(("Model Optimizer", "kvcompress native"))}
+    assert set(rows) == {"Model Optimizer FP8", "Model Optimizer INT8", "kvcompress native_fp8", "kvcompress native_int8"}
+    assert " 1-1 " in rows["Model Optimizer FP8"]  # ModelOpt clamps the FP8 KV scale to 1.0 (no calibration)
+    assert rows["Model Optimizer FP8"].rstrip().endswith("1.00x")
