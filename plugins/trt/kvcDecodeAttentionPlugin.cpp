@@ -1,8 +1,9 @@
 // TensorRT IPluginV3 wrapper around the kvcompress decode-attention kernels (thin: no numerics here).
 //
-// NOT COMPILED on the kvcompress development machines (no TensorRT headers there). Build it on a
-// TensorRT 10.x host with plugins/CMakeLists.txt; the kernels it launches are the AOT-compiled
-// Triton kernels of plugin_bundle/kernels/<arch>/ (tested against the reference numerics).
+// Compiled (not run) against TensorRT v10.13.3's public headers with -Wall -Wextra -Werror (see
+// plugins/README.md, tests/test_plugins.py); build it on a TensorRT host with plugins/CMakeLists.txt.
+// The kernels it launches are the AOT-compiled Triton kernels of plugin_bundle/kernels/<arch>/
+// (tested against the reference numerics).
 //
 // Inputs (one layer, layout of kvcompress/kernels/layout.py):
 //   0 q [B, HQ, D] fp16          1 k_scale [H, D] fp32      2 k_zero_masked [H, D] fp32   3 outlier_idx [H, N_OUT] int32
@@ -125,4 +126,5 @@ class DecodeAttentionCreator : public IPluginCreatorV3One {
 
 }  // namespace kvc
 
-REGISTER_TENSORRT_PLUGIN(kvc::DecodeAttentionCreator);
+using kvc::DecodeAttentionCreator;
+REGISTER_TENSORRT_PLUGIN(DecodeAttentionCreator);

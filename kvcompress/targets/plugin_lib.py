@@ -1,0 +1,92 @@
+"""Compile libkvcompress_trt.so (the TensorRT plugin + the AOT kernels' C launchers) without CMake.
+
+    python -m kvcompress.targets.plugin_lib --trt-include DIR --kernels DIR --variant NAME --out libkvcompress_trt.so
+
+DIR of --trt-include: TensorRT's public headers (include/ of NVIDIA's open-source TensorRT
+repository at the tag TensorRT-LLM 1.2.1 depends on, v10.13.3; or a TensorRT install). --kernels:
+an AOT output directory with the generated launchers (plugin_bundle/kernels/<arch>/). The sources
+compile with -Wall -Wextra -Werror (C++17); TensorRT's and CUDA's headers are system headers
+(-isystem), so warnings inside them do not count. The library is linked with its TensorRT and CUDA
+symbols left undefined (resolved at load time by libnvinfer and libcuda); `undefined_symbols`
+lists them so a test can check nothing else is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvcompress.targets.launchers import cuda_include_dirs
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN_SOURCES = [ROOT / "plugins" / "trt" / "kvcDecodeAttentionPlugin.cpp"]
+WARN = ["-Wall", "-Wextra", "-Werror"]
+
+
+def build(trt_include: Path, kernels: Path, variant: str, out: Path) -> list[list[str]]:
+    """Compile and link; raises RuntimeError with the compiler's message on failure. Returns the commands."""
+    cuda = cuda_include_dirs()
+    if not cuda:
+        raise RuntimeError("no cuda.h found (CUDA toolkit or Triton's copy)")
+    if not (Path(trt_include) / "NvInferRuntime.h").is_file():
+        raise RuntimeError(f"--trt-include={trt_include} has no NvInferRuntime.h")
+    launchers = sorted(Path(kernels).glob(f"kvc_*_{variant}.c"))
+    if not launchers:
+        raise RuntimeError(f"--kernels={kernels} has no launchers for --variant={variant}")
+    sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
+    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch"]
+    cmds, objs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in launchers:
+            objs.append(Path(tmp) / (src.stem + ".o"))
+            cmds.append(["gcc", "-std=c11", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", "-o", str(objs[-1])])
+        for src in PLUGIN_SOURCES:
+            objs.append(Path(tmp) / (src.stem + ".o"))
+            cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", *defs, "-o", str(objs[-1])])
+        cmds.append(["g++", "-shared", "-o", str(out), *map(str, objs)])
+        for c in cmds:
+            r = subprocess.run(c, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"{' '.join(c[:4])} ... failed:\n{(r.stdout + r.stderr).strip()[-3000:]}")
+    return cmds
+
+
+def undefined_symbols(lib: Path) -> list[str]:
+    r = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True, check=True)
+    return [ln.split()[-1] for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def defined_symbols(lib: Path) -> list[str]:
+    r = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    return [ln.split()[-1] for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def compiler_version() -> str:
+    return subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trt-include", type=Path, required=True)
+    ap.add_argument("--kernels", type=Path, required=True)
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--out", type=Path, default=Path("libkvcompress_trt.so"))
+    a = ap.parse_args(argv)
+    if shutil.which("g++") is None or shutil.which("gcc") is None:
+        print("kvcompress: error: needs gcc and g++ on PATH", file=sys.stderr)
+        return 2
+    try:
+        build(a.trt_include, a.kernels, a.variant, a.out)
+    except RuntimeError as e:
+        print(f"kvcompress: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {a.out} ({compiler_version()}; -Wall -Wextra -Werror, C++17); undefined at link time (resolved by TensorRT/CUDA at load): "
+          f"{', '.join(s for s in undefined_symbols(a.out) if not s.startswith(('_Z', '__', 'mem', 'str')))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
