@@ -65,3 +65,68 @@ def test_export_compiles_the_plugin_library_and_says_so(tmp_path):
     assert (run / "export" / "plugin_bundle" / "lib" / "sm_90" / "libkvcompress_trt.so").is_file() or any(
         (run / "export").rglob("libkvcompress_trt.so"))
     assert "compiled in this run" in m["not_verified_here"]["TensorRT plugin wrapper"]
+
+
+# ---------------------------------------------------------------- the ONNX acceptance kit
+onnx = pytest.importorskip("onnx")
+
+
+def _kit(tmp_path, n_out=0, key_bits=8):
+    import torch
+
+    from kvcompress.reference import KeyParams, key_qmax
+    from kvcompress.targets.acceptance import write_kit
+
+    H, D = 2, 64
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(150, H, D, generator=g) * 2, torch.randn(150, H, D, generator=g)
+    idx = torch.arange(n_out).repeat(H, 1) if n_out else torch.zeros(H, 0, dtype=torch.long)
+    p = KeyParams(key_bits, k.abs().amax(0) / key_qmax(key_bits), torch.zeros(H, D), idx)
+    variant = {"name": "t", "head_dim": D, "gqa": 3, "key_bits": key_bits, "value_bits": 4, "group": 32, "n_sink": 4, "window": 16,
+               "n_out": n_out, "block_t": 32}
+    write_kit(tmp_path, variant, p, k, v)
+    return tmp_path
+
+
+@pytest.mark.parametrize("n_out,key_bits", [(0, 8), (2, 4)])
+def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, n_out, key_bits):
+    import json
+
+    import numpy as np
+
+    from kvcompress.targets.acceptance import OP, check_kit
+
+    kit = _kit(tmp_path, n_out, key_bits)
+    meta = json.loads((kit / "cases.json").read_text())
+    assert len(meta["cases"]) == 5 and (kit / "verify.py").is_file()
+    model = onnx.load(str(kit / f"{meta['cases'][0]['name']}.onnx"))
+    node = model.graph.node[0]
+    assert node.op_type == OP and {a.name for a in node.attribute} >= {"H", "G", "D", "splits", "cap", "sm_scale", "plugin_version", "plugin_namespace"}
+    assert all(check_kit(kit).values())
+    # negative: one golden value off by 1e-3 must fail that case (and only that one)
+    name = meta["cases"][3]["name"]
+    data = dict(np.load(kit / f"{name}.npz"))
+    data["expected"] = data["expected"].copy()
+    data["expected"].flat[5] += 1e-3
+    np.savez(kit / f"{name}.npz", **data)
+    res = check_kit(kit)
+    assert res[name] is False and sum(res.values()) == len(res) - 1
+
+
+def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
+    """The goldens the GPU host compares against are what the shipped kernels compute (interpreter)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from kvcompress.kernels import ops
+    from kvcompress.targets.acceptance import packed_from_inputs
+
+    kit = _kit(tmp_path)
+    for c in json.loads((kit / "cases.json").read_text())["cases"]:
+        data = dict(np.load(kit / f"{c['name']}.npz"))
+        expected = torch.from_numpy(data.pop("expected"))
+        q, kv, p = packed_from_inputs(data)
+        got = ops.decode_attention(q, kv, p, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])
+        torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)

@@ -79,7 +79,7 @@ class Checks:
         return passed
 
 
-def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks) -> dict:
+def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
     """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with C launchers, plugin sources."""
     out.mkdir(parents=True, exist_ok=True)
     book.save(out / "scalebook.safetensors")
@@ -122,6 +122,14 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
                    {n: f"{b}-bit" for n, b in loops.items()})
         _compile_launchers(kdir, files, arch, checks)
         _compile_plugin(kdir, v.name, out / "lib" / arch, arch, checks)
+    if stats_path is not None and stats_path.is_file() and importlib.util.find_spec("onnx") is not None:
+        from kvcompress.targets.acceptance import check_kit, kit_for_bundle
+
+        kit = out / "acceptance" / v.name
+        kit_for_bundle(kit, v.__dict__, stats_path, book)
+        res = check_kit(kit)
+        checks.add(f"ONNX acceptance kit {v.name}: onnx.checker + onnx.reference reproduce the reference goldens exactly", all(res.values()),
+                   {"cases": res, "on a TensorRT host": f"python acceptance/{v.name}/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so"})
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     return {"variant": v.__dict__, "kernels": kernels}
@@ -277,7 +285,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     if primary.spec.tier == "custom":
         artifacts["plugin_bundle"] = {
             "tier": "custom", "what": f"full kvcompress format {primary.spec.name}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",
-            "validated_as": primary.spec.name, "verdict": report["verdict"], **plugin_bundle(primary, geom, out / "plugin_bundle", ecfg.archs, checks),
+            "validated_as": primary.spec.name, "verdict": report["verdict"], **plugin_bundle(primary, geom, out / "plugin_bundle", ecfg.archs, checks, run.dir / "kv_stats.safetensors"),
         }
 
     # ---- checks: read back and re-measure what was written
@@ -339,7 +347,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
                                         if os.environ.get("TENSORRT_INCLUDE_DIR") else
                                         "not compiled in this run (TENSORRT_INCLUDE_DIR unset); compiled against TensorRT v10.13.3's headers at "
                                         "development time (plugins/README.md); never run (no TensorRT runtime or GPU here)"),
-            "kernel speed": "needs a GPU (scripts/bench_decode_attention.py)",
+            "kernel speed": "needs a GPU (scripts/bench_decode_attention.py); predicted from the compiled code by scripts/predict_decode.py",
+            "ONNX acceptance kit on TensorRT": "plugin_bundle/acceptance/<variant>/verify.py needs a TensorRT host with a GPU; only its CPU check ran here",
         },
         "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*.safetensors"))},
     }

@@ -1,0 +1,207 @@
+"""ONNX acceptance kit for the TensorRT plugin: one small ONNX model per case whose single node is
+the custom op (name, version, namespace and fields exactly as the plugin registers them), with
+golden inputs and outputs (.npz) computed by kvcompress's reference numerics on real K/V.
+
+On CPU (here, in CI): `onnx.checker` validates every model, and `onnx.reference` runs it with a
+Python implementation of the op that is a thin wrapper over `kvcompress.kernels.ops.
+decode_attention_reference`: it must reproduce the goldens exactly (`check_kit`). On a TensorRT
+host: `python acceptance/verify.py --plugin-lib libkvcompress_trt.so` (written into the kit) builds
+each model with TensorRT, runs it on the GPU and compares with the goldens at the stated tolerance.
+
+Cases cross the boundaries the kernels care about: fewer tokens than the sinks, exactly the sinks
+plus the window, one token into the compressed store, several main-loop blocks split unevenly, and a
+batch of mixed lengths. K/V rows are real: the calibration run's sampled keys and values of one
+layer (kv_stats sample_k / sample_v); queries are drawn at the keys' scale (seeded).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcompress.kernels import ops, plan
+from kvcompress.kernels.layout import PackedKV
+from kvcompress.reference import KeyParams
+
+OP = "KvcDecodeAttention"  # plugins/trt/kvcDecodeAttentionPlugin.cpp: kNAME, kVERSION, namespace
+OP_VERSION, OP_NAMESPACE, OP_DOMAIN = "1", "kvcompress", "trt.plugins"
+INPUTS = ("q", "k_scale", "k_zero_masked", "outlier_idx", "sink_k", "sink_v", "win_k", "win_v",
+          "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens")
+TOLERANCE = {"atol": 3e-3, "rtol": 3e-3}  # fp16 dot inputs, fp32 accumulation (tests/test_kernels.py DECODE_TOL)
+
+
+def packed_from_inputs(x: dict[str, np.ndarray]) -> tuple[torch.Tensor, PackedKV, KeyParams]:
+    """The op's 14 inputs -> (q, PackedKV, KeyParams) for the reference."""
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in x.items()}
+    D = t["q"].shape[-1]
+    key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
+    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    kv = PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], t["k_outliers"], t["v_payload"], t["v_scale"], t["v_min"],
+                  t["lens"], key_bits, value_bits, D // t["v_scale"].shape[-1])
+    p = KeyParams(key_bits, t["k_scale"], t["k_zero_masked"], t["outlier_idx"].long())
+    return t["q"], kv, p
+
+
+def reference_output(x: dict[str, np.ndarray], sm_scale: float) -> np.ndarray:
+    q, kv, p = packed_from_inputs(x)
+    return ops.decode_attention_reference(q, kv, p, sm_scale).numpy()
+
+
+def make_model(x: dict[str, np.ndarray], attrs: dict):
+    import onnx
+    from onnx import helper, numpy_helper  # noqa: F401
+
+    def vi(name, arr):
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
+
+    B, HQ, D = x["q"].shape
+    node = helper.make_node(OP, list(INPUTS), ["out"], domain=OP_DOMAIN, plugin_version=OP_VERSION, plugin_namespace=OP_NAMESPACE, **attrs)
+    graph = helper.make_graph([node], f"{OP}_case", [vi(n, x[n]) for n in INPUTS],
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [B, HQ, D])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, 1)],
+                             producer_name="kvcompress")
+
+
+def case_lengths(n_sink: int, window: int, block: int) -> list[list[int]]:
+    first = n_sink + window
+    return [[max(1, n_sink - 1)], [first], [first + 1], [first + 3 * block + 5], [first + 2 * block - 1, 7]]
+
+
+def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Tensor, v_rows: torch.Tensor, splits: int = 3, seed: int = 0) -> list[dict]:
+    """Cases for one variant; k_rows, v_rows: [N, H, D] real rows of one layer. Returns the case list."""
+    import onnx
+
+    out.mkdir(parents=True, exist_ok=True)
+    H, D, G = k_rows.shape[1], variant["head_dim"], variant["gqa"]
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for i, lens in enumerate(case_lengths(variant["n_sink"], variant["window"], variant["block_t"])):
+        ks = [k_rows[torch.arange(n) % k_rows.shape[0]].transpose(0, 1).float() for n in lens]  # [H, n, D]
+        vs = [v_rows[torch.arange(n) % v_rows.shape[0]].transpose(0, 1).float() for n in lens]
+        kv = PackedKV.from_reference(ks, vs, key_params, n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"], group=variant["group"])
+        scale, _, zm, idx = ops.kernel_key_params(key_params, "cpu")
+        q = (torch.randn(len(lens), H * G, D, generator=g) * k_rows.float().std()).to(torch.float16)
+        x = {"q": q, "k_scale": scale, "k_zero_masked": zm, "outlier_idx": idx, "sink_k": kv.sink_k, "sink_v": kv.sink_v, "win_k": kv.win_k,
+             "win_v": kv.win_v, "k_payload": kv.k_payload, "k_outliers": kv.k_outliers, "v_payload": kv.v_payload, "v_scale": kv.v_scale,
+             "v_min": kv.v_min, "lens": kv.lens}
+        x = {k: v.contiguous().numpy() for k, v in x.items()}
+        sm_scale = float(D) ** -0.5
+        attrs = {"H": H, "G": G, "D": D, "splits": splits, "cap": int(kv.k_payload.shape[2]), "sm_scale": sm_scale}
+        name = f"case{i}_len{'-'.join(map(str, lens))}"
+        model = make_model(x, attrs)
+        onnx.save(model, str(out / f"{name}.onnx"))
+        np.savez(out / f"{name}.npz", **x, expected=reference_output(x, sm_scale))
+        cases.append({"name": name, "lens": lens, "attrs": attrs})
+    (out / "cases.json").write_text(json.dumps({"op": OP, "version": OP_VERSION, "namespace": OP_NAMESPACE, "domain": OP_DOMAIN,
+                                                "variant": variant, "tolerance": TOLERANCE, "cases": cases}, indent=2))
+    (out / "verify.py").write_text(VERIFY)
+    return cases
+
+
+def reference_op():
+    """The op for onnx.reference: a thin wrapper over the reference numerics."""
+    from onnx.reference.op_run import OpRun
+
+    class KvcDecodeAttention(OpRun):
+        op_domain = OP_DOMAIN
+
+        def _run(self, *inputs, H=None, G=None, D=None, splits=None, cap=None, sm_scale=None, plugin_version=None, plugin_namespace=None):
+            return (reference_output(dict(zip(INPUTS, inputs)), sm_scale),)
+
+    return KvcDecodeAttention
+
+
+def check_kit(kit: Path) -> dict[str, bool]:
+    """onnx.checker + onnx.reference on every case; {case: reproduces the golden exactly}."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    meta = json.loads((kit / "cases.json").read_text())
+    res = {}
+    for c in meta["cases"]:
+        model = onnx.load(str(kit / f"{c['name']}.onnx"))
+        onnx.checker.check_model(model, full_check=True)
+        data = dict(np.load(kit / f"{c['name']}.npz"))
+        expected = data.pop("expected")
+        got = ReferenceEvaluator(model, new_ops=[reference_op()]).run(None, data)[0]
+        res[c["name"]] = bool(got.shape == expected.shape and np.array_equal(got, expected))
+    return res
+
+
+def kit_for_bundle(out: Path, variant: dict, stats_path: Path, book, layer: int | None = None) -> list[dict]:
+    """The bundle's kit: real K/V rows of one layer from the run's kv_stats, that layer's key params."""
+    from kvcompress.stats import KVStats
+
+    stats = KVStats.load(stats_path)
+    L = stats["sample_k"].shape[0]
+    layer = L // 2 if layer is None else layer
+    return write_kit(out, variant, book.key_params(layer), stats["sample_k"][layer], stats["sample_v"][layer])
+
+
+VERIFY = '''"""Verify the kvcompress TensorRT plugin against the goldens of this kit, on a TensorRT host with a GPU.
+
+    python verify.py --plugin-lib /path/to/libkvcompress_trt.so
+
+For every case: parse the ONNX model (its node is the plugin KvcDecodeAttention, namespace
+kvcompress, version 1), build a strongly typed engine, run it on the GPU with the golden inputs and
+compare the output with the golden at the kit's tolerance. One PASS/FAIL line per case; exit 1 if
+any case fails. Written by kvcompress (kvcompress/targets/acceptance.py); NOT run where kvcompress is
+developed (no GPU, no TensorRT there).
+"""
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plugin-lib", required=True)
+    a = ap.parse_args()
+    import tensorrt as trt
+    import torch
+
+    ctypes.CDLL(a.plugin_lib, mode=ctypes.RTLD_GLOBAL)  # its static registrar adds the creator to TensorRT's registry
+    logger = trt.Logger(trt.Logger.WARNING)
+    here = Path(__file__).resolve().parent
+    meta = json.loads((here / "cases.json").read_text())
+    tol = meta["tolerance"]
+    failed = 0
+    for c in meta["cases"]:
+        builder = trt.Builder(logger)
+        net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        parser = trt.OnnxParser(net, logger)
+        if not parser.parse((here / (c["name"] + ".onnx")).read_bytes()):
+            print(f"FAIL {c['name']}: ONNX parse: " + "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)))
+            failed += 1
+            continue
+        plan = builder.build_serialized_network(net, builder.create_builder_config())
+        if plan is None:
+            print(f"FAIL {c['name']}: engine build failed")
+            failed += 1
+            continue
+        engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+        ctx = engine.create_execution_context()
+        data = dict(np.load(here / (c["name"] + ".npz")))
+        expected = torch.from_numpy(data.pop("expected"))
+        bufs = {k: torch.from_numpy(v).cuda() for k, v in data.items()}
+        bufs["out"] = torch.empty(tuple(expected.shape), dtype=torch.float32, device="cuda")
+        for name, t in bufs.items():
+            ctx.set_tensor_address(name, t.data_ptr())
+        ok = ctx.execute_async_v3(torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        err = float((bufs["out"].cpu() - expected).abs().max())
+        good = ok and torch.allclose(bufs["out"].cpu(), expected, atol=tol["atol"], rtol=tol["rtol"])
+        failed += not good
+        print(f"{'PASS' if good else 'FAIL'} {c['name']}: max abs error {err:.2e} (atol {tol['atol']}, rtol {tol['rtol']})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
