@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcompress.kernels import ops, plan
+from kvcompress.kernels import ops
 from kvcompress.kernels.layout import PackedKV
 from kvcompress.reference import KeyParams
 
@@ -51,7 +51,7 @@ def reference_output(x: dict[str, np.ndarray], sm_scale: float) -> np.ndarray:
 
 def make_model(x: dict[str, np.ndarray], attrs: dict):
     import onnx
-    from onnx import helper, numpy_helper  # noqa: F401
+    from onnx import helper
 
     def vi(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
