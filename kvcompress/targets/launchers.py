@@ -68,7 +68,26 @@ CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned g
     header += ["#ifdef __cplusplus", "}", "#endif"]
     h = kernel_dir / "kvc_launchers.h"
     h.write_text("\n".join(header) + "\n")
-    return [h, *files]
+    return [h, *files, *variant_headers(meta, kernel_dir)]
+
+
+VARIANT_MACROS = {"D": "head_dim", "G": "gqa", "KEY_BITS": "key_bits", "VAL_BITS": "value_bits", "GROUP": "group", "NS": "n_sink",
+                  "W": "window", "N_OUT": "n_out", "BLOCK_T": "block_t"}
+
+
+def variant_headers(meta: dict, kernel_dir: Path) -> list[Path]:
+    """kvc_variant_<name>.h per variant: the compiled constants, so the plugin checks shapes against them."""
+    out = {}
+    for k in meta["kernels"]:
+        v = k["variant"]
+        if v["name"] in out:
+            continue
+        lines = [f"/* kvcompress variant {v['name']} (generated): the constants its kernels were compiled with. */", "#pragma once",
+                 f'#define KVC_VARIANT_NAME "{v["name"]}"', *(f"#define KVC_{m} {int(v[f])}" for m, f in VARIANT_MACROS.items())]
+        path = kernel_dir / f"kvc_variant_{v['name']}.h"
+        path.write_text("\n".join(lines) + "\n")
+        out[v["name"]] = path
+    return list(out.values())
 
 
 def cuda_include_dirs() -> list[Path]:

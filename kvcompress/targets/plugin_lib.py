@@ -22,7 +22,7 @@ from pathlib import Path
 from kvcompress.targets.launchers import cuda_include_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_SOURCES = [ROOT / "plugins" / "trt" / "kvcDecodeAttentionPlugin.cpp"]
+PLUGIN_SOURCES = [ROOT / "plugins" / "trt" / "kvcDecodeAttentionPlugin.cpp", ROOT / "plugins" / "trt" / "kvcAppendPlugin.cpp"]
 WARN = ["-Wall", "-Wextra", "-Werror"]
 
 
@@ -37,7 +37,8 @@ def build(trt_include: Path, kernels: Path, variant: str, out: Path) -> list[lis
     if not launchers:
         raise RuntimeError(f"--kernels={kernels} has no launchers for --variant={variant}")
     sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
-    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch"]
+    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
+            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
     cmds, objs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for src in launchers:
@@ -45,7 +46,7 @@ def build(trt_include: Path, kernels: Path, variant: str, out: Path) -> list[lis
             cmds.append(["gcc", "-std=c11", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", "-o", str(objs[-1])])
         for src in PLUGIN_SOURCES:
             objs.append(Path(tmp) / (src.stem + ".o"))
-            cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", *defs, "-o", str(objs[-1])])
+            cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", f"-I{src.parent}", *defs, "-o", str(objs[-1])])
         cmds.append(["g++", "-shared", "-o", str(out), *map(str, objs)])
         for c in cmds:
             r = subprocess.run(c, capture_output=True, text=True)

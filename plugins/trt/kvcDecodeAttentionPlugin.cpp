@@ -10,11 +10,8 @@
 //   4 sink_k 5 sink_v [B, H, NS, D] fp16    6 win_k 7 win_v [B, H, W, D] fp16
 //   8 k_payload 9 k_outliers 10 v_payload 11 v_scale 12 v_min (packed store)   13 lens [B] int32
 // Output: 0 out [B, HQ, D] fp32.  Workspace: split partials (max, sum, acc).
-#include "kvc_launchers.h"
-#include <NvInferRuntime.h>
-#include <cstdint>
+#include "kvcCommon.h"
 #include <cstring>
-#include <string>
 #include <vector>
 
 using namespace nvinfer1;
@@ -40,15 +37,23 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
   IPluginV3* clone() noexcept override { return new DecodeAttentionPlugin(p_); }
   char const* getPluginName() const noexcept override { return kNAME; }
   char const* getPluginVersion() const noexcept override { return kVERSION; }
-  char const* getPluginNamespace() const noexcept override { return "kvcompress"; }
+  char const* getPluginNamespace() const noexcept override { return kNAMESPACE; }
 
   int32_t getNbOutputs() const noexcept override { return 1; }
-  int32_t getOutputDataTypes(DataType* out, int32_t, DataType const*, int32_t) const noexcept override {
+  int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const*, int32_t nbInputs) const noexcept override {
+    if (nbInputs != 14 || nbOutputs != 1) {
+      logError("KvcDecodeAttention: needs 14 inputs and 1 output, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+      return -1;
+    }
     out[0] = DataType::kFLOAT;
     return 0;
   }
-  int32_t getOutputShapes(DimsExprs const* in, int32_t, DimsExprs const*, int32_t, DimsExprs* out, int32_t,
+  int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out, int32_t,
                           IExprBuilder&) noexcept override {
+    if (nbInputs != 14 || in[0].nbDims != 3) {
+      logError("KvcDecodeAttention: q must be [B, HQ, D] with 13 cache inputs after it");
+      return -1;
+    }
     out[0] = in[0];  // [B, HQ, D]
     return 0;
   }
@@ -59,7 +64,26 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
                                       DataType::kHALF, DataType::kINT32, DataType::kFLOAT};
     return io[pos].desc.format == TensorFormat::kLINEAR && (pos == 8 || io[pos].desc.type == kTypes[pos]);
   }
-  int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t, DynamicPluginTensorDesc const*, int32_t) noexcept override { return 0; }
+  // every shape against the attributes and the compiled variant (kvc_variant_<name>.h); errors go to TensorRT's logger
+  int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t) noexcept override {
+    char const* P = "KvcDecodeAttention";
+    if (nbInputs != 14) return logError("KvcDecodeAttention: needs 14 inputs"), -1;
+    if (p_.D != KVC_D || p_.G != KVC_G || p_.H <= 0 || p_.cap <= 0 || p_.splits <= 0) {
+      logError(std::string(P) + ": attributes D=" + std::to_string(p_.D) + " G=" + std::to_string(p_.G) + " H=" + std::to_string(p_.H) + " cap=" +
+               std::to_string(p_.cap) + " splits=" + std::to_string(p_.splits) + " do not fit the compiled variant " + KVC_VARIANT_NAME +
+               " (D=" + std::to_string(KVC_D) + ", G=" + std::to_string(KVC_G) + "; H, cap, splits > 0)");
+      return -1;
+    }
+    int64_t B = in[0].desc.dims.d[0];
+    bool ok = checkDims(in[0].desc.dims, {B, int64_t(p_.H) * p_.G, KVC_D}, P, "q") && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_scale") &&
+              checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_zero_masked") && checkDims(in[3].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx") &&
+              checkCache(in, 4, B, p_.H, p_.cap, P);
+    if (ok && in[8].desc.type != (KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8)) {
+      logError(std::string(P) + ": k_payload must be " + (KVC_KEY_BITS == 8 ? "int8" : "uint8 (packed int4)") + " for " + KVC_VARIANT_NAME);
+      ok = false;
+    }
+    return ok ? 0 : -1;
+  }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*, int32_t) const noexcept override {
     size_t rows = size_t(in[0].max.d[0]) * in[0].max.d[1];
     return rows * p_.splits * (2 + p_.D) * sizeof(float) + 32;  // + 2 x 16: each part starts 16-byte aligned
@@ -79,8 +103,8 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
     auto ptr = [&](int i) { return reinterpret_cast<CUdeviceptr>(inputs[i]); };
     // the AOT kernels are compiled for 16-byte-aligned buffers (vectorized loads; kvcompress.kernels.aot.POINTER_ALIGN)
     for (int i = 0; i < 14; ++i)
-      if (ptr(i) % 16) return -1;
-    if (reinterpret_cast<uintptr_t>(workspace) % 16 || reinterpret_cast<uintptr_t>(outputs[0]) % 16) return -1;
+      if (!aligned16(inputs[i])) return logError("KvcDecodeAttention: input " + std::to_string(i) + " is not 16-byte aligned"), -1;
+    if (!aligned16(workspace) || !aligned16(outputs[0])) return logError("KvcDecodeAttention: workspace/output not 16-byte aligned"), -1;
     unsigned B = in[0].dims.d[0], HQ = in[0].dims.d[1];
     CUdeviceptr mo = reinterpret_cast<CUdeviceptr>(workspace);
     size_t part = (size_t(B) * HQ * p_.splits * sizeof(float) + 15) & ~size_t(15);
@@ -104,8 +128,14 @@ class DecodeAttentionCreator : public IPluginCreatorV3One {
  public:
   char const* getPluginName() const noexcept override { return kNAME; }
   char const* getPluginVersion() const noexcept override { return kVERSION; }
-  char const* getPluginNamespace() const noexcept override { return "kvcompress"; }
-  PluginFieldCollection const* getFieldNames() noexcept override { return &fc_; }
+  char const* getPluginNamespace() const noexcept override { return kNAMESPACE; }
+  PluginFieldCollection const* getFieldNames() noexcept override {
+    fields_ = {PluginField("H", nullptr, PluginFieldType::kINT32, 1), PluginField("G", nullptr, PluginFieldType::kINT32, 1),
+               PluginField("D", nullptr, PluginFieldType::kINT32, 1), PluginField("splits", nullptr, PluginFieldType::kINT32, 1),
+               PluginField("cap", nullptr, PluginFieldType::kINT32, 1), PluginField("sm_scale", nullptr, PluginFieldType::kFLOAT32, 1)};
+    fc_ = {int32_t(fields_.size()), fields_.data()};
+    return &fc_;
+  }
   IPluginV3* createPlugin(char const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
     Params p{};
     for (int32_t i = 0; i < fc->nbFields; ++i) {
@@ -121,6 +151,7 @@ class DecodeAttentionCreator : public IPluginCreatorV3One {
   }
 
  private:
+  std::vector<PluginField> fields_;
   PluginFieldCollection fc_{0, nullptr};
 };
 
