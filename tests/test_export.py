@@ -123,7 +123,7 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
     assert any("ONNX acceptance kit" in n for n in names) == (kv == "int8k_int4v")
     if kv == "int8k_int4v":
         kits = list((out / "plugin_bundle" / "acceptance").glob("*/cases.json"))
-        assert len(kits) == 1 and (kits[0].parent / "verify.py").is_file() and len(list(kits[0].parent.glob("*.onnx"))) == 5
+        assert len(kits) == 1 and (kits[0].parent / "verify.py").is_file() and len(list(kits[0].parent.glob("*.onnx"))) == 10
         assert (out / "plugin_bundle" / "kernels" / "sm_90" / "audit.json").is_file()
     assert manifest["engine_built"] is False and "lacks" in manifest["engine_reason"]
     assert "--kv-cache fp16" in manifest["fallback_fp16_kv"] and (out / "build_engine.py").is_file()

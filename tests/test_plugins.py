@@ -101,19 +101,25 @@ def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, 
 
     kit = _kit(tmp_path, n_out, key_bits)
     meta = json.loads((kit / "cases.json").read_text())
-    assert len(meta["cases"]) == 5 and (kit / "verify.py").is_file()
+    ops_ = [c["op"] for c in meta["cases"]]
+    assert ops_.count(OP) == 5 and ops_.count("KvcAppend") == 5 and (kit / "verify.py").is_file()
     model = onnx.load(str(kit / f"{meta['cases'][0]['name']}.onnx"))
     node = model.graph.node[0]
     assert node.op_type == OP and {a.name for a in node.attribute} >= {"H", "G", "D", "splits", "cap", "sm_scale", "plugin_version", "plugin_namespace"}
     assert all(check_kit(kit).values())
-    # negative: one golden value off by 1e-3 must fail that case (and only that one)
-    name = meta["cases"][3]["name"]
-    data = dict(np.load(kit / f"{name}.npz"))
+    # negative: one golden value off (decode: by 1e-3; append: one payload byte) must fail that case, and only it
+    dec = next(c["name"] for c in meta["cases"][6:] if c["op"] == OP)
+    app = next(c["name"] for c in meta["cases"][6:] if c["op"] == "KvcAppend")
+    data = dict(np.load(kit / f"{dec}.npz"))
     data["expected"] = data["expected"].copy()
     data["expected"].flat[5] += 1e-3
-    np.savez(kit / f"{name}.npz", **data)
+    np.savez(kit / f"{dec}.npz", **data)
+    data = dict(np.load(kit / f"{app}.npz"))
+    data["expected_v_payload_out"] = data["expected_v_payload_out"].copy()
+    data["expected_v_payload_out"].flat[0] ^= 1
+    np.savez(kit / f"{app}.npz", **data)
     res = check_kit(kit)
-    assert res[name] is False and sum(res.values()) == len(res) - 1
+    assert res[dec] is False and res[app] is False and sum(res.values()) == len(res) - 2
 
 
 def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
@@ -124,11 +130,21 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     import torch
 
     from kvcompress.kernels import ops
-    from kvcompress.targets.acceptance import packed_from_inputs
+    from kvcompress.targets.acceptance import APPEND_INPUTS, packed_from_inputs
 
     kit = _kit(tmp_path)
     for c in json.loads((kit / "cases.json").read_text())["cases"]:
         data = dict(np.load(kit / f"{c['name']}.npz"))
+        if c["op"] == "KvcAppend":  # the Triton append kernel writes exactly the golden bytes
+            t = {k: torch.from_numpy(v) for k, v in data.items()}
+            x = {k[len("expected_"):-len("_out")]: v for k, v in t.items() if k.startswith("expected_")}
+            cache = {k: t[k].clone() for k in APPEND_INPUTS[5:]}
+            q = {"q": torch.zeros(t["k_new"].shape[0], 1, t["k_new"].shape[-1], dtype=torch.float16), "k_zero_masked": t["k_zero"], **cache}
+            _, kv, p = packed_from_inputs({**{k: v.numpy() for k, v in q.items()}, "k_scale": data["k_scale"], "outlier_idx": data["outlier_idx"]})
+            ops.append(kv, t["k_new"], t["v_new"], p)
+            for k, want in x.items():
+                assert torch.equal(getattr(kv, k), want), (c["name"], k)
+            continue
         expected = torch.from_numpy(data.pop("expected"))
         q, kv, p = packed_from_inputs(data)
         got = ops.decode_attention(q, kv, p, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])

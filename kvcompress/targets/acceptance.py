@@ -2,9 +2,11 @@
 the custom op (name, version, namespace and fields exactly as the plugin registers them), with
 golden inputs and outputs (.npz) computed by kvcompress's reference numerics on real K/V.
 
-On CPU (here, in CI): `onnx.checker` validates every model, and `onnx.reference` runs it with a
-Python implementation of the op that is a thin wrapper over `kvcompress.kernels.ops.
-decode_attention_reference`: it must reproduce the goldens exactly (`check_kit`). On a TensorRT
+Two ops: KvcDecodeAttention (goldens: `kvcompress.kernels.ops.decode_attention_reference` on a cache
+of n tokens) and KvcAppend (goldens: the cache of n + 1 tokens as `PackedKV.from_reference` builds
+it). On CPU (here, in CI): `onnx.checker` validates every model, and `onnx.reference` runs it with
+Python implementations of the ops that are thin wrappers over the reference numerics
+(`reference_output`, `reference_append`): they must reproduce the goldens exactly (`check_kit`). On a TensorRT
 host: `python acceptance/verify.py --plugin-lib libkvcompress_trt.so` (written into the kit) builds
 each model with TensorRT, runs it on the GPU and compares with the goldens at the stated tolerance.
 
@@ -44,22 +46,55 @@ def packed_from_inputs(x: dict[str, np.ndarray]) -> tuple[torch.Tensor, PackedKV
     return t["q"], kv, p
 
 
+APPEND_OP = "KvcAppend"
+APPEND_INPUTS = ("k_new", "v_new", "k_scale", "k_zero", "outlier_idx", "sink_k", "sink_v", "win_k", "win_v",
+                 "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens")
+APPEND_OUTPUTS = APPEND_INPUTS[5:14]  # aliased to their inputs in the plugin
+
+
+def reference_append(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """KvcAppend with the reference numerics: the new token goes to its sink slot or the fp16 ring; the
+    token it evicts from the ring is encoded (reference encoders) into the compressed store (layout.py)."""
+    from kvcompress import reference as ref
+
+    t = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in x.items()}
+    NS, W = t["sink_k"].shape[2], t["win_k"].shape[2]
+    D = t["k_new"].shape[-1]
+    key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
+    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    group = D // t["v_scale"].shape[-1]
+    p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
+    kn, vn = t["k_new"].half(), t["v_new"].half()
+    for b, pos in enumerate(t["lens"].tolist()):
+        if pos < NS:
+            t["sink_k"][b, :, pos], t["sink_v"][b, :, pos] = kn[b], vn[b]
+            continue
+        j = pos - NS
+        if W == 0 or j >= W:  # a token leaves the window (or there is none): encode it at compressed index c
+            c, ko, vo = (j, kn[b], vn[b]) if W == 0 else (j - W, t["win_k"][b, :, j % W], t["win_v"][b, :, j % W])
+            kp, kout = ref.encode_keys(ko.float().unsqueeze(1), p)
+            vp, vs, vm = ref.encode_values(vo.float().unsqueeze(1), value_bits, group)
+            t["k_payload"][b, :, c], t["k_outliers"][b, :, c] = kp[:, 0], kout[:, 0]
+            t["v_payload"][b, :, c], t["v_scale"][b, :, c], t["v_min"][b, :, c] = vp[:, 0], vs[:, 0], vm[:, 0]
+        if W:
+            t["win_k"][b, :, j % W], t["win_v"][b, :, j % W] = kn[b], vn[b]
+    return {k: t[k].numpy() for k in APPEND_OUTPUTS}
+
+
 def reference_output(x: dict[str, np.ndarray], sm_scale: float) -> np.ndarray:
     q, kv, p = packed_from_inputs(x)
     return ops.decode_attention_reference(q, kv, p, sm_scale).numpy()
 
 
-def make_model(x: dict[str, np.ndarray], attrs: dict):
-    import onnx
+def make_model(op: str, x: dict[str, np.ndarray], inputs, outputs: dict[str, np.ndarray], attrs: dict):
+    """A one-node model: the plugin `op` (name, version, namespace as it registers) with `attrs` as its fields."""
     from onnx import helper
 
     def vi(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
 
-    B, HQ, D = x["q"].shape
-    node = helper.make_node(OP, list(INPUTS), ["out"], domain=OP_DOMAIN, plugin_version=OP_VERSION, plugin_namespace=OP_NAMESPACE, **attrs)
-    graph = helper.make_graph([node], f"{OP}_case", [vi(n, x[n]) for n in INPUTS],
-                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [B, HQ, D])])
+    node = helper.make_node(op, list(inputs), list(outputs), domain=OP_DOMAIN, plugin_version=OP_VERSION, plugin_namespace=OP_NAMESPACE, **attrs)
+    graph = helper.make_graph([node], f"{op}_case", [vi(n, x[n]) for n in inputs], [vi(n, a) for n, a in outputs.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, 1)],
                              producer_name="kvcompress")
 
@@ -90,18 +125,34 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         sm_scale = float(D) ** -0.5
         attrs = {"H": H, "G": G, "D": D, "splits": splits, "cap": int(kv.k_payload.shape[2]), "sm_scale": sm_scale}
         name = f"case{i}_len{'-'.join(map(str, lens))}"
-        model = make_model(x, attrs)
-        onnx.save(model, str(out / f"{name}.onnx"))
-        np.savez(out / f"{name}.npz", **x, expected=reference_output(x, sm_scale))
-        cases.append({"name": name, "lens": lens, "attrs": attrs})
+        expected = reference_output(x, sm_scale)
+        onnx.save(make_model(OP, x, INPUTS, {"out": expected}, attrs), str(out / f"{name}.onnx"))
+        np.savez(out / f"{name}.npz", **x, expected=expected)
+        cases.append({"name": name, "op": OP, "lens": lens, "attrs": attrs, "outputs": ["out"]})
+        # the append of the next token: from the cache of `lens` tokens to the cache of lens + 1 (built by the reference)
+        nxt = [k_rows[torch.tensor([n % k_rows.shape[0]])].transpose(0, 1).float() for n in lens]  # [H, 1, D]
+        nxv = [v_rows[torch.tensor([n % v_rows.shape[0]])].transpose(0, 1).float() for n in lens]
+        full = PackedKV.from_reference([torch.cat([k, a], 1) for k, a in zip(ks, nxt)], [torch.cat([v, a], 1) for v, a in zip(vs, nxv)], key_params,
+                                       n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"], group=variant["group"],
+                                       cap=int(kv.k_payload.shape[2]))
+        ax = {"k_new": torch.cat([a[:, 0] for a in nxt]).view(len(lens), H, D).half(), "v_new": torch.cat([a[:, 0] for a in nxv]).view(len(lens), H, D).half(),
+              "k_scale": scale, "k_zero": key_params.zero.float().contiguous(), "outlier_idx": idx,
+              **{k: x[k] for k in APPEND_INPUTS[5:]}}
+        ax = {k: (v.contiguous().numpy() if isinstance(v, torch.Tensor) else v) for k, v in ax.items()}
+        after = {k: getattr(full, k).numpy() for k in APPEND_OUTPUTS}
+        aname = f"append{i}_len{'-'.join(map(str, lens))}"
+        aattrs = {"H": H, "D": D, "cap": int(kv.k_payload.shape[2])}
+        onnx.save(make_model(APPEND_OP, ax, APPEND_INPUTS, {f"{k}_out": after[k] for k in APPEND_OUTPUTS}, aattrs), str(out / f"{aname}.onnx"))
+        np.savez(out / f"{aname}.npz", **ax, **{f"expected_{k}_out": after[k] for k in APPEND_OUTPUTS})
+        cases.append({"name": aname, "op": APPEND_OP, "lens": lens, "attrs": aattrs, "outputs": [f"{k}_out" for k in APPEND_OUTPUTS]})
     (out / "cases.json").write_text(json.dumps({"op": OP, "version": OP_VERSION, "namespace": OP_NAMESPACE, "domain": OP_DOMAIN,
                                                 "variant": variant, "tolerance": TOLERANCE, "cases": cases}, indent=2))
     (out / "verify.py").write_text(VERIFY)
     return cases
 
 
-def reference_op():
-    """The op for onnx.reference: a thin wrapper over the reference numerics."""
+def reference_ops():
+    """The two ops for onnx.reference: thin wrappers over the reference numerics."""
     from onnx.reference.op_run import OpRun
 
     class KvcDecodeAttention(OpRun):
@@ -110,7 +161,14 @@ def reference_op():
         def _run(self, *inputs, H=None, G=None, D=None, splits=None, cap=None, sm_scale=None, plugin_version=None, plugin_namespace=None):
             return (reference_output(dict(zip(INPUTS, inputs)), sm_scale),)
 
-    return KvcDecodeAttention
+    class KvcAppend(OpRun):
+        op_domain = OP_DOMAIN
+
+        def _run(self, *inputs, H=None, D=None, cap=None, plugin_version=None, plugin_namespace=None):
+            out = reference_append(dict(zip(APPEND_INPUTS, inputs)))
+            return tuple(out[k] for k in APPEND_OUTPUTS)
+
+    return [KvcDecodeAttention, KvcAppend]
 
 
 def check_kit(kit: Path) -> dict[str, bool]:
@@ -124,9 +182,9 @@ def check_kit(kit: Path) -> dict[str, bool]:
         model = onnx.load(str(kit / f"{c['name']}.onnx"))
         onnx.checker.check_model(model, full_check=True)
         data = dict(np.load(kit / f"{c['name']}.npz"))
-        expected = data.pop("expected")
-        got = ReferenceEvaluator(model, new_ops=[reference_op()]).run(None, data)[0]
-        res[c["name"]] = bool(got.shape == expected.shape and np.array_equal(got, expected))
+        expected = [data.pop(f"expected_{o}") if f"expected_{o}" in data else data.pop("expected") for o in c["outputs"]]
+        got = ReferenceEvaluator(model, new_ops=reference_ops()).run(None, data)
+        res[c["name"]] = all(g.shape == e.shape and g.dtype == e.dtype and np.array_equal(g, e) for g, e in zip(got, expected))
     return res
 
 
@@ -144,9 +202,10 @@ VERIFY = '''"""Verify the kvcompress TensorRT plugin against the goldens of this
 
     python verify.py --plugin-lib /path/to/libkvcompress_trt.so
 
-For every case: parse the ONNX model (its node is the plugin KvcDecodeAttention, namespace
-kvcompress, version 1), build a strongly typed engine, run it on the GPU with the golden inputs and
-compare the output with the golden at the kit's tolerance. One PASS/FAIL line per case; exit 1 if
+For every case: parse the ONNX model (its node is the plugin KvcDecodeAttention or KvcAppend,
+namespace kvcompress, version 1), build a strongly typed engine (aliased plugin I/O enabled for
+KvcAppend), run it on the GPU with the golden inputs and compare: the decode output at the kit's
+tolerance, the appended cache buffers bit-exact. One PASS/FAIL line per case; exit 1 if
 any case fails. Written by kvcompress (kvcompress/targets/acceptance.py); NOT run where kvcompress is
 developed (no GPU, no TensorRT there).
 """
@@ -180,7 +239,9 @@ def main():
             print(f"FAIL {c['name']}: ONNX parse: " + "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)))
             failed += 1
             continue
-        plan = builder.build_serialized_network(net, builder.create_builder_config())
+        config = builder.create_builder_config()
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # KvcAppend writes its cache in place
+        plan = builder.build_serialized_network(net, config)
         if plan is None:
             print(f"FAIL {c['name']}: engine build failed")
             failed += 1
@@ -188,17 +249,25 @@ def main():
         engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
         ctx = engine.create_execution_context()
         data = dict(np.load(here / (c["name"] + ".npz")))
-        expected = torch.from_numpy(data.pop("expected"))
+        expected = {o: torch.from_numpy(data.pop(f"expected_{o}") if f"expected_{o}" in data else data.pop("expected")) for o in c["outputs"]}
         bufs = {k: torch.from_numpy(v).cuda() for k, v in data.items()}
-        bufs["out"] = torch.empty(tuple(expected.shape), dtype=torch.float32, device="cuda")
+        for o, e in expected.items():
+            bufs[o] = torch.zeros_like(e).cuda()
         for name, t in bufs.items():
             ctx.set_tensor_address(name, t.data_ptr())
         ok = ctx.execute_async_v3(torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
-        err = float((bufs["out"].cpu() - expected).abs().max())
-        good = ok and torch.allclose(bufs["out"].cpu(), expected, atol=tol["atol"], rtol=tol["rtol"])
+        # decode: fp32 output at the kit's tolerance; append: the written cache buffers bit-exact
+        worst, good = 0.0, bool(ok)
+        for o, e in expected.items():
+            got = bufs[o].cpu()
+            if e.dtype == torch.float32:
+                worst = max(worst, float((got - e).abs().max()))
+                good = good and torch.allclose(got, e, atol=tol["atol"], rtol=tol["rtol"])
+            else:
+                good = good and torch.equal(got, e)
         failed += not good
-        print(f"{'PASS' if good else 'FAIL'} {c['name']}: max abs error {err:.2e} (atol {tol['atol']}, rtol {tol['rtol']})")
+        print(f"{'PASS' if good else 'FAIL'} {c['name']}: " + (f"max abs error {worst:.2e} (atol {tol['atol']}, rtol {tol['rtol']})" if c["op"] == "KvcDecodeAttention" else "cache bytes bit-exact" if good else "cache bytes differ"))
     return 1 if failed else 0
 
 
