@@ -350,7 +350,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
             "kernel speed": "needs a GPU (scripts/bench_decode_attention.py); predicted from the compiled code by scripts/predict_decode.py",
             "ONNX acceptance kit on TensorRT": "plugin_bundle/acceptance/<variant>/verify.py needs a TensorRT host with a GPU; only its CPU check ran here",
         },
-        "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*.safetensors"))},
+        # every file the export wrote (checkpoints, kernels, launchers, audit, plugin sources, acceptance kit), hashed
+        "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
     }
     return manifest, build
 
