@@ -55,6 +55,33 @@ def build(trt_include: Path, kernels: Path, variant: str, out: Path) -> list[lis
     return cmds
 
 
+HARNESS = ROOT / "plugins" / "test" / "plugin_harness.cpp"
+
+
+def build_harness(trt_include: Path, kernels: Path, variant: str, out: Path) -> None:
+    """An executable: the plugin sources + launchers + plugins/test/plugin_harness.cpp (stand-ins for TensorRT's
+    registry and logger and the CUDA driver), which drives the plugins' build-time and serialization logic on CPU."""
+    cuda = cuda_include_dirs()
+    sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
+    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
+            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
+    with tempfile.TemporaryDirectory() as tmp:
+        objs = []
+        for src in sorted(Path(kernels).glob(f"kvc_*_{variant}.c")):
+            objs.append(str(Path(tmp) / (src.stem + ".o")))
+            _run(["gcc", "-std=c11", *WARN, "-c", str(src), *sys_inc, f"-I{kernels}", "-o", objs[-1]])
+        for src in [*PLUGIN_SOURCES, HARNESS]:
+            objs.append(str(Path(tmp) / (src.stem + ".o")))
+            _run(["g++", "-std=c++17", *WARN, "-c", str(src), *sys_inc, f"-I{kernels}", f"-I{PLUGIN_SOURCES[0].parent}", *defs, "-o", objs[-1]])
+        _run(["g++", "-o", str(out), *objs])
+
+
+def _run(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{(r.stdout + r.stderr).strip()[-3000:]}")
+
+
 def undefined_symbols(lib: Path) -> list[str]:
     r = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True, check=True)
     return [ln.split()[-1] for ln in r.stdout.splitlines() if ln.strip()]
