@@ -80,7 +80,9 @@ class Checks:
 
 
 def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
-    """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with C launchers, plugin sources."""
+    """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with their SASS audit and C
+    launchers, the plugin sources (and the plugin library when TensorRT's headers are given), and the
+    ONNX acceptance kit built from the run's real K/V (`stats_path`) and checked on CPU."""
     out.mkdir(parents=True, exist_ok=True)
     book.save(out / "scalebook.safetensors")
     atomic_write_json(out / "kv_spec.json", {"spec": book.spec.model_dump(), "geometry": book.geometry, "layout": "kvcompress.kernels.layout"})
