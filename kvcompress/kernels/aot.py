@@ -3,9 +3,11 @@
     python -m kvcompress.kernels.aot --arch sm_90 --out DIR [--variants default]
 
 For every variant (kv format x head geometry) and kernel it writes DIR/<name>.ptx and
-DIR/<name>.cubin, and DIR/kernels.json with the signature, constexprs, launch shape, shared
-memory and cuobjdump's resource report of the cubin (registers, stack, local memory = spills). The plugin bundle of the
-export reuses this output.
+DIR/<name>.cubin, DIR/kernels.json with the signature, constexprs, launch shape, shared memory and
+cuobjdump's resource report of the cubin (registers, stack, local memory = spills), and
+DIR/audit.json, the SASS audit of every kernel (kvcompress.kernels.audit: occupancy, load widths).
+Pointer arguments are compiled as 16-byte aligned (POINTER_ALIGN), so contiguous loads vectorize.
+The plugin bundle of the export reuses this output.
 """
 from __future__ import annotations
 
