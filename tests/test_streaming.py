@@ -140,6 +140,7 @@ def test_streamed_cli_run_on_a_sharded_checkpoint_exports_the_same_bytes(tmp_pat
         runs[s] = json.loads((run_dir / "report.json").read_text())
     st, mem = runs["true"], runs["false"]
     assert st["model"]["streamed"] is True and "streamed" not in mem["model"]
+    assert st["model"]["model_type"] == mem["model"]["model_type"] == "llama" and st["model"]["name_or_path"]
     assert any("greedy cross-check not run" in n for n in st["notes"])
     assert st["quality"] == mem["quality"]
     assert st["tasks"]["rows"] == mem["tasks"]["rows"] and st["tasks"]["rows"]  # tasks streamed too, same scores

@@ -336,7 +336,8 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
     model = build_empty(model_dir, dtype)
     device = "cuda:0" if cfg.device == "cuda" else cfg.device
     streamer = LayerStreamer(model, Checkpoint(model_dir), dtype, device)
-    return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), {**identity, "streamed": True}, streamer=streamer)
+    ident = {**identity, "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir), "streamed": True}
+    return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), ident, streamer=streamer)
 
 
 def should_stream(cfg, model_dir: Path) -> bool:
