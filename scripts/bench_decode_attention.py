@@ -101,8 +101,8 @@ def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
                               torch.arange(fmt.n_out, device=device).repeat(h, 1))
                 prep = ops.kernel_key_params(p, device)
                 block = plan.block_t(d, fmt.value_bits)
-                splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block,
-                                            plan.SM_COUNT.get(gpu.split()[-1], 132) if device == "cuda" else 132)
+                sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+                splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block, sms)
                 t_kvc = timeit(lambda kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)
                 kv = None
                 rows.append({"model": model, "gpu": gpu, "context": T, "batch": 1, "format": name, "splits": splits,

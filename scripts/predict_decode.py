@@ -45,7 +45,7 @@ def audit_formats(arch: str = "sm_90") -> dict[tuple[str, int], dict]:
     for k in res["kernels"]:
         if k["kernel"] != "decode_split":
             continue
-        v = next(x for x in variants if k["name"].endswith(x.name))
+        v = next(x for x in variants if x.name == k["variant"]["name"])
         ml = k["main_loop"]
         if k["spills"] or ml["narrowest_payload_bits"] < 64:
             raise SystemExit(f"kvcompress: error: {k['name']} fails the audit (spills={k['spills']}, payload loads {ml['narrowest_payload_bits']} bits): no prediction")

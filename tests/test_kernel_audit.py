@@ -147,6 +147,8 @@ def test_audit_cli_rejects_bad_input():
     assert p.returncode == 2 and "--arch=sm_75" in p.stderr and "allowed: sm_80, sm_90" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variant", "nope"], capture_output=True, text=True, env=_env())
     assert p.returncode == 2 and "--variant=nope" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--aot", "/nonexistent"], capture_output=True, text=True, env=_env())
+    assert p.returncode == 2 and "--aot=/nonexistent has no kernels.json" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_audit_cli_one_variant(tmp_path):
@@ -156,3 +158,13 @@ def test_audit_cli_one_variant(tmp_path):
     assert "payload via >= 128-bit loads" in p.stdout
     assert [k["name"] for k in json.loads((tmp_path / "a.json").read_text())["kernels"]] == [
         "kv_append_d64_g3_int8k_int4v", "decode_split_d64_g3_int8k_int4v", "decode_reduce_d64_g3_int8k_int4v"]
+
+
+def test_readme_kernel_figures_are_the_audit(audit_sm90):
+    """The README's sentence on the compiled decode kernel quotes `python -m kvcompress.kernels.audit --arch sm_90`."""
+    k = _decode(audit_sm90, "d128_g8_int8k_int4v")
+    ml, occ = k["main_loop"], k["occupancy"]["sm_90"]
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert "python -m kvcompress.kernels.audit --arch sm_90" in text
+    assert f"{ml['bytes_per_cache_element']:.3f} bytes per cache element loaded for {ml['format_bytes_per_cache_element']:.3f} in the format" in text
+    assert f"{occ['ctas_per_sm']} CTAs ({occ['warps_per_sm']} warps) per SM on sm_90" in text and not k["spills"]

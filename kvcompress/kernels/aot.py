@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -25,12 +24,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvcompress.kernels import plan
+from kvcompress.kernels.audit import audit_dir, nvidia_tool
 from kvcompress.kernels.ops import decode_launch_params
 from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic shared memory per block
-REGS_LIMIT = 255
 
 
 @dataclass(frozen=True)
@@ -98,18 +97,9 @@ def aligned_attrs(fn, sig: dict) -> dict:
     return {(fn.arg_names.index(k),): [["tt.divisibility", POINTER_ALIGN]] for k, t in sig.items() if t.startswith("*")}
 
 
-def _cuobjdump() -> str:
-    """Triton's bundled cuobjdump, else the CUDA toolkit's on PATH."""
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    found = str(bundled) if bundled.is_file() else shutil.which("cuobjdump")
-    if found is None:
-        raise RuntimeError("no cuobjdump found (Triton's bundled one or the CUDA toolkit's)")
-    return found
-
-
 def resource_usage(cubin: Path) -> dict:
     """Registers, stack and local (spill) memory of the compiled cubin, as cuobjdump reports them."""
-    r = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
+    r = subprocess.run([nvidia_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
     text = r.stdout + r.stderr
     if r.returncode:
         raise RuntimeError(f"cuobjdump failed on {cubin.name}: {text.strip()[-400:]}")
@@ -121,7 +111,8 @@ def resource_usage(cubin: Path) -> dict:
         return int(m.group(1))
 
     # spilled registers live in local memory: LOCAL > 0 (or a stack frame) means spills
-    return {"registers": grab("REG"), "stack": grab("STACK"), "local": grab("LOCAL"), "spills": grab("LOCAL") > 0 or grab("STACK") > 0}
+    return {"registers": grab("REG"), "stack": grab("STACK"), "local": grab("LOCAL"), "spills": grab("LOCAL") > 0 or grab("STACK") > 0,
+            "shared_static": grab("SHARED")}
 
 
 def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
@@ -151,9 +142,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
             entries.append(entry)
     meta = {"arch": arch, "triton": triton.__version__, "kernels": entries}
     (out / "kernels.json").write_text(json.dumps(meta, indent=2))
-    from kvcompress.kernels.audit import audit_dir  # the SASS audit of every AOT build, stored beside it
-
-    audit_dir(out)
+    audit_dir(out)  # the SASS audit of every AOT build, stored beside it
     return meta
 
 

@@ -33,7 +33,8 @@ ARCH_LIMITS = {
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-def _tool(name: str) -> str:
+def nvidia_tool(name: str) -> str:
+    """Triton's bundled copy of an NVIDIA binary tool (cuobjdump, nvdisasm), else the CUDA toolkit's on PATH."""
     import shutil
 
     import triton
@@ -46,7 +47,7 @@ def _tool(name: str) -> str:
 
 
 def sass(cubin: Path) -> str:
-    r = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
+    r = subprocess.run([nvidia_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"cuobjdump -sass failed on {cubin.name}: {r.stderr.strip()[-300:]}")
     return r.stdout
@@ -100,17 +101,11 @@ def occupancy(regs: int, threads: int, smem: int, arch: str) -> dict:
     return {"ctas_per_sm": ctas, "warps_per_sm": ctas * warps, "occupancy": ctas * warps / lim["max_warps_per_sm"], "limited_by": limiter}
 
 
-def static_shared(cubin: Path) -> int:
-    r = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
-    m = re.search(r"SHARED:(\d+)", r.stdout)
-    return int(m.group(1)) if m else 0
-
-
 def audit_kernel(entry: dict, kdir: Path) -> dict:
     cubin = kdir / f"{entry['name']}.cubin"
     instrs = parse(sass(cubin))
     threads = 32 * entry["num_warps"]
-    st = static_shared(cubin)
+    st = entry["shared_static"]  # cuobjdump's resource report, read by the AOT build
     smem = entry["shared"] + st
     out = {
         "name": entry["name"], "kernel": entry["kernel"], "registers": entry["registers"], "spills": entry["spills"],
@@ -178,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in (a.variant or []) if n not in known]
     if bad:
         print(f"kvcompress: error: --variant={bad[0]} is unknown; allowed: {', '.join(known)}", file=sys.stderr)
+        return 2
+    if a.aot is not None and not (a.aot / "kernels.json").is_file():
+        print(f"kvcompress: error: --aot={a.aot} has no kernels.json; give an output directory of python -m kvcompress.kernels.aot", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         kdir = a.aot or Path(tmp)
