@@ -1,7 +1,17 @@
-"""Build a TensorRT-LLM engine from an exported checkpoint. Runs only where TensorRT-LLM is installed.
+"""Build a TensorRT-LLM engine from an export. Runs only where TensorRT-LLM is installed.
 
+Native tier (stock TensorRT-LLM attention, INT8/FP8 KV):
     python build_engine.py --ckpt export/trtllm_ckpt/tp1 --out engine [--max-seq-len 8192]
     python build_engine.py --ckpt export/trtllm_ckpt/tp1 --out engine_fp16kv --kv-cache fp16   # rollback
+
+Custom tier (the kvcompress format; attention = the KvcAppend + KvcDecodeAttention plugins):
+    python build_engine.py --tier custom --bundle export/plugin_bundle --plugin-lib libkvcompress_trt.so --out engine_custom \
+        [--hf-dir <the model's HF directory; default: the one the run loaded>] [--max-seq-len 8192] [--max-batch-size 8]
+    python build_engine.py --tier custom --run engine_custom --prompt "The capital of France is" --max-new-tokens 32
+The network (kvcompress/targets/trtllm_network.py, copied beside this file in the bundle) is built with
+TensorRT-LLM 1.2.1's Python network API; its graph is checked on CPU against the validated decoding
+(network_oracle.py), and its TensorRT-LLM/TensorRT names against the pinned sources
+(scripts/check_trtllm_api.py). Neither the build nor the generation loop has been run (no GPU here).
 
 --kv-cache fp16 is the operator's fallback: the same folded weights with an unquantized KV cache
 (the fold is exact, so the model is unchanged); it builds from a copy of config.json with
@@ -37,15 +47,77 @@ def fp16_kv_view(ckpt: Path) -> Path:
     return view
 
 
+def _network_module():
+    """trtllm_network.py from beside this file (the bundle's copy), else from an installed kvcompress."""
+    here = Path(__file__).resolve().parent
+    if (here / "trtllm_network.py").is_file():
+        sys.path.insert(0, str(here))
+        import trtllm_network
+
+        return trtllm_network
+    from kvcompress.targets import trtllm_network
+
+    return trtllm_network
+
+
+def custom_tier(a) -> int:
+    tn = _network_module()
+    if a.run:
+        if not a.prompt:
+            print("error: --run needs --prompt", file=sys.stderr)
+            return 2
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
+            return 2
+        for text in tn.generate(Path(a.run), a.prompt, a.max_new_tokens):
+            print(text)
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("bundle", "plugin_lib", "out") if not getattr(a, n)]
+    if missing:
+        print(f"error: --tier custom needs {' '.join(missing)} (or --run ENGINE_DIR --prompt TEXT)", file=sys.stderr)
+        return 2
+    try:
+        spec = tn.load_spec(Path(a.bundle))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hf_dir = Path(a.hf_dir or spec["weights"]["hf_dir"] or "")
+    if not any(hf_dir.glob("*.safetensors")):
+        print(f"error: --hf-dir {hf_dir} has no *.safetensors (give the HF directory of the model the run validated)", file=sys.stderr)
+        return 2
+    if not Path(a.plugin_lib).is_file():
+        print(f"error: --plugin-lib {a.plugin_lib} does not exist (build it: plugins/CMakeLists.txt, or lib/<arch>/ in the bundle)", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
+        return 2
+    out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits)
+    print(f"custom-tier engine written to {out}; run it: python {Path(__file__).name} --tier custom --run {out} --prompt '...'")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--tier", choices=["native", "custom"], default="native")
+    ap.add_argument("--ckpt", help="native tier: export/trtllm_ckpt/tp<N>")
+    ap.add_argument("--out")
+    ap.add_argument("--bundle", help="custom tier: export/plugin_bundle")
+    ap.add_argument("--hf-dir", help="custom tier: the model's HF directory (default: network.json's weights.hf_dir)")
+    ap.add_argument("--plugin-lib", help="custom tier: libkvcompress_trt.so built for this GPU")
+    ap.add_argument("--splits", type=int, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
+    ap.add_argument("--run", help="custom tier: an engine directory to generate with")
+    ap.add_argument("--prompt", action="append", help="custom tier --run: a prompt (repeat for a batch)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--kv-cache", choices=["checkpoint", "fp16"], default="checkpoint",
                     help="checkpoint: the validated quantized KV cache; fp16: the rollback with an unquantized KV cache")
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--max-batch-size", type=int, default=64)
     a = ap.parse_args()
+    if a.tier == "custom":
+        return custom_tier(a)
+    if not a.ckpt or not a.out:
+        print("error: the native tier needs --ckpt and --out", file=sys.stderr)
+        return 2
     ckpt = Path(a.ckpt)
     if not (ckpt / "config.json").is_file():
         print(f"error: --ckpt {a.ckpt} has no config.json (expected export/trtllm_ckpt/tp<N>)", file=sys.stderr)

@@ -78,6 +78,9 @@ class Checks:
         self.rows.append({"check": name, "status": "passed" if passed else "failed", "detail": detail})
         return passed
 
+    def skip(self, name: str, why: str) -> None:
+        self.rows.append({"check": name, "status": "skipped", "detail": {"skipped": why}})
+
 
 def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
     """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with their SASS audit and C
@@ -134,7 +137,49 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
                    {"cases": res, "on a TensorRT host": f"python acceptance/{v.name}/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so"})
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
+    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     return {"variant": v.__dict__, "kernels": kernels}
+
+
+NETWORK_NEW_TOKENS = 8  # generated after the prompt in the network check
+
+
+def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Checks) -> dict:
+    """network.json + plugin_params.safetensors for build_engine.py --tier custom, and the CPU check of
+    that network's graph (trtllm_network.decoder_step, plugins = reference numerics) against
+    CompressedCache decoding of the same tokens on the run's model: a prompt of held-out text long
+    enough to cross the window into the compressed store, then greedy tokens."""
+    from kvcompress.kernels import plan
+    from kvcompress.targets import network_oracle as no
+
+    lm, cfg = run.lm, run.cfg
+    g = lm.geometry
+    kd = g.head_dim // 2 if variant["key_bits"] == 4 else g.head_dim
+    vd = g.head_dim // 2 if variant["value_bits"] == 4 else g.head_dim
+    token_bytes = kd + vd + 4 * (g.head_dim // variant["group"]) + 2 * variant["n_out"]
+    n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
+    splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
+    spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits)
+    no.write_network_files(out, spec, no.plugin_params(book))
+    hf_dir = spec["weights"]["hf_dir"]
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
+            "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
+    if lm.streamer is not None or not hf_dir or not any(Path(hf_dir).glob("*.safetensors")):
+        why = "streamed model: the CPU oracle would hold every layer" if lm.streamer is not None else "no HF weights directory (model built in code)"
+        checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
+        return info | {"check": {"skipped": why}}
+    text = " ".join(load_texts(cfg.eval).texts)
+    n = variant["n_sink"] + variant["window"] + 8
+    prompt = lm.tokenizer.encode(text)[:n]
+    res = no.check_network(out, Path(hf_dir), lm.model, book, prompt, NETWORK_NEW_TOKENS)
+    tol = cfg.export.recheck_abs_tol
+    res["kl_tolerance"] = tol
+    ok = res["kl_mean"] <= tol
+    checks.add(f"custom-tier network graph (CPU oracle of trtllm_network.decoder_step, reference plugins, fp16 weights) decodes like "
+               f"CompressedCache on {res['tokens']} tokens{' crossing into the compressed store' if res['crossed_into_store'] else ''}", ok, res)
+    if not ok:
+        raise UserError(f"export: the custom-tier network's CPU oracle differs from the validated decoding (mean KL {res['kl_mean']:.2e} > {tol:.1e}); nothing exported")
+    return info | {"check": res}
 
 
 def _compile_launchers(kdir: Path, files: list[Path], arch: str, checks: Checks) -> None:
@@ -289,6 +334,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
             "tier": "custom", "what": f"full kvcompress format {primary.spec.name}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",
             "validated_as": primary.spec.name, "verdict": report["verdict"], **plugin_bundle(primary, geom, out / "plugin_bundle", ecfg.archs, checks, run.dir / "kv_stats.safetensors"),
         }
+        artifacts["plugin_bundle"]["network"] = custom_network(run, primary, artifacts["plugin_bundle"]["variant"], out / "plugin_bundle", checks)
 
     # ---- checks: read back and re-measure what was written
     windows, base = run.baseline if run.baseline and run.baseline[1] is not None else (None, None)
@@ -331,6 +377,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values")}, "fold_guard": hf_guard, "remeasured": c_hf,
     }
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
+    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {

@@ -1,0 +1,162 @@
+"""CPU oracle of the custom-tier TensorRT-LLM network, and its check against the validated path.
+
+`TorchGraph` runs `trtllm_network.decoder_step` -- the same function that adds the TensorRT layers --
+eagerly with torch on CPU, the two plugins replaced by the acceptance kit's reference ops (the
+numerics the kernels are tested against). `check_network` drives it with the same greedy loop the
+engine's `generate` uses and compares its logits, step by step, with transformers' model decoding
+token by token through `CompressedCache` (the path validate measures). Agreement shows the graph's
+wiring -- RoPE convention, GQA head layout, append-then-read order, lens + 1, residuals, the MLP, tied
+embeddings -- is the validated model's; what it cannot show is TensorRT's own execution (not run here).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcompress.kernels import ops
+from kvcompress.targets import trtllm_network as tn
+from kvcompress.targets.acceptance import APPEND_INPUTS, APPEND_OUTPUTS, INPUTS, reference_append, reference_output
+
+DT = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
+
+
+class TorchGraph:
+    """decoder_step's ops, eagerly, in the dtypes the TensorRT network declares."""
+
+    def const(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+    def gather(self, table, idx):
+        return table[idx.long()]
+
+    def matmul(self, a, b, transpose_b: bool = False):
+        b = b.transpose(-1, -2) if transpose_b else b
+        if a.dtype == torch.float16:  # fp16 inputs, fp32 accumulation, fp16 result (as a GPU GEMM)
+            return (a.float() @ b.float()).half()
+        return a @ b
+
+    def add(self, a, b):
+        return a + b
+
+    def mul(self, a, b):
+        return a * b
+
+    def div(self, a, b):
+        return a / b
+
+    def cast(self, x, dtype: str):
+        return x.to(DT[dtype])
+
+    def reshape(self, x, dims):
+        return x.reshape([x.shape[j] if d == 0 else d for j, d in enumerate(dims)])
+
+    def mean_last(self, x):
+        return x.mean(-1, keepdim=True)
+
+    def sqrt(self, x):
+        return x.sqrt()
+
+    def sigmoid(self, x):
+        return torch.sigmoid(x.float()).to(x.dtype)
+
+    def plugin(self, name: str, inputs: list, fields: dict, n_out: int):
+        x = [t.numpy() for t in inputs]
+        if name == "KvcAppend":
+            out = reference_append(dict(zip(APPEND_INPUTS, x)))
+            return [torch.from_numpy(out[k]) for k in APPEND_OUTPUTS]
+        if name == "KvcDecodeAttention":
+            return [torch.from_numpy(reference_output(dict(zip(INPUTS, x)), fields["sm_scale"]))]
+        raise KeyError(name)
+
+
+def plugin_params(book) -> dict[str, np.ndarray]:
+    """The per-layer plugin constants of a ScaleBook (what the export writes to plugin_params.safetensors)."""
+    per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
+    return {"k_scale": torch.stack([p[0] for p in per]).numpy(), "k_zero": torch.stack([p[1] for p in per]).numpy(),
+            "k_zero_masked": torch.stack([p[2] for p in per]).numpy(), "outlier_idx": torch.stack([p[3] for p in per]).numpy()}
+
+
+def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: int) -> dict:
+    """network.json: what build_engine --tier custom needs besides the weights and the plugin constants.
+    RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses)."""
+    from kvcompress.targets.trtllm_ckpt import trtllm_config
+    from kvcompress.targets.trtllm_reader import rope_inv_freq
+
+    rc = trtllm_config(hf_config, geom, 1, "float16", None)
+    inv = rope_inv_freq(geom.head_dim, rc["rotary_base"], rc["rotary_scaling"])
+    return {
+        "arch": {"n_layers": hf_config.num_hidden_layers, "n_heads": hf_config.num_attention_heads,
+                 "n_kv_heads": book.geometry["n_kv_heads"], "head_dim": book.geometry["head_dim"], "hidden": hf_config.hidden_size,
+                 "vocab_size": hf_config.vocab_size, "rms_eps": float(hf_config.rms_norm_eps), "model_type": hf_config.model_type},
+        "rope_inv_freq": [float(f) for f in inv],
+        "variant": {"name": variant["name"], "n_sink": variant["n_sink"], "window": variant["window"], "key_bits": variant["key_bits"],
+                    "value_bits": variant["value_bits"], "group": variant["group"], "n_out": variant["n_out"]},
+        "splits": splits,
+        "format": book.spec.name,
+        "weights": {"hf_dir": identity.get("weights_cache") or identity.get("path"), "identity": identity},
+    }
+
+
+def empty_past(spec: dict, B: int, cap: int) -> list[list[torch.Tensor]]:
+    a = spec["arch"]
+    tails = tn.cache_tails(spec["variant"], a["n_kv_heads"], a["head_dim"], cap)
+    return [[torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.CACHE] for _ in range(a["n_layers"])]
+
+
+def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1):
+    """The engine's greedy loop on the CPU oracle: (token lists, logits [steps, B, V])."""
+    cap = tn.store_capacity(spec, max_seq_len)
+    state = {"past": empty_past(spec, len(seqs), cap)}
+    g = TorchGraph()
+
+    def step(ids, lens):
+        logits, present = tn.decoder_step(g, spec, W, P, torch.tensor(ids, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                                          state["past"], cap, splits, max_seq_len)
+        state["past"] = present  # past and present are the same buffers on the engine
+        return logits
+
+    with torch.no_grad():
+        return tn.greedy_loop(step, seqs, max_new_tokens)
+
+
+@torch.no_grad()
+def validated_logits(model, book, ids: list[int]) -> torch.Tensor:
+    """transformers' model decoding `ids` one token per call through CompressedCache: logits [T, V]."""
+    from kvcompress.cache import CompressedCache
+
+    cache, out = CompressedCache(book), []
+    for t, tok in enumerate(ids):
+        o = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, position_ids=torch.tensor([[t]]))
+        out.append(o.logits[0, -1].float())
+    return torch.stack(out)
+
+
+def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int], max_new_tokens: int) -> dict:
+    """Oracle (the network graph, reference plugins, fp16 weights) vs CompressedCache decoding of the
+    same tokens: per-step KL(validated || oracle), top-1 agreement, and whether the tokens crossed the
+    window into the compressed store."""
+    t0 = time.time()
+    spec = tn.load_spec(bundle)
+    W, P = tn.load_hf_weights(hf_dir, spec), tn.load_plugin_params(bundle)
+    n = len(prompt_ids) + max_new_tokens
+    toks, logits = oracle_generate(spec, W, P, [prompt_ids], max_new_tokens, max_seq_len=n + 1)
+    ref_logits = validated_logits(model, book, toks[0][:-1])
+    got = logits[:, 0]
+    lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(got, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    v = spec["variant"]
+    return {"tokens": len(toks[0]) - 1, "crossed_into_store": len(toks[0]) - 1 > v["n_sink"] + v["window"],
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float((ref_logits.argmax(-1) == got.argmax(-1)).float().mean()),
+            "max_abs_logit_diff": float((ref_logits - got).abs().max()), "seconds": round(time.time() - t0, 1)}
+
+
+def write_network_files(out: Path, spec: dict, params: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(params, str(out / tn.PARAMS_FILE))
+    (out / tn.SPEC_FILE).write_text(json.dumps(spec, indent=2))

@@ -1,0 +1,349 @@
+"""The custom tier as a TensorRT-LLM network: a Llama decoder whose attention is the two kvcompress
+plugins (KvcAppend writes the new token into the packed cache, KvcDecodeAttention reads it).
+
+One description, two backends:
+* `TrtGraph` adds TensorRT layers to the `INetworkDefinition` of a TensorRT-LLM 1.2.1 `Network`
+  (`build_engine`, then `generate` runs the engine with `tensorrt_llm.runtime.Session`). NOT RUN
+  where kvcompress is developed (no GPU, no TensorRT); every TensorRT-LLM and TensorRT name it uses
+  is checked against the pinned sources by `scripts/check_trtllm_api.py` (result in
+  `export/TRTLLM_API_CHECK.md`).
+* `kvcompress.targets.network_oracle.TorchGraph` runs the same `decoder_step` eagerly on CPU with the
+  plugins replaced by the reference numerics: the tests and every custom-tier export check it against
+  `CompressedCache` decoding (the validated path), so the graph's wiring is verified here.
+
+The engine runs one token per sequence per call (a generation step). The plugin owns a contiguous
+per-sequence cache: 9 buffers per layer (layout of `kvcompress.kernels.layout.PackedKV`), engine inputs
+`past.<layer>.<buffer>` and outputs `present.<layer>.<buffer>` (KvcAppend's outputs, aliased to its
+inputs), bound to the same device memory, plus `lens` [B] (tokens cached before this one; the
+network adds 1 for the attention read) and `input_ids` [B]. Prompts are fed one token per step.
+
+This file is copied into the plugin bundle next to build_engine.py; it imports only numpy at
+module level (torch, tensorrt, tensorrt_llm, safetensors inside the functions that need them).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+PINNED_TRTLLM = "1.2.1"
+PINNED_TRT = "10.13.3"
+NAMESPACE = "kvcompress"
+CACHE = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
+SPEC_FILE = "network.json"
+PARAMS_FILE = "plugin_params.safetensors"
+
+
+def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int, int, int], str]]:
+    """Per-sequence shape [H, rows, cols] and dtype of each cache buffer (PackedKV.empty's layout)."""
+    kd = D // 2 if v["key_bits"] == 4 else D
+    vd = D // 2 if v["value_bits"] == 4 else D
+    ng = D // v["group"]
+    ns, w, n_out = v["n_sink"], v["window"], v["n_out"]
+    return {
+        "sink_k": ((H, ns, D), "float16"), "sink_v": ((H, ns, D), "float16"),
+        "win_k": ((H, w, D), "float16"), "win_v": ((H, w, D), "float16"),
+        "k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
+        "v_payload": ((H, cap, vd), "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
+    }
+
+
+def store_capacity(spec: dict, max_seq_len: int) -> int:
+    """Compressed-store slots for sequences of up to max_seq_len tokens (the rest are sinks and window)."""
+    v = spec["variant"]
+    return max(1, max_seq_len - v["n_sink"] - v["window"])
+
+
+def rope_tables(inv_freq: np.ndarray, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_pos, D] float32 for GPT-NeoX rotation (channel pairs (d, d + D/2))."""
+    ang = np.arange(n_pos, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rotate_half_matrix(D: int) -> np.ndarray:
+    """R [1, D, D] with x @ R = concat(-x[D/2:], x[:D/2]) (exact: entries 0 and +-1)."""
+    R = np.zeros((D, D), np.float32)
+    h = D // 2
+    R[np.arange(h) + h, np.arange(h)] = -1.0
+    R[np.arange(h), np.arange(h) + h] = 1.0
+    return R[None]
+
+
+def load_spec(bundle: Path) -> dict:
+    p = Path(bundle) / SPEC_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} is missing: --bundle must be an export's plugin_bundle/ (custom tier)")
+    return json.loads(p.read_text())
+
+
+def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
+    """The Llama weights of an HF directory (*.safetensors) as fp16 numpy arrays under short names."""
+    import torch  # bf16 checkpoints: numpy cannot read them
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
+    raw = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    a = spec["arch"]
+    p = "model."
+    if p + "embed_tokens.weight" not in raw:
+        raise KeyError(f"{hf_dir}: not a Llama checkpoint (no model.embed_tokens.weight)")
+
+    def get(name):
+        return raw[name].to(dtype=torch.float16).numpy()
+
+    w = {"embed": get(p + "embed_tokens.weight"), "norm": get(p + "norm.weight")[None]}
+    w["lm_head"] = get("lm_head.weight") if "lm_head.weight" in raw else w["embed"]
+    for i in range(a["n_layers"]):
+        t = f"{p}layers.{i}."
+        w |= {f"{i}.ln1": get(t + "input_layernorm.weight")[None], f"{i}.ln2": get(t + "post_attention_layernorm.weight")[None],
+              f"{i}.wq": get(t + "self_attn.q_proj.weight"), f"{i}.wk": get(t + "self_attn.k_proj.weight"),
+              f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight"),
+              f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
+        if any(f"{t}self_attn.{n}_proj.bias" in raw for n in "qkvo"):
+            raise ValueError(f"{hf_dir}: attention biases are not in this network (Llama without biases only)")
+    return w
+
+
+def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
+    """Per-layer plugin constants written by the export: k_scale, k_zero, k_zero_masked [L, H, D] fp32, outlier_idx [L, H, N] int32."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(bundle) / PARAMS_FILE))
+
+
+def _rms_norm(g, x, w, eps: float):
+    """Llama RMSNorm: fp32 statistics, the normalised row cast back to fp16, times the fp16 weight."""
+    x32 = g.cast(x, "float32")
+    var = g.mean_last(g.mul(x32, x32))
+    r = g.div(x32, g.sqrt(g.add(var, g.const(np.full((1, 1), eps, np.float32)))))
+    return g.mul(g.cast(r, "float16"), g.const(w))
+
+
+def _rope(g, x, cos, sin, R):
+    """x [B, H, D] fp16 -> x cos + rotate_half(x) sin, in fp32, back to fp16."""
+    x32 = g.cast(x, "float32")
+    return g.cast(g.add(g.mul(x32, cos), g.mul(g.matmul(x32, R), sin)), "float16")
+
+
+def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
+    """One generation step: ids [B] int32, lens [B] int32 (tokens cached before this one), past[layer] =
+    the 9 cache buffers. Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
+    a = spec["arch"]
+    H, HKV, D, L = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["n_layers"]
+    eps = float(a["rms_eps"])
+    cos_t, sin_t = rope_tables(np.asarray(spec["rope_inv_freq"], np.float32), n_pos)
+    R = g.const(rotate_half_matrix(D))
+    x = g.gather(g.const(W["embed"]), ids)  # [B, hidden]
+    cos = g.reshape(g.gather(g.const(cos_t), lens), (0, 1, D))
+    sin = g.reshape(g.gather(g.const(sin_t), lens), (0, 1, D))
+    lens1 = g.add(lens, g.const(np.ones((1,), np.int32)))  # the attention reads the new token too
+    present = []
+    for i in range(L):
+        h = _rms_norm(g, x, W[f"{i}.ln1"], eps)
+        q = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wq"]), transpose_b=True), (0, H, D)), cos, sin, R)
+        k = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wk"]), transpose_b=True), (0, HKV, D)), cos, sin, R)
+        vv = g.reshape(g.matmul(h, g.const(W[f"{i}.wv"]), transpose_b=True), (0, HKV, D))
+        ks, kz, kzm, idx = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked", "outlier_idx"))
+        new = g.plugin("KvcAppend", [k, vv, ks, kz, idx, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(CACHE))
+        att = g.plugin("KvcDecodeAttention", [q, ks, kzm, idx, *new, lens1],
+                       {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1)[0]
+        att = g.reshape(g.cast(att, "float16"), (0, H * D))
+        x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
+        h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
+        gate = g.matmul(h, g.const(W[f"{i}.wg"]), transpose_b=True)
+        up = g.matmul(h, g.const(W[f"{i}.wu"]), transpose_b=True)
+        x = g.add(x, g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), g.const(W[f"{i}.wd"]), transpose_b=True))
+        present.append(new)
+    x = _rms_norm(g, x, W["norm"][0], eps)
+    return g.cast(g.matmul(x, g.const(W["lm_head"]), transpose_b=True), "float32"), present
+
+
+# --------------------------------------------------------------------------------------------------
+# TensorRT backend (runs only where tensorrt and tensorrt_llm==1.2.1 are installed; not run here)
+
+class TrtGraph:
+    """decoder_step's ops as TensorRT layers on the INetworkDefinition of a TensorRT-LLM Network."""
+
+    def __init__(self, trt_network, registry):
+        import tensorrt as trt
+
+        self.trt, self.net, self.registry, self.keep = trt, trt_network, registry, []
+
+    def _dtype(self, name: str):
+        return {"float16": self.trt.float16, "float32": self.trt.float32, "int32": self.trt.int32}[name]
+
+    def const(self, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        self.keep.append(arr)  # TensorRT reads the weights at build time; keep them alive until then
+        return self.net.add_constant(arr.shape, self.trt.Weights(arr)).get_output(0)
+
+    def gather(self, table, idx):
+        return self.net.add_gather(table, idx, 0).get_output(0)
+
+    def matmul(self, a, b, transpose_b: bool = False):
+        op = self.trt.MatrixOperation
+        return self.net.add_matrix_multiply(a, op.NONE, b, op.TRANSPOSE if transpose_b else op.NONE).get_output(0)
+
+    def _ew(self, a, b, op):
+        return self.net.add_elementwise(a, b, op).get_output(0)
+
+    def add(self, a, b):
+        return self._ew(a, b, self.trt.ElementWiseOperation.SUM)
+
+    def mul(self, a, b):
+        return self._ew(a, b, self.trt.ElementWiseOperation.PROD)
+
+    def div(self, a, b):
+        return self._ew(a, b, self.trt.ElementWiseOperation.DIV)
+
+    def cast(self, x, dtype: str):
+        return self.net.add_cast(x, self._dtype(dtype)).get_output(0)
+
+    def reshape(self, x, dims):
+        layer = self.net.add_shuffle(x)
+        layer.reshape_dims = tuple(dims)  # 0 copies the input's dimension
+        return layer.get_output(0)
+
+    def mean_last(self, x):
+        return self.net.add_reduce(x, self.trt.ReduceOperation.AVG, 1 << (len(x.shape) - 1), True).get_output(0)
+
+    def sqrt(self, x):
+        return self.net.add_unary(x, self.trt.UnaryOperation.SQRT).get_output(0)
+
+    def sigmoid(self, x):
+        return self.net.add_activation(x, self.trt.ActivationType.SIGMOID).get_output(0)
+
+    def plugin(self, name: str, inputs: list, fields: dict, n_out: int):
+        trt = self.trt
+        creator = self.registry.get_creator(name, "1", NAMESPACE)
+        if creator is None:
+            raise RuntimeError(f"plugin {NAMESPACE}::{name} v1 is not registered: load libkvcompress_trt.so first (--plugin-lib)")
+        pf = [trt.PluginField(k, np.array([val], np.float32 if isinstance(val, float) else np.int32),
+                              trt.PluginFieldType.FLOAT32 if isinstance(val, float) else trt.PluginFieldType.INT32) for k, val in fields.items()]
+        plugin = creator.create_plugin(name, trt.PluginFieldCollection(pf), trt.TensorRTPhase.BUILD)
+        layer = self.net.add_plugin_v3(inputs, [], plugin)
+        return [layer.get_output(j) for j in range(n_out)]
+
+    def output(self, name: str, x):
+        x.name = name
+        self.net.mark_output(x)
+
+
+def engine_io(spec: dict, cap: int) -> dict[str, tuple[tuple, str]]:
+    """Engine inputs with their per-sequence shapes (after the batch dimension) and dtypes."""
+    a = spec["arch"]
+    io = {"input_ids": ((), "int32"), "lens": ((), "int32")}
+    for i in range(a["n_layers"]):
+        for c, (tail, dt) in cache_tails(spec["variant"], a["n_kv_heads"], a["head_dim"], cap).items():
+            io[f"past.{i}.{c}"] = (tail, dt)
+    return io
+
+
+def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_batch: int, max_seq_len: int, splits: int | None = None) -> Path:
+    """Build the custom-tier engine with TensorRT-LLM's Builder; writes out/rank0.engine and out/config.json."""
+    import ctypes
+    from collections import OrderedDict
+
+    import tensorrt as trt
+    from tensorrt_llm.builder import Builder
+    from tensorrt_llm.functional import Tensor
+    from tensorrt_llm.network import net_guard
+
+    spec = load_spec(bundle)
+    W, P = load_hf_weights(hf_dir, spec), load_plugin_params(bundle)
+    cap = store_capacity(spec, max_seq_len)
+    splits = splits or spec["splits"]
+    ctypes.CDLL(str(plugin_lib), mode=ctypes.RTLD_GLOBAL)  # the library's static registrar adds both creators
+    builder = Builder()
+    network = builder.create_network()
+    dt = {"float16": trt.float16, "int32": trt.int32, "int8": trt.int8, "uint8": trt.uint8}
+    opt = max(1, max_batch // 2)
+    with net_guard(network):
+        g = TrtGraph(network.trt_network, trt.get_plugin_registry())
+        inputs = {}
+        for name, (tail, dtype) in engine_io(spec, cap).items():
+            dims = OrderedDict([("batch_size", [(1, opt, max_batch)])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
+            inputs[name] = Tensor(name=name, dtype=dt[dtype], shape=[-1, *tail], dim_range=dims).trt_tensor
+        past = [[inputs[f"past.{i}.{c}"] for c in CACHE] for i in range(spec["arch"]["n_layers"])]
+        logits, present = decoder_step(g, spec, W, P, inputs["input_ids"], inputs["lens"], past, cap, splits, max_seq_len)
+        g.output("logits", logits)
+        for i, bufs in enumerate(present):
+            for c, t in zip(CACHE, bufs):
+                g.output(f"present.{i}.{c}", t)
+    config = builder.create_builder_config(precision="float16", strongly_typed=True)
+    config.trt_builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # KvcAppend writes in place
+    engine = builder.build_engine(network, config)
+    if engine is None:
+        raise RuntimeError("TensorRT-LLM's Builder.build_engine returned no engine (see the TensorRT log above)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rank0.engine").write_bytes(bytes(engine))
+    (out / "config.json").write_text(json.dumps({"kvcompress_custom_tier": spec, "max_batch": max_batch, "max_seq_len": max_seq_len,
+                                                 "cap": cap, "splits": splits, "hf_dir": str(hf_dir), "plugin_lib": str(plugin_lib)}, indent=2))
+    return out
+
+
+def generate(engine_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy generation with the custom-tier engine: the prompt is fed one token per step (the engine
+    has generation steps only), then tokens are generated; past and present share the cache buffers."""
+    import ctypes
+
+    import tensorrt as trt
+    import torch
+    from tensorrt_llm.runtime.session import Session, TensorInfo
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    spec, cap = cfg["kvcompress_custom_tier"], cfg["cap"]
+    ctypes.CDLL(cfg["plugin_lib"], mode=ctypes.RTLD_GLOBAL)
+    tok = AutoTokenizer.from_pretrained(cfg["hf_dir"])
+    session = Session.from_serialized_engine((Path(engine_dir) / "rank0.engine").read_bytes())
+    seqs = [tok.encode(p) for p in prompts]
+    B = len(seqs)
+    if B > cfg["max_batch"] or max(map(len, seqs)) + max_new_tokens > cfg["max_seq_len"]:
+        raise ValueError(f"{B} prompts / {max(map(len, seqs)) + max_new_tokens} tokens exceed the engine's max_batch {cfg['max_batch']} / max_seq_len {cfg['max_seq_len']}")
+    tdt = {"float16": torch.float16, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
+    bufs = {n: torch.zeros((B, *tail), dtype=tdt[d], device="cuda") for n, (tail, d) in engine_io(spec, cap).items()}
+    trt_dt = {torch.float16: trt.float16, torch.int32: trt.int32, torch.int8: trt.int8, torch.uint8: trt.uint8}
+    session.infer_shapes([TensorInfo(n, trt_dt[t.dtype], tuple(t.shape)) for n, t in bufs.items()])
+    logits = torch.empty(B, spec["arch"]["vocab_size"], dtype=torch.float32, device="cuda")
+    outputs = {"logits": logits} | {n.replace("past.", "present.", 1): t for n, t in bufs.items() if n.startswith("past.")}
+    stream = torch.cuda.current_stream()
+
+    def step(ids: list[int], lens: list[int]):
+        bufs["input_ids"].copy_(torch.tensor(ids, dtype=torch.int32))
+        bufs["lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        if not session.run(bufs, outputs, stream.cuda_stream):
+            raise RuntimeError("TensorRT enqueue failed")
+        stream.synchronize()
+        return logits.float().cpu()
+
+    out_ids, _ = greedy_loop(step, seqs, max_new_tokens)
+    return [tok.decode(o[len(s):]) for o, s in zip(out_ids, seqs)]
+
+
+def greedy_loop(step, seqs: list[list[int]], max_new_tokens: int):
+    """Drive a one-token-per-sequence step function: step(ids [B], lens [B]) -> logits [B, V] (torch).
+    Each sequence feeds its prompt one token per step, then its own greedy tokens. Returns (the token
+    lists, prompt + generated; per-step logits [steps, B, V]). Sequences that finish early keep
+    stepping on their last token; those steps' outputs are ignored."""
+    import torch
+
+    out = [list(s) for s in seqs]
+    pos = [0] * len(seqs)
+    history = []
+    for _ in range(max(map(len, seqs)) + max_new_tokens - 1):
+        feed = [o[p] if p < len(o) else o[-1] for o, p in zip(out, pos)]
+        logits = step(feed, list(pos))
+        history.append(logits)
+        top = logits.argmax(-1).tolist()
+        for b, o in enumerate(out):
+            if pos[b] == len(o) - 1 and len(o) < len(seqs[b]) + max_new_tokens:
+                o.append(int(top[b]))
+            pos[b] += 1
+    return out, torch.stack(history)

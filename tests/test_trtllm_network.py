@@ -1,0 +1,99 @@
+"""The custom-tier TensorRT-LLM network (kvcompress/targets/trtllm_network.py), verified on CPU through
+its oracle: the same decoder_step with the plugins replaced by the reference numerics must decode
+like transformers' model through CompressedCache (the validated path). TensorRT itself is not run."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, fitted_book, tiny_lm
+
+from kvcompress.kernels.layout import PackedKV
+from kvcompress.targets import network_oracle as no
+from kvcompress.targets import trtllm_network as tn
+from kvcompress.targets.trtllm_reader import rope_inv_freq
+
+SPEC = dict(key={"bits": 8, "granularity": "channel", "symmetric": True, "clip": "mse", "tie_rope_pairs": True},
+            value={"bits": 4, "granularity": "token", "group_size": 16, "symmetric": False}, window=6, sink_tokens=2)
+
+
+def _bundle(tmp_path, lm, book, spec_overrides=None):
+    hf = tmp_path / "hf"
+    lm.model.save_pretrained(str(hf), safe_serialization=True)
+    g = book.geometry
+    variant = {"name": "test", "head_dim": g["head_dim"], "gqa": g["n_heads"] // g["n_kv_heads"], "key_bits": book.spec.key.bits,
+               "value_bits": book.spec.value.bits, "group": book.value_group, "n_sink": book.spec.sink_tokens, "window": book.spec.window,
+               "n_out": book.spec.outlier_channels}
+    cfg = lm.model.config
+    spec = no.network_spec(book, variant, cfg, lm.geometry, {"path": str(hf)}, splits=2)
+    spec |= spec_overrides or {}
+    no.write_network_files(tmp_path / "bundle", spec, no.plugin_params(book))
+    return tmp_path / "bundle", hf
+
+
+@pytest.mark.parametrize("kw", [{}, {"outlier_channels": 2}, {"key": {"bits": 4, "granularity": "channel", "symmetric": False, "clip": "mse", "tie_rope_pairs": True}}],
+                         ids=["int8k_int4v", "outliers", "int4k"])
+def test_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **(SPEC | kw))
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["tokens"] == 19
+    # fp16 weights and fp16 GEMM outputs in the graph vs the fp32 model: small, not zero (the random
+    # tiny model's logits are nearly flat, so top-1 can flip on a near-tie; the embedded model's export checks it)
+    assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+
+
+def test_a_wrong_rope_convention_is_caught(tmp_path):
+    """Negative: the check is not vacuous -- the graph with a reversed RoPE frequency table (a wiring
+    error an engine could ship) is separated from fp16 rounding by more than 10x in KL, on the same
+    tiny random model whose nearly flat logits make every difference small."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    g = book.geometry
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    good = no.check_network(*_bundle(tmp_path / "good", lm, book), lm.model, book, prompt, max_new_tokens=8)
+    wrong = rope_inv_freq(g["head_dim"], g["rope_theta"], None).flip(0)
+    bad = no.check_network(*_bundle(tmp_path / "bad", lm, book, {"rope_inv_freq": [float(f) for f in wrong]}), lm.model, book, prompt, max_new_tokens=8)
+    assert bad["kl_mean"] > 10 * good["kl_mean"], (good, bad)
+
+
+def test_cache_tails_are_the_kernel_layout():
+    v = {"key_bits": 4, "value_bits": 4, "group": 16, "n_sink": 3, "window": 5, "n_out": 2}
+    kv = PackedKV.empty(2, 4, 64, 11, n_sink=3, window=5, n_out=2, key_bits=4, value_bits=4, group=16)
+    for name, (tail, dtype) in tn.cache_tails(v, 4, 64, 11).items():
+        t = getattr(kv, name)
+        assert tuple(t.shape[1:]) == tail and str(t.dtype).removeprefix("torch.") == dtype, name
+
+
+def test_rotate_half_matrix_and_rope_tables():
+    D = 8
+    x = np.arange(D, dtype=np.float32)[None, None]
+    np.testing.assert_array_equal((x @ tn.rotate_half_matrix(D))[0, 0], np.concatenate([-x[0, 0, D // 2:], x[0, 0, :D // 2]]))
+    inv = rope_inv_freq(D, 10000.0, None).numpy()
+    cos, sin = tn.rope_tables(inv, 5)
+    assert cos.shape == (5, D) and np.allclose(cos[3, : D // 2], np.cos(3 * inv)) and np.allclose(sin[3, D // 2:], np.sin(3 * inv))
+
+
+def test_greedy_loop_feeds_prompts_then_its_own_tokens():
+    seen = []
+
+    def step(ids, lens):
+        seen.append((ids, lens))
+        return torch.nn.functional.one_hot(torch.tensor([i + 1 for i in ids]) % 50, 50).float()
+
+    out, logits = tn.greedy_loop(step, [[5, 6, 7], [9]], max_new_tokens=2)
+    assert out == [[5, 6, 7, 8, 9], [9, 10, 11]] and logits.shape == (4, 2, 50)
+    assert [s[1] for s in seen] == [[0, 0], [1, 1], [2, 2], [3, 3]] and seen[1][0] == [6, 10]
+
+
+def test_build_engine_custom_tier_fails_clearly_without_trtllm(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "export" / "build_engine.py"), "--tier", "custom", "--bundle", str(tmp_path),
+                        "--hf-dir", str(tmp_path), "--plugin-lib", str(tmp_path / "x.so"), "--out", str(tmp_path / "e")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "network.json" in r.stderr, r.stderr
