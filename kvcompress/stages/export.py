@@ -388,6 +388,9 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "engine_built": False,
         "engine_reason": why,
         "next_step_on_gpu_host": f"python export/build_engine.py --ckpt {ckpt0} --out engine   (tensorrt_llm=={TRTLLM_VERSION}; the native tier)",
+        **({"next_step_custom_tier_on_gpu_host": "cd export/plugin_bundle && python acceptance/<variant>/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so; "
+            "python build_engine.py --tier custom --bundle . --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom; "
+            "python build_engine.py --tier custom --run engine_custom --prompt 'Hello'   (tensorrt_llm==1.2.1; not run here)"} if "plugin_bundle" in artifacts else {}),
         "fallback_fp16_kv": f"python export/build_engine.py --ckpt {ckpt0} --out engine_fp16kv --kv-cache fp16"
         "   (the same folded weights with an unquantized KV cache: a rollback without re-exporting)",
         "not_verified_here": {
@@ -398,6 +401,9 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
                                         "development time (plugins/README.md); never run (no TensorRT runtime or GPU here)"),
             "kernel speed": "needs a GPU (scripts/bench_decode_attention.py); predicted from the compiled code by scripts/predict_decode.py",
             "ONNX acceptance kit on TensorRT": "plugin_bundle/acceptance/<variant>/verify.py needs a TensorRT host with a GPU; only its CPU check ran here",
+            "custom-tier TensorRT-LLM engine": ("build_engine.py --tier custom (network: trtllm_network.py) was not run: no TensorRT-LLM or GPU here; "
+                                                "its graph ran on CPU with the reference plugins (see checks), its TensorRT names were checked "
+                                                "against TensorRT v10.13.3's bindings and its TensorRT-LLM names by reading the source (export/TRTLLM_API_CHECK.md)"),
         },
         # every file the export wrote (checkpoints, kernels, launchers, audit, plugin sources, acceptance kit), hashed
         "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
