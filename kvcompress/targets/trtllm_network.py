@@ -268,7 +268,7 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
         g = TrtGraph(network.trt_network, trt.get_plugin_registry())
         inputs = {}
         for name, (tail, dtype) in engine_io(spec, cap).items():
-            dims = OrderedDict([("batch_size", [(1, opt, max_batch)])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
+            dims = OrderedDict([("batch_size", [[1, opt, max_batch]])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
             inputs[name] = Tensor(name=name, dtype=dt[dtype], shape=[-1, *tail], dim_range=dims).trt_tensor
         past = [[inputs[f"past.{i}.{c}"] for c in CACHE] for i in range(spec["arch"]["n_layers"])]
         logits, present = decoder_step(g, spec, W, P, inputs["input_ids"], inputs["lens"], past, cap, splits, max_seq_len)
