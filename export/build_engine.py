@@ -66,6 +66,9 @@ def custom_tier(a) -> int:
         if not a.prompt:
             print("error: --run needs --prompt", file=sys.stderr)
             return 2
+        if not (Path(a.run) / "rank0.engine").is_file() or not (Path(a.run) / "config.json").is_file():
+            print(f"error: --run {a.run} has no rank0.engine + config.json (build one with --tier custom --out DIR)", file=sys.stderr)
+            return 2
         if importlib.util.find_spec("tensorrt_llm") is None:
             print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
             return 2
