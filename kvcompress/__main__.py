@@ -47,8 +47,11 @@ def check_overrides(argv: list[str]) -> None:
             if not OmegaConf.is_dict(sub) or leaf not in sub:
                 known = ", ".join(sub.keys()) if OmegaConf.is_dict(sub) else "(none)"
                 fail(f"{key} is not a known key of {group}={selected[group]}; known keys here: {known}")
-        elif group not in GROUPS and key not in top:
+        elif group not in GROUPS and group not in top:
             fail(f"{key} is not a known key; known top-level keys: {', '.join(k for k in top if k != 'defaults')}, {', '.join(GROUPS)}")
+        elif group not in GROUPS and rest and not (OmegaConf.is_dict(top[group]) and rest in top[group]):
+            known = ", ".join(top[group].keys()) if OmegaConf.is_dict(top[group]) else "(none)"
+            fail(f"{key} is not a known key of {group}; known keys here: {known}")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -41,8 +41,8 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, book: ScaleBook, layer_idx: int):
         super().__init__()
         self.p = book.key_params(layer_idx)
-        self.spec = book.spec
-        self.group = book.value_group
+        self.spec = book.layer_spec(layer_idx)
+        self.group = book.value_group(layer_idx)
         self.n_tokens = 0
         self.sink_k = self.sink_v = self.win_k = self.win_v = None
         self.store: dict[str, torch.Tensor | None] = dict.fromkeys(_STORE)
@@ -132,6 +132,20 @@ class _Fp16Layer(DynamicLayer):
         return {"fp16_tokens": n, "static": 0}
 
 
+class _HpLayer(_Fp16Layer):
+    """An fp16 layer of a per-layer format: every token stored in fp16 (as the byte accounting
+    counts it); decode reads the fp16 form, a prefill chunk reads itself exactly (as CompressedLayer)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        dt, C = key_states.dtype, key_states.shape[-2]
+        keys, values = super().update(key_states.to(ref.HP_DTYPE), value_states.to(ref.HP_DTYPE), *args, **kwargs)
+        keys, values = keys.to(dt), values.to(dt)
+        if C > 1:
+            keys = torch.cat([keys[..., :-C, :], key_states], dim=-2)
+            values = torch.cat([values[..., :-C, :], value_states], dim=-2)
+        return keys, values
+
+
 class CompressedCache(Cache):
     """A transformers Cache holding a ScaleBook's compressed format (see module docstring)."""
 
@@ -145,7 +159,11 @@ class CompressedCache(Cache):
             raise UserError(f"kv.key.group_tokens={book.spec.key.group_tokens} (KIVI-style keys) is a comparison format simulated in validate only; "
                             "CompressedCache holds the kvcompress format")
         n = book.geometry["n_layers"]
-        layers = [_Fp16Layer() for _ in range(n)] if book.spec.is_baseline else [CompressedLayer(book, i) for i in range(n)]
+        # per-layer formats: an fp16 layer holds every token in fp16
+        if book.spec.is_baseline:
+            layers = [_Fp16Layer() for _ in range(n)]
+        else:
+            layers = [_HpLayer() if book.layer_spec(i).is_baseline else CompressedLayer(book, i) for i in range(n)]
         super().__init__(layers=layers)
         self.book = book
 

@@ -13,9 +13,9 @@ import re
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcompress.errors import UserError
-from kvcompress.spec import ALGO_FORMAT, NATIVE_ALGO, Frozen, KVSpec, native_spec
+from kvcompress.spec import ALGO_FORMAT, NATIVE_ALGO, Frozen, KVSpec, LayerFormat, native_spec
 
-STAGES = ("profile", "fit", "validate", "export")
+STAGES = ("profile", "fit", "tune", "validate", "export")
 
 
 class TinyModelConfig(Frozen):
@@ -124,6 +124,41 @@ class EvalConfig(Frozen):
     compare: list[str] = []
 
 
+DEFAULT_MENU = (
+    LayerFormat(key_bits=8, value_bits=4, value_group=32),
+    LayerFormat(key_bits=8, value_bits=4, value_group=64),
+    LayerFormat(key_bits=4, value_bits=4, value_group=32, outlier_channels=2),
+    LayerFormat(key_bits=4, value_bits=4, value_group=64, outlier_channels=2),
+)
+
+
+class TuneConfig(Frozen):
+    """kv=auto: the tune stage's search (see kvcompress/stages/tune.py).
+
+    The objective is the fewest cache bytes per token at `context` subject to every measurable
+    release gate (eval.gates) scaled by `margin`, measured on `n_windows` windows of `seq_len`
+    tokens of the calibration text (never the held-out text). Each layer takes one format of
+    `menu` or stays fp16; the window and sink sizes are searched over `windows` x `sinks`.
+    """
+
+    context: Optional[int] = Field(None, ge=1)  # None: the model's serving context (max_position_embeddings)
+    margin: float = Field(0.5, gt=0.0, le=1.0)
+    menu: list[LayerFormat] = list(DEFAULT_MENU)
+    windows: list[int] = [128]
+    sinks: list[int] = [4]
+    n_windows: int = Field(1, ge=1)
+    seq_len: int = Field(1024, ge=2)
+    seed: int = 11
+    max_checks: int = Field(8, ge=1)  # end-to-end checks of searched assignments (besides the uniform formats)
+
+    @field_validator("windows", "sinks")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0:
+            raise ValueError(f"must be a non-empty list of sizes >= 0; got {v}")
+        return v
+
+
 class ExportConfig(Frozen):
     """export=trtllm: native TensorRT-LLM checkpoint(s) + HF FP8-KV checkpoint + custom-tier plugin bundle.
 
@@ -151,8 +186,9 @@ class RunConfig(Frozen):
     calib: CalibConfig
     eval: EvalConfig
     export: ExportConfig = ExportConfig()
-    # None: profile, fit, validate, plus export unless export=none (resolved in to_run_config)
-    stages: list[Literal["profile", "fit", "validate", "export"]]
+    tune: TuneConfig = TuneConfig()
+    # None: profile, fit, (tune when kv=auto), validate, plus export unless export=none (resolved in to_run_config)
+    stages: list[Literal["profile", "fit", "tune", "validate", "export"]]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
     seed: int = 0
@@ -170,6 +206,10 @@ class RunConfig(Frozen):
         if self.kv.key.group_tokens and "export" in self.stages:
             raise ValueError(f"kv={self.kv.name} uses KIVI-style keys (kv.key.group_tokens={self.kv.key.group_tokens}), a comparison format "
                              "that is validated but never shipped: add export=none")
+        if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
+            raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
+        if "tune" in self.stages and not self.kv.is_auto:
+            raise ValueError(f"stage tune searches per-layer formats for kv=auto (kv.layers=auto); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
             raise ValueError(
                 f"export.native_kv={self.export.native_kv} contradicts kv={self.kv.name} ({NATIVE_ALGO[self.kv.format]}); "
@@ -228,7 +268,8 @@ def resolve_stages(data: dict, overridden: set[str] = frozenset()) -> dict:
     data = dict(data)
     target = (data.get("export") or {}).get("name", "none")
     if data.get("stages") is None:
-        data["stages"] = ["profile", "fit", "validate"] + (["export"] if target != "none" else [])
+        auto = (data.get("kv") or {}).get("layers") == "auto"
+        data["stages"] = ["profile", "fit"] + (["tune"] if auto else []) + ["validate"] + (["export"] if target != "none" else [])
     elif "export" in overridden and target != "none" and "export" not in data["stages"]:
         raise UserError(f"export={target} was selected but stages={data['stages']} has no export stage; add export to stages")
     return data

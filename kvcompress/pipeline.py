@@ -23,6 +23,7 @@ log = logging.getLogger("kvcompress")
 
 STATS_FILE = "kv_stats.safetensors"
 SCALEBOOK_FILE = "scalebook.safetensors"
+TUNE_FILE = "tune.json"
 
 
 class Run:
@@ -76,10 +77,22 @@ class Run:
         stats = KVStats.load(stats_path)
         paths = self.book_paths()
         for role, spec in self.cfg.validated_specs().items():
+            if spec.is_auto:
+                continue  # kv=auto: the tune stage chooses and fits the per-layer formats
             book = fit(stats, spec)
             book.save(paths[role])
             log.info("fit: wrote %s (%s, %s)", paths[role], spec.name, book.fit_info.get("method"))
         return paths
+
+    def tune(self, stats_path: Path) -> dict[str, Path]:
+        from kvcompress.stages.tune import tune
+
+        book, record = tune(self.lm, KVStats.load(stats_path), self.cfg.kv, self.cfg.tune, self.cfg.eval, self.cfg.calib, self.progress)
+        path = self.book_paths()["primary"]
+        book.save(path)
+        atomic_write_json(self.dir / TUNE_FILE, record)
+        log.info("tune: wrote %s and %s", path, self.dir / TUNE_FILE)
+        return {"scalebook": path, "tune": self.dir / TUNE_FILE}
 
     def scalebook(self, path: Path) -> ScaleBook:
         return ScaleBook.load(path, self.lm.geometry.to_dict())
@@ -101,7 +114,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def needs_model(cfg: RunConfig) -> bool:
-    return "validate" in cfg.stages or "export" in cfg.stages or ("profile" in cfg.stages and not cfg.stats)
+    return any(s in cfg.stages for s in ("validate", "export", "tune")) or ("profile" in cfg.stages and not cfg.stats)
 
 
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
@@ -148,7 +161,15 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
                 from kvcompress.errors import UserError
 
                 raise UserError("stage fit needs kv_stats: add profile to stages or give stats=<path to kv_stats.safetensors>")
-        out |= timed("fit", lambda: {"scalebook": r.fit(stats_path)["primary"]})
+        out |= timed("fit", lambda: {"scalebook": r.fit(stats_path).get("primary")})
+    if "tune" in cfg.stages:
+        if stats_path is None:
+            stats_path = r.dir / STATS_FILE
+        if not stats_path.is_file():
+            from kvcompress.errors import UserError
+
+            raise UserError("stage tune needs kv_stats: add profile to stages or give stats=<path to kv_stats.safetensors>")
+        out |= timed("tune", lambda: r.tune(stats_path))
     if "validate" in cfg.stages:
         from kvcompress.stages.validate import validate_run
 

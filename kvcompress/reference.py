@@ -19,6 +19,7 @@ offset-binary as q + 8 (so 0 encodes to 8). int8 key codes are stored as int8.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -347,7 +348,15 @@ def cache_nbytes(
 
 
 def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str, int]:
-    """cache_nbytes for a KVSpec and a model geometry (see kvcompress.models.base.Geometry)."""
+    """cache_nbytes for a KVSpec and a model geometry (see kvcompress.models.base.Geometry);
+    per-layer formats: the sum over layers of each layer's own accounting."""
+    if spec.is_mixed:
+        one = dataclasses.replace(geometry, n_layers=1)
+        out: dict[str, int] = {}
+        for i in range(geometry.n_layers):
+            for k, v in spec_cache_nbytes(spec.layer(i), one, n_tokens, batch).items():
+                out[k] = out.get(k, 0) + v
+        return out
     return cache_nbytes(
         n_layers=geometry.n_layers,
         n_kv_heads=geometry.n_kv_heads,

@@ -122,6 +122,7 @@ class Report(_M):
     fallbacks: list[FormatResult] = []  # the native formats export writes, validated on the same windows
     self_check: dict = {}  # the evaluation path with nothing compressed vs the model's own forward
     export: Optional[dict] = None
+    tune: Optional[dict] = None  # kv=auto: the search record of the tune stage (tune.json)
     notes: list[str] = []
     runtime_s: Optional[float] = None
     stage_times_s: dict = {}

@@ -5,6 +5,7 @@ allowed values; a bad value fails with a message that names the key and what is 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,6 +48,38 @@ class ValueSpec(Frozen):
     symmetric: Literal[False] = False
 
 
+class LayerFormat(Frozen):
+    """One layer's format in a per-layer (mixed) kvcompress spec: what varies from layer to layer.
+
+    key_bits == value_bits == 16: the layer stays fp16 (every token). Window, sinks, clipping
+    method, symmetry and RoPE tying are the spec's, shared by all layers.
+    """
+
+    key_bits: Literal[4, 8, 16]
+    value_bits: Literal[4, 8, 16]
+    value_group: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
+    outlier_channels: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LayerFormat":
+        if (self.key_bits == 16) != (self.value_bits == 16):
+            raise ValueError(f"a layer format is fp16 (key_bits=value_bits=16) or quantized (4/8); got key_bits={self.key_bits} value_bits={self.value_bits}")
+        return self
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.key_bits == 16
+
+    @property
+    def label(self) -> str:
+        """Short name: fp16, k8v4, k4v4g64o2 (group shown when not 32, outliers when > 0)."""
+        if self.is_fp16:
+            return "fp16"
+        g = "" if self.value_group == 32 else f"g{self.value_group}"
+        o = f"o{self.outlier_channels}" if self.outlier_channels else ""
+        return f"k{self.key_bits}v{self.value_bits}{g}{o}"
+
+
 class KVSpec(Frozen):
     """A KV-cache format.
 
@@ -71,9 +104,16 @@ class KVSpec(Frozen):
     window: int = Field(128, ge=0)  # most recent tokens kept in fp16
     sink_tokens: int = Field(4, ge=0)  # first tokens kept in fp16
     outlier_channels: int = Field(0, ge=0)  # key channels per kv-head kept in fp16 (0 = off)
+    # per-layer formats (kvcompress format only): a tuple with one LayerFormat per layer overrides
+    # key.bits, value.bits, value.group_size and outlier_channels layer by layer; "auto" (kv=auto):
+    # the tune stage chooses them; None: the fields above apply to every layer
+    layers: Union[Literal["auto"], tuple[LayerFormat, ...], None] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "KVSpec":
+        if self.layers is not None and (self.is_native or self.key.group_tokens):
+            raise ValueError(f"kv.layers (per-layer formats) needs format=kvcompress without KIVI-style keys; got format={self.format}, "
+                             f"key.group_tokens={self.key.group_tokens}")
         if (self.key.bits == 16) != (self.value.bits == 16):
             raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
         if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
@@ -99,12 +139,44 @@ class KVSpec(Frozen):
     @property
     def is_baseline(self) -> bool:
         """fp16 everywhere: the cache is a no-op."""
+        if self.is_mixed:
+            return all(f.is_fp16 for f in self.layers)
         return self.key.bits == 16 and not self.is_native
+
+    @property
+    def is_mixed(self) -> bool:
+        """A format per layer (kv.layers is a tuple)."""
+        return isinstance(self.layers, tuple)
+
+    @property
+    def is_auto(self) -> bool:
+        """kv=auto before tuning: the per-layer formats are still to be chosen."""
+        return self.layers == "auto"
+
+    def layer(self, i: int) -> "KVSpec":
+        """The uniform spec that layer i follows (self when the spec is not mixed)."""
+        return _layer_spec(self, i) if self.is_mixed else self
+
+    def layer_formats(self, n_layers: int) -> tuple[LayerFormat, ...]:
+        """One LayerFormat per layer (a uniform spec repeated)."""
+        if self.is_mixed:
+            if len(self.layers) != n_layers:
+                from kvcompress.errors import UserError
+
+                raise UserError(f"kv.layers has {len(self.layers)} formats but the model has {n_layers} layers")
+            return self.layers
+        return (LayerFormat(key_bits=self.key.bits, value_bits=self.value.bits, value_group=self.value.group_size,
+                            outlier_channels=self.outlier_channels),) * n_layers
 
     def check_geometry(self, head_dim: int) -> None:
         """Raise UserError if the spec cannot apply to a head of this size."""
         from kvcompress.errors import UserError
 
+        if self.is_mixed:
+            for i, f in enumerate(self.layers):
+                if head_dim % (f.value_group or head_dim) or f.outlier_channels >= head_dim:
+                    raise UserError(f"kv.layers[{i}]: value_group={f.value_group} must divide head_dim={head_dim} and "
+                                    f"outlier_channels={f.outlier_channels} must be < head_dim")
         g = self.value.group_size or head_dim
         if head_dim % g:
             raise UserError(f"kv.value.group_size={self.value.group_size} must divide head_dim={head_dim}")
@@ -117,6 +189,25 @@ class KVSpec(Frozen):
 
     def value_group(self, head_dim: int) -> int:
         return self.value.group_size or head_dim
+
+
+@lru_cache(maxsize=4096)
+def _layer_spec(spec: KVSpec, i: int) -> KVSpec:
+    f = spec.layers[i]
+    d = spec.model_dump()
+    d["layers"] = None
+    d["key"]["bits"], d["value"]["bits"] = f.key_bits, f.value_bits
+    d["value"]["group_size"], d["outlier_channels"] = f.value_group, f.outlier_channels
+    return KVSpec.model_validate(d)
+
+
+def mixed_spec(base: KVSpec, formats, name: str | None = None, **updates) -> KVSpec:
+    """`base` (its window, sinks, clipping) with one LayerFormat per layer."""
+    d = base.model_dump()
+    d.update(layers=tuple(LayerFormat.model_validate(f) if isinstance(f, dict) else f for f in formats), **updates)
+    if name is not None:
+        d["name"] = name
+    return KVSpec.model_validate(d)
 
 
 NATIVE_ALGO = {"native_int8": "INT8", "native_fp8": "FP8", "native_nvfp4": "NVFP4"}  # TensorRT-LLM kv_cache_quant_algo

@@ -111,7 +111,7 @@ def test_chunked_calls_follow_the_context_phase_reference(lm_book, chunks):
     n = sum(chunks)
     k, v = torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g)
     k_stored = ref.fake_quant_keys(ref.to_hp(k), p)
-    v_stored = ref.fake_quant_values(ref.to_hp(v), book.spec.value.bits, book.value_group)
+    v_stored = ref.fake_quant_values(ref.to_hp(v), book.spec.value.bits, book.value_group(0))
     start = 0
     for c in chunks:
         kv_k, kv_v = layer.update(k[..., start : start + c, :], v[..., start : start + c, :])

@@ -25,7 +25,7 @@ def _bundle(tmp_path, lm, book, spec_overrides=None):
     lm.model.save_pretrained(str(hf), safe_serialization=True)
     g = book.geometry
     variant = {"name": "test", "head_dim": g["head_dim"], "gqa": g["n_heads"] // g["n_kv_heads"], "key_bits": book.spec.key.bits,
-               "value_bits": book.spec.value.bits, "group": book.value_group, "n_sink": book.spec.sink_tokens, "window": book.spec.window,
+               "value_bits": book.spec.value.bits, "group": book.value_group(0), "n_sink": book.spec.sink_tokens, "window": book.spec.window,
                "n_out": book.spec.outlier_channels}
     cfg = lm.model.config
     spec = no.network_spec(book, variant, cfg, lm.geometry, {"path": str(hf)}, splits=2)

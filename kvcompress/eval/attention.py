@@ -94,9 +94,12 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
         sk, sv, s = native_factors(book, layer, key.device)
         fmt = book.spec.format
         return k_hp, v_hp, (ref.native_fake_quant(k_hp / sk, s, fmt) * sk).to(key.dtype), (ref.native_fake_quant(v_hp / sv, s, fmt) * sv).to(value.dtype)
-    g = book.spec.key.group_tokens
-    k_hat = ref.fake_quant_keys_grouped(k_hp, book.spec.key.bits, g) if g else ref.fake_quant_keys(k_hp, book.key_params(layer))
-    v_hat = ref.fake_quant_values(v_hp, book.spec.value.bits, book.value_group)
+    spec = book.layer_spec(layer)  # per-layer formats: this layer's
+    if spec.is_baseline:  # an fp16 layer of a per-layer format: the cache holds the fp16 form
+        return k_hp, v_hp, k_hp.to(key.dtype), v_hp.to(value.dtype)
+    g = spec.key.group_tokens
+    k_hat = ref.fake_quant_keys_grouped(k_hp, spec.key.bits, g) if g else ref.fake_quant_keys(k_hp, book.key_params(layer))
+    v_hat = ref.fake_quant_values(v_hp, spec.value.bits, book.value_group(layer))
     return k_hp, v_hp, k_hat, v_hat
 
 
@@ -109,7 +112,9 @@ def native_factors(book: ScaleBook, layer: int, device) -> tuple[torch.Tensor, t
 def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.Tensor) -> None:
     """Key (and, for native formats, value) elements of the compressed region that saturate."""
     e, book = ctx.errors, ctx.book
-    spec = book.spec
+    spec = book.layer_spec(layer)
+    if spec.is_baseline:  # an fp16 layer of a per-layer format stores nothing compressed
+        return
     S = k_hp.shape[2]
     pos = torch.arange(S, device=k_hp.device)
     comp = (pos >= spec.sink_tokens) & (pos <= S - 1 - spec.window)  # compressed for the last query

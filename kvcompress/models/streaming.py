@@ -197,18 +197,8 @@ class LayerStreamer:
         return need > 0.5 * (free - 2 * self.layer_bytes)
 
     def _catch(self, emb: torch.Tensor, p: Pass, i: int) -> tuple[tuple, dict]:
-        def hook(module, args, kwargs):
-            raise _Caught(args, kwargs)
-
-        h = self.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            with p.context():
-                self.model(inputs_embeds=emb, **{"use_cache": False, "logits_to_keep": 1, **p.kwargs(i)})
-        except _Caught as c:
-            return c.args_, c.kwargs_
-        finally:
-            h.remove()
-        raise RuntimeError("streaming: the model's forward never reached its first decoder layer")
+        with p.context():
+            return catch_first_layer(self.model, inputs_embeds=emb, **p.kwargs(i))
 
     @torch.no_grad()
     def run(self, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None] | None = None,
@@ -255,6 +245,22 @@ class LayerStreamer:
         finally:
             self._release(self.model.model.norm)
             self._head_cache.clear()
+
+
+def catch_first_layer(model, **forward_kwargs) -> tuple[tuple, dict]:
+    """(args, kwargs) the model's forward passes to its first decoder layer (it stops there):
+    every later layer is called with the same keywords, as the model's own loop does."""
+    def hook(module, args, kwargs):
+        raise _Caught(args, kwargs)
+
+    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**{"use_cache": False, "logits_to_keep": 1, **forward_kwargs})
+    except _Caught as c:
+        return c.args_, c.kwargs_
+    finally:
+        h.remove()
+    raise RuntimeError("the model's forward never reached its first decoder layer")
 
 
 def _trim_heap() -> None:

@@ -329,7 +329,13 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     hf_fold.record(checks)
     trt_guard, hf_guard = trt_fold.guard, hf_fold.guard
     primary = books["primary"]
-    if primary.spec.tier == "custom":
+    if primary.spec.is_mixed:
+        # NOT IMPLEMENTED: kernels, plugin bundle and network for per-layer formats (one kernel variant
+        # per distinct layer format plus fp16 layers); the validated native fallbacks above are written
+        checks.skip(f"custom tier for {primary.spec.name} (per-layer formats)",
+                    "the plugin bundle (AOT kernels, plugins, network) holds one format for all layers; per-layer formats are not exported "
+                    "yet: serve the native fallback (trtllm_ckpt) or a uniform kv format")
+    elif primary.spec.tier == "custom":
         artifacts["plugin_bundle"] = {
             "tier": "custom", "what": f"full kvcompress format {primary.spec.name}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",
             "validated_as": primary.spec.name, "verdict": report["verdict"], **plugin_bundle(primary, geom, out / "plugin_bundle", ecfg.archs, checks, run.dir / "kv_stats.safetensors"),

@@ -11,7 +11,8 @@ from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
 from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant
 from kvcompress.scalebook import ScaleBook
-from kvcompress.spec import KVSpec
+from kvcompress.errors import UserError
+from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
 from kvcompress.stats import KVStats
 
 
@@ -73,9 +74,41 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     return tensors, info
 
 
+def assemble(spec: KVSpec, uniform: dict[LayerFormat, ScaleBook]) -> ScaleBook:
+    """The ScaleBook of a per-layer spec from uniform books of its layer formats: layer i takes
+    its tensors from the book of its own format (the fit of a layer depends on that layer only)."""
+    any_book = next(iter(uniform.values()))
+    L = any_book.geometry["n_layers"]
+    formats = spec.layer_formats(L)
+    n_out = max(f.outlier_channels for f in formats)
+    t = {k: torch.zeros_like(v) for k, v in any_book.tensors.items() if k != "k_outliers"}
+    H = t["k_scale"].shape[1]
+    t["k_outliers"] = torch.zeros(L, H, n_out, dtype=torch.int64)
+    for i, f in enumerate(formats):
+        src = uniform[f].tensors
+        for k in t:
+            if k == "k_outliers":
+                t[k][i, :, : f.outlier_channels] = src[k][i]
+            else:
+                t[k][i] = src[k][i]
+    info = {"method": "per-layer formats: each layer fitted as its own format", "layers": [f.label for f in formats],
+            "per_format": {f.label: uniform[f].fit_info for f in dict.fromkeys(formats)}}
+    return ScaleBook(spec, any_book.geometry, t, any_book.provenance, info)
+
+
+def uniform_spec(spec: KVSpec, f: LayerFormat) -> KVSpec:
+    """`spec` with format `f` on every layer (no per-layer tuple)."""
+    return mixed_spec(spec, (f,), name=f"{spec.name}:{f.label}").layer(0)
+
+
 def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     """Static key parameters for `spec` from profiled statistics; no model needed."""
     geom = stats.geometry
+    if spec.is_auto:
+        raise UserError(f"kv={spec.name} has kv.layers=auto: the tune stage chooses the per-layer formats (add tune to stages)")
+    if spec.is_mixed:
+        formats = spec.layer_formats(geom["n_layers"])
+        return assemble(spec, {f: fit(stats, uniform_spec(spec, f)) for f in dict.fromkeys(formats)})
     spec.check_geometry(geom["head_dim"])
     L, H, D = stats["k_absmax"].shape
     absmax = percentile_half(stats, spec) if spec.key.clip == "percentile" else stats["k_absmax"]

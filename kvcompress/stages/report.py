@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 
 from kvcompress.artifacts import atomic_write_bytes
@@ -106,6 +107,7 @@ def render_md(r: Report) -> str:
     for name, p in r.planner.items():
         for row in p["rows"]:
             out.append(f"- {name} on one {p['gpu']} at {row['context']} tokens: {row['fp16']['max_concurrent_seqs']} -> {row['compressed']['max_concurrent_seqs']} sequences (x{_fmt(row['capacity_multiplier'], 3)})")
+    out += tune_md(r.tune)
     out += ["", "## What was verified", ""] + [f"- **{k}**: {v}" for k, v in r.verified.items()]
     if r.export:
         out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
@@ -164,6 +166,133 @@ def bars(labels: list[str], series: dict[str, list[float]], title: str, xlabel: 
     return _svg(w, h, "".join(body), title)
 
 
+def _tune_rows(t: dict, top: int = 12) -> list[tuple[str, ...]]:
+    pts = sorted(t["points"], key=lambda p: p["bytes_per_token"])
+    passing = [p for p in pts if p.get("passes")]
+    keep = {p["name"] for p in passing[:top // 2]} | {p["name"] for p in pts if p["kind"] == "uniform" or p.get("chosen")}
+    keep |= {p["name"] for p in pts[: top - len(keep)]} if len(keep) < top else set()
+    rows = []
+    for p in pts:
+        if p["name"] not in keep:
+            continue
+        m, pr = p.get("measured", {}), p.get("predicted")
+        mix = ", ".join(f"{n}x {f}" for f, n in sorted(((f, p["layers"].count(f)) for f in set(p["layers"])), key=lambda x: -x[1]))
+        rows.append(((" **chosen** " if p.get("chosen") else "") + p["name"], p["kind"], f"{p['bytes_per_token']:.1f}", f"{p['bits_per_element']:.2f}",
+                     "n/a" if pr is None else f"{pr['kl_mean']:.2e}", f"{m.get('kl_mean', float('nan')):.2e}", f"{100 * m.get('ppl_delta_rel', float('nan')):+.3f}%",
+                     "PASS" if p.get("passes") else "fail", f"w{p['window']} s{p['sink_tokens']}: {mix}"))
+    return rows
+
+
+TUNE_HEAD = ("candidate", "kind", "bytes/token", "bits/element", "predicted KL", "measured KL", "ppl delta", "gates x margin", "window, sinks: layer formats")
+
+
+def tune_md(t: dict | None) -> list[str]:
+    if not t:
+        return []
+    c = t["chosen"]
+    out = ["", "## Tuning (kv=auto)", "",
+           f"Chosen: **{c['name']}**, {c['bytes_per_token']:.1f} bytes/token at {t['context']} tokens ({c['vs_int8k_int4v']:.3f} x int8k_int4v), "
+           f"window {c['window']}, sinks {c['sink_tokens']}; on the held-out windows: **{t.get('held_out_verdict', 'not validated').upper()}** (the verdict above).",
+           f"Searched on {t['tuning_text']['n_windows']} x {t['tuning_text']['seq_len']} tokens of {t['tuning_text']['origin']} (not the held-out text) "
+           f"against {', '.join(f'{k} <= {v:.3g}' for k, v in t['limits'].items())} (gates x margin {t['margin']}); "
+           f"not searched against (validate measures them): {', '.join(t['gates_not_tuned']) or 'none'}. Native fallback: {t['native_fallback']}.",
+           "", "Per-layer formats: " + " ".join(f"{i}:{f}" for i, f in enumerate(c["layers"])), "",
+           "| " + " | ".join(TUNE_HEAD) + " |", "|" + "---|" * len(TUNE_HEAD)]
+    out += ["| " + " | ".join(row) + " |" for row in _tune_rows(t)]
+    out += ["", f"Tune times: {', '.join(f'{k} {v:.0f} s' for k, v in t['times_s'].items())}."]
+    return out
+
+
+def pareto(points: list[dict], limit: float | None, gate: float | None, title: str, w: int = 640, h: int = 300) -> str:
+    """Bytes per token (x) vs measured KL (y, log scale); the gate line(s); the chosen point ringed."""
+    pts = [p for p in points if p.get("measured")]
+    if not pts:
+        return ""
+    xs = [p["bytes_per_token"] for p in pts]
+    ys = [max(p["measured"]["kl_mean"], 1e-9) for p in pts]
+    lines = [v for v in (limit, gate) if v]
+    lo, hi = math.log10(min(ys + lines)) - 0.2, math.log10(max(ys + lines)) + 0.2
+    x0, x1 = min(xs) * 0.95, max(xs) * 1.05
+    left, right, top, bottom = 64, 10, 10, 36
+
+    def X(v):
+        return left + (w - left - right) * (v - x0) / max(x1 - x0, 1e-9)
+
+    def Y(v):
+        return top + (h - top - bottom) * (hi - math.log10(max(v, 1e-12))) / max(hi - lo, 1e-9)
+
+    color = {"uniform": "#4878a8", "searched": "#d9822b", "window/sinks": "#6a9955"}
+    body = [f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#888"/>', f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#888"/>',
+            f'<text x="{(left + w) / 2:.0f}" y="{h - 4}" font-size="10" text-anchor="middle">cache bytes per token (all layers, window and sinks amortised)</text>',
+            f'<text x="12" y="{h / 2:.0f}" font-size="10" transform="rotate(-90 12 {h / 2:.0f})" text-anchor="middle">KL mean (nats, log scale)</text>']
+    for e in range(math.ceil(lo), math.floor(hi) + 1):
+        body.append(f'<text x="{left - 4}" y="{Y(10 ** e) + 3:.1f}" font-size="9" text-anchor="end">1e{e}</text>')
+    for v in (x0, (x0 + x1) / 2, x1):
+        body.append(f'<text x="{X(v):.1f}" y="{h - bottom + 12}" font-size="9" text-anchor="middle">{v:.0f}</text>')
+    for v, name, dash in ((limit, "tuning limit (gate x margin)", "4,3"), (gate, "release gate", "")):
+        if v:
+            body.append(f'<line x1="{left}" y1="{Y(v):.1f}" x2="{w - right}" y2="{Y(v):.1f}" stroke="#cf222e" stroke-dasharray="{dash}"/>'
+                        f'<text x="{w - right - 4}" y="{Y(v) - 3:.1f}" font-size="9" fill="#cf222e" text-anchor="end">{name} {v:.2g}</text>')
+    for p, x, y in zip(pts, xs, ys):
+        c = color.get(p["kind"], "#888")
+        tip = html.escape(f"{p['name']}: {x:.1f} B/token, KL {y:.2e}, {'passes' if p.get('passes') else 'fails'}")
+        body.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="4" fill="{c}" fill-opacity="{0.9 if p.get("passes") else 0.35}"><title>{tip}</title></circle>')
+        if p.get("chosen"):
+            body.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="8" fill="none" stroke="#000" stroke-width="2"/>'
+                        f'<text x="{X(x) + 10:.1f}" y="{Y(y) - 6:.1f}" font-size="10">chosen</text>')
+        if p["kind"] == "uniform":
+            body.append(f'<text x="{X(x) + 6:.1f}" y="{Y(y) + 12:.1f}" font-size="9">{html.escape(p["name"].removeprefix("uniform:"))}</text>')
+    for k, (kind, c) in enumerate(color.items()):
+        body.append(f'<text x="{left + 8 + 130 * k}" y="{top + 10}" font-size="10" fill="{c}">&#9679; {kind}</text>')
+    return _svg(w, h, "".join(body), title)
+
+
+def format_map(t: dict, w: int = 1000) -> str:
+    """The chosen per-layer formats (one row) over the per-layer sensitivities (a row per menu
+    format, colour by log KL when only that layer is compressed)."""
+    sens, chosen = t["sensitivity"], t["chosen"]["layers"]
+    L = len(chosen)
+    palette = ["#eeeeee", "#4878a8", "#d9822b", "#6a9955", "#a05195", "#c9b037", "#888888"]
+    fmts = t["menu"]
+    col = {f: palette[i % len(palette)] for i, f in enumerate(fmts)}
+    cw, ch, left = max(6.0, (w - 110) / L), 16, 110
+    body = [f'<text x="{left - 4}" y="{ch - 4}" font-size="9" text-anchor="end">chosen</text>']
+    for i, f in enumerate(chosen):
+        body.append(f'<rect x="{left + i * cw:.1f}" y="0" width="{cw - 1:.1f}" height="{ch}" fill="{col.get(f, "#000")}"><title>layer {i}: {html.escape(f)}</title></rect>')
+    vals = [v["kl_mean"] for rows in sens.values() for v in rows if v["kl_mean"] > 0]
+    lo, hi = (math.log10(min(vals)), math.log10(max(vals))) if vals else (0.0, 1.0)
+    for r, (f, rows) in enumerate(sens.items(), start=1):
+        y = r * (ch + 2) + 6
+        body.append(f'<text x="{left - 4}" y="{y + ch - 4}" font-size="9" text-anchor="end">{html.escape(f)} KL</text>')
+        for i, v in enumerate(rows):
+            a = 0.0 if v["kl_mean"] <= 0 else (math.log10(v["kl_mean"]) - lo) / max(hi - lo, 1e-9)
+            c = int(255 * (1 - a))
+            body.append(f'<rect x="{left + i * cw:.1f}" y="{y}" width="{cw - 1:.1f}" height="{ch}" fill="rgb(255,{c},{c})"><title>layer {i}, only it in {html.escape(f)}: KL {v["kl_mean"]:.2e}</title></rect>')
+    y = (len(sens) + 1) * (ch + 2) + 22
+    for k, f in enumerate(fmts):
+        body.append(f'<rect x="{left + 90 * k}" y="{y - 9}" width="10" height="10" fill="{col[f]}"/><text x="{left + 90 * k + 13}" y="{y}" font-size="10">{html.escape(f)}</text>')
+    body.append(f'<text x="{left}" y="{y + 16}" font-size="9">layers 0..{L - 1} left to right; red: higher KL when only that layer is compressed (log scale {10 ** lo:.1e} .. {10 ** hi:.1e})</text>')
+    return _svg(w, y + 22, "".join(body), "per-layer format map (top row) and per-layer sensitivity of each menu format")
+
+
+def tune_html(t: dict | None) -> str:
+    if not t:
+        return ""
+    c = t["chosen"]
+    gate = t["limits"].get("kl_mean")
+    parts = [f"<h2>Tuning (kv=auto)</h2><p>Chosen <b>{html.escape(str(c['name']))}</b>: {c['bytes_per_token']:.1f} bytes/token at {t['context']} tokens "
+             f"({c['vs_int8k_int4v']:.3f} x int8k_int4v), window {c['window']}, sinks {c['sink_tokens']}. On the held-out windows: "
+             f"<b>{html.escape(t.get('held_out_verdict', 'not validated').upper())}</b>. Searched on {t['tuning_text']['n_windows']} x {t['tuning_text']['seq_len']} "
+             f"tokens of {html.escape(t['tuning_text']['origin'])}; limits {html.escape(', '.join(f'{k} <= {v:.3g}' for k, v in t['limits'].items()))}; "
+             f"native fallback: {html.escape(t['native_fallback'])}.</p>"]
+    parts.append(pareto(t["points"], gate, gate / t["margin"] if gate else None, "Pareto: bytes per token vs KL on the tuning windows (each candidate a point; the chosen one ringed)"))
+    parts.append(format_map(t))
+    parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in TUNE_HEAD) + "</tr>")
+    parts += ["<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in row) + "</tr>" for row in _tune_rows(t)]
+    parts.append("</table>")
+    return "".join(parts)
+
+
 def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     q, m = r.quality, r.memory
     verdict_color = {"pass": "#1a7f37", "inconclusive": "#9a6700"}.get(r.verdict, "#cf222e")
@@ -203,6 +332,7 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     caps = [(f"{n}@{row['context']}", row["capacity_multiplier"]) for n, p in r.planner.items() for row in p["rows"]]
     parts.append(bars([c[0] for c in caps], {"capacity multiplier": [c[1] for c in caps]}, "concurrent sequences, compressed / unquantized, one GPU",
                       "model @ context (tokens)", "capacity multiplier (x)"))
+    parts.append(tune_html(r.tune))
     parts.append("<h2>What was verified</h2><ul>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in r.verified.items()) + "</ul>")
     if r.export:
         parts.append(f"<h2>Export</h2><p>TensorRT engine built: <b>{r.export['engine_built']}</b> ({html.escape(r.export['engine_reason'])})</p>")

@@ -148,8 +148,11 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     primary = results.pop("primary")
     n_params = sum(p.numel() for p in lm.model.parameters())
     planner = {name: plan_pair(BASELINE, books["primary"].spec, geom, n_params, eval_cfg.planner)}
-    for known, (g, n) in KNOWN.items():
-        planner[known] = plan_pair(BASELINE, books["primary"].spec, g, n, eval_cfg.planner)
+    if books["primary"].spec.is_mixed:  # per-layer formats were tuned for this model's layers only
+        notes.append("planner: other models (llama3.1-8b/70b) left out: the per-layer formats were tuned for this model's layers")
+    else:
+        for known, (g, n) in KNOWN.items():
+            planner[known] = plan_pair(BASELINE, books["primary"].spec, g, n, eval_cfg.planner)
     pbook = books["primary"]
     unmeasured = [g.name for g in primary.gates if g.status == "not measured"]
     if unmeasured:
@@ -217,6 +220,12 @@ def validate_run(run, books: dict[str, Path]) -> dict[str, Path]:
     loaded = {role: run.scalebook(Path(p)) for role, p in books.items()}
     calib_sha = loaded["primary"].provenance.get("stats", {}).get("calib", {}).get("sha256")
     report, kept, windows = validate(run.lm, loaded, run.cfg.eval, calib_sha, run.progress, keep_baseline="export" in run.cfg.stages)
+    tune_file = run.dir / "tune.json"
+    if loaded["primary"].spec.is_mixed and tune_file.is_file():
+        import json
+
+        report.tune = json.loads(tune_file.read_text())
+        report.tune["held_out_verdict"] = report.verdict
     run.baseline = (windows, kept)
     out = run.dir / REPORT_FILE
     atomic_write_json(out, report.model_dump(mode="json"))

@@ -1,0 +1,149 @@
+"""Per-layer sensitivity: the quality change when only one layer reads a compressed cache.
+
+For every layer l and every candidate format c, the one-pass (decode-equivalent) evaluation is
+run with layer l reading the simulated compressed cache of c and every other layer reading the
+exact cache. Layers below l see exactly the baseline, so their hidden states are shared: the
+passes run layer-major (layer 0 for every live pass, then layer 1, ...). A pass (l, c) starts at
+layer l from the baseline's hidden state there, runs layer l under the evaluation attention with
+c's ScaleBook and the layers above with the model's own attention. This costs about half of one
+forward per (layer, candidate) instead of a full one. In-memory and layer-streamed models run the
+same schedule (a streamed layer is loaded once for all passes).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+from tqdm.auto import tqdm
+
+from kvcompress.eval.attention import LayerErrors, eval_call
+from kvcompress.models.observe import attention_implementation
+from kvcompress.models.streaming import catch_first_layer
+from kvcompress.scalebook import ScaleBook
+
+
+class _Layers:
+    """The decoder layers of a loaded model, in memory or streamed from its checkpoint."""
+
+    def __init__(self, lm):
+        self.lm, self.s = lm, lm.streamer
+        self.layers = lm.model.model.layers
+
+    def catch(self, ids: torch.Tensor, impl, kw) -> tuple[torch.Tensor, dict]:
+        with attention_implementation(self.lm.model, impl):
+            if self.s is None:
+                args, lkw = catch_first_layer(self.lm.model, input_ids=ids.to(self.lm.device), **kw)
+            else:
+                args, lkw = catch_first_layer(self.lm.model, inputs_embeds=self.s.embed(ids), **kw)
+        return args[0], lkw
+
+    def loaded(self, li: int):
+        if self.s is None:
+            return nullcontext()
+        s, layer = self.s, self.layers[li]
+
+        class _Loaded:
+            def __enter__(self_):
+                s._materialize(layer, f"model.layers.{li}.")
+
+            def __exit__(self_, *exc):
+                s._release(layer)
+
+        return _Loaded()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.s is not None:
+            return self.s.logits(hidden)
+        m = self.lm.model
+        return m.lm_head(m.model.norm(hidden)).float()
+
+    def head_context(self):
+        if self.s is None:
+            return nullcontext()
+        s = self.s
+
+        class _Norm:
+            def __enter__(self_):
+                s._materialize(s.model.model.norm, "model.norm.")
+
+            def __exit__(self_, *exc):
+                s._release(s.model.model.norm)
+                s._head_cache.clear()
+
+        return _Norm()
+
+
+def _run_layer(layer, h: torch.Tensor, kw: dict, model, impl) -> torch.Tensor:
+    with attention_implementation(model, impl):
+        out = layer(h, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def scored_positions(T: int, first: int, stride: int) -> torch.Tensor:
+    """Positions whose next-token prediction is scored: from `first` (the first query that reads a
+    compressed key; earlier ones read only fp16 keys and change by fp16 rounding alone) every
+    `stride`-th up to T - 2 (the last prediction with a target)."""
+    return torch.arange(min(first, T - 2), T - 1, stride)
+
+
+def _quality(lb: torch.Tensor, lc: torch.Tensor, tgt: torch.Tensor, n_all: int, scale: float) -> dict:
+    """KL mean and perplexity change over all n_all predictions, estimated from the scored ones
+    (their sums times `scale`; the unscored early positions counted as unchanged)."""
+    kl = float((lb.exp() * (lb - lc)).sum(-1).clamp(min=0).double().sum()) * scale
+    dnll = float((lb.gather(-1, tgt) - lc.gather(-1, tgt)).double().sum()) * scale
+    return {"kl_sum": kl, "dnll_sum": dnll, "n": n_all}
+
+
+def _merge(parts: list[dict]) -> dict:
+    n = sum(p["n"] for p in parts)
+    return {"kl_mean": sum(p["kl_sum"] for p in parts) / n, "ppl_delta_rel": math.expm1(sum(p["dnll_sum"] for p in parts) / n), "tokens": n}
+
+
+@torch.no_grad()
+def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], progress: bool = True, stride: int = 2) -> dict[str, list[dict]]:
+    """{candidate: [{kl_mean, ppl_delta_rel} of "only layer l compressed", for l = 0..L-1]} over
+    token windows [N, T] (batch 1). books: {candidate label: a uniform ScaleBook of that format};
+    fp16 books are not candidates (their change is zero by construction). Predictions are scored
+    every `stride`-th position from the first that reads a compressed key (an estimate of the
+    full-window mean; the search checks its picks end to end on every position)."""
+    layers = _Layers(lm)
+    L = len(layers.layers)
+    names = [n for n, b in books.items() if not b.spec.is_baseline]
+    acc: dict[tuple[int, str], list[dict]] = {(li, n): [] for li in range(L) for n in names}
+    first = min((b.spec.sink_tokens + b.spec.window for n, b in books.items() if n in names), default=0)
+    # progress in layer calls (pass (l, c) runs L - l layers) and lm-head calls, so the ETA holds
+    total = windows.shape[0] * (len(names) * L * (L + 1) // 2 + L + len(names) * L)
+    bar = tqdm(total=total, desc="tune: per-layer sensitivity", unit="call", disable=not progress)
+    for wi in range(windows.shape[0]):
+        ids = windows[wi : wi + 1]
+        base_h, base_kw = layers.catch(ids, None, {})
+        impl, ekw = eval_call(books[names[0]], LayerErrors(L)) if names else (None, {})
+        _, eval_kw = layers.catch(ids, impl, ekw)
+        live: dict[tuple[int, str], torch.Tensor] = {}
+        for li in range(L):
+            layer = layers.layers[li]
+            with layers.loaded(li):
+                for n in names:  # passes that start here: the baseline's input to layer li, compressed at li
+                    _, kw = eval_call(books[n], LayerErrors(L))
+                    live[(li, n)] = _run_layer(layer, base_h, {**eval_kw, **kw}, lm.model, impl)
+                for key in [k for k in live if k[0] < li]:  # passes compressed below: exact attention here
+                    live[key] = _run_layer(layer, live[key], base_kw, lm.model, None)
+                base_h = _run_layer(layer, base_h, base_kw, lm.model, None)
+            bar.update((li + 1) * len(names) + 1)
+        T = ids.shape[1]
+        pos = scored_positions(T, first, stride)
+        tgt = ids[0, pos + 1].view(1, -1, 1)
+        scale = (T - 1 - min(first, T - 2)) / len(pos)
+
+        def logprobs(h):
+            return torch.log_softmax(layers.logits(h[:, pos]).float(), dim=-1).cpu()
+
+        with layers.head_context():
+            lb = logprobs(base_h)
+            for key, h in live.items():
+                acc[key].append(_quality(lb, logprobs(h), tgt, T - 1, scale))
+                live[key] = None
+                bar.update(1)
+    bar.close()
+    return {n: [_merge(acc[(li, n)]) for li in range(L)] for n in names}

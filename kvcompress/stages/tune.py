@@ -1,0 +1,205 @@
+"""tune (kv=auto): the most compact per-layer cache format that stays within the release gates.
+
+1. Tuning windows come from the calibration text (`calib`), never the held-out text validate uses.
+2. Every menu format is fitted once (uniform ScaleBooks from the profiled statistics).
+3. Per-layer sensitivity (kvcompress.eval.sensitivity): KL and perplexity change when only that
+   layer is compressed with each menu format, from the one-pass evaluation.
+4. Assignments: a Lagrangian sweep (bytes + lambda * KL, layer by layer) gives the convex hull
+   of predicted (bytes, KL) under the additive model; the most compact ones predicted within
+   the gates x margin are checked end to end on the tuning windows (all layers compressed at
+   once), with the uniform menu formats beside them; the most compact that passes every
+   measurable gate x margin wins.
+5. Window and sink sizes (tune.windows x tune.sinks) are then checked end to end the same way.
+
+The chosen spec is fitted (kvcompress.stages.fit) and written as the run's ScaleBook; the
+search record (tune.json) goes into the report. validate then measures the chosen format on the
+held-out windows and the report says whether it passed there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+from kvcompress import reference as ref
+from kvcompress.config import kv_preset
+from kvcompress.data import load_texts, token_windows
+from kvcompress.errors import UserError
+from kvcompress.eval.sensitivity import layer_sensitivity
+from kvcompress.scalebook import ScaleBook
+from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
+from kvcompress.stages.fit import assemble, fit, uniform_spec
+from kvcompress.stats import KVStats
+
+log = logging.getLogger("kvcompress")
+FP16 = LayerFormat(key_bits=16, value_bits=16)
+TUNE_GATES = ("ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree")  # measurable on the tuning windows
+
+
+def layer_bytes(spec: KVSpec, f: LayerFormat, geom, context: int) -> float:
+    """Per-token cache bytes of one layer in format f (window and sinks amortised at `context`)."""
+    one = dataclasses.replace(geom, n_layers=1)
+    b = ref.spec_cache_nbytes(uniform_spec(spec, f), one, context)
+    return sum(v for k, v in b.items() if k != "static") / context
+
+
+def spec_bytes(spec: KVSpec, geom, context: int) -> float:
+    b = ref.spec_cache_nbytes(spec, geom, context)
+    return sum(v for k, v in b.items() if k != "static") / context
+
+
+def hull(cost: list[list[float]], kl: list[list[float]]) -> list[tuple[int, ...]]:
+    """Assignments (an option index per layer) on the lower convex hull of (sum cost, sum kl):
+    for each lambda, every layer picks argmin cost + lambda * kl; lambda swept over every
+    breakpoint. Ordered from the most compact to the most accurate."""
+    L = len(cost)
+    lams = {0.0, math.inf}
+    for i in range(L):
+        for a in range(len(cost[i])):
+            for b in range(len(cost[i])):
+                dk = kl[i][a] - kl[i][b]
+                if dk > 0 and cost[i][b] > cost[i][a]:
+                    lams.add((cost[i][b] - cost[i][a]) / dk)
+    cuts = sorted(lams)
+    probes = [0.0] + [(a + b) / 2 for a, b in zip(cuts, cuts[1:]) if math.isfinite(b)] + [cuts[-2] * 2 + 1 if len(cuts) > 1 else 1.0]
+    out: list[tuple[int, ...]] = []
+    for lam in probes:
+        pick = tuple(min(range(len(cost[i])), key=lambda o: (cost[i][o] + lam * kl[i][o], kl[i][o])) for i in range(L))
+        if pick not in out:
+            out.append(pick)
+    return out
+
+
+def gate_limits(gates, margin: float) -> dict[str, float]:
+    """{metric: margin * max} for the gates the tuning windows can measure."""
+    return {g.name: margin * g.max for g in gates if g.name in TUNE_GATES}
+
+
+def gate_values(q: dict) -> dict[str, float]:
+    return {"ppl_delta_rel": q["ppl_delta_rel"], "kl_mean": q["kl_mean"], "kl_p99": q["kl_p99"], "top1_disagree": 1.0 - q["top1_agree"]}
+
+
+def passes(q: dict, limits: dict[str, float]) -> bool:
+    v = gate_values(q)
+    return all(v[k] <= lim for k, lim in limits.items())
+
+
+def _measure(lm, books: dict[str, ScaleBook], windows, progress: bool) -> dict[str, dict]:
+    from kvcompress.stages.validate import evaluate_quality
+
+    res, _ = evaluate_quality(lm, books, windows, 1, progress=progress)
+    return {n: q for n, (q, _e) in res.items()}
+
+
+def _point(name: str, kind: str, spec: KVSpec, geom, context: int, fp16_bpt: float, q: dict | None, limits, predicted=None) -> dict:
+    bpt = spec_bytes(spec, geom, context)
+    elems = 2 * geom.n_layers * geom.n_kv_heads * geom.head_dim
+    p = {"name": name, "kind": kind, "bytes_per_token": bpt, "bits_per_element": bpt * 8 / elems, "vs_fp16": fp16_bpt / bpt,
+         "window": spec.window, "sink_tokens": spec.sink_tokens,
+         "layers": [f.label for f in spec.layer_formats(geom.n_layers)]}
+    if predicted is not None:
+        p["predicted"] = predicted
+    if q is not None:
+        p["measured"] = {**gate_values(q), "ppl_delta_rel": q["ppl_delta_rel"], "top1_agree": q["top1_agree"]}
+        p["passes"] = passes(q, limits)
+    return p
+
+
+def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
+    """(ScaleBook of the chosen per-layer spec, the search record). cfg: TuneConfig."""
+    t0 = time.time()
+    geom = lm.geometry
+    L = geom.n_layers
+    context = cfg.context or geom.max_position
+    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    if not limits:
+        raise UserError(f"tune: eval.gates has none of {', '.join(TUNE_GATES)}; kv=auto needs at least one to search against")
+    menu = []
+    for f in dict.fromkeys(f for f in cfg.menu if not f.is_fp16):
+        try:
+            uniform_spec(spec, f).check_geometry(geom.head_dim)
+            menu.append(f)
+        except UserError as e:
+            log.warning("tune: menu format %s does not apply to this model (%s); left out", f.label, e)
+    if not menu:
+        raise UserError(f"tune.menu has no quantized format that applies to head_dim={geom.head_dim} (fp16 is always allowed); "
+                        "give at least one, e.g. {key_bits: 8, value_bits: 4, value_group: 32}")
+    texts = load_texts(calib_cfg)
+    windows = token_windows(lm.tokenizer, texts, cfg.n_windows, cfg.seq_len, seed=cfg.seed)
+    log.info("tune: %d menu formats x %d layers on %d x %d calibration tokens; limits %s (gates x margin %.2f); bytes at %d tokens",
+             len(menu), L, *windows.shape, limits, cfg.margin, context)
+    books = {f.label: fit(stats, uniform_spec(spec, f)) for f in menu}
+    uniform = {f: books[f.label] for f in menu}
+    uniform[FP16] = fit(stats, uniform_spec(spec, FP16))
+    t_sens = time.time()
+    sens = layer_sensitivity(lm, windows, books, progress)
+    t_sens = time.time() - t_sens
+    options = [FP16, *menu]
+    cost = [[layer_bytes(spec, f, geom, context) for f in options] for _ in range(L)]
+    kl = [[0.0] + [sens[f.label][i]["kl_mean"] for f in menu] for i in range(L)]
+    dnll = [[0.0] + [math.log1p(sens[f.label][i]["ppl_delta_rel"]) for f in menu] for i in range(L)]
+    assignments = hull(cost, kl)
+
+    def predicted(a):
+        return {"kl_mean": sum(kl[i][o] for i, o in enumerate(a)), "ppl_delta_rel": math.expm1(sum(dnll[i][o] for i, o in enumerate(a)))}
+
+    def within(pred):
+        return all(pred[k] <= limits[k] for k in ("kl_mean", "ppl_delta_rel") if k in limits)
+
+    ok = [j for j, a in enumerate(assignments) if within(predicted(a))]
+    first = ok[0] if ok else len(assignments) - 1
+    picks = list(range(max(0, first - 2), min(len(assignments), first - 2 + cfg.max_checks)))
+    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
+    specs = {f"auto#{j}": mixed_spec(spec, [options[o] for o in assignments[j]], name=f"auto#{j}") for j in picks}
+    specs |= {f"uniform:{f.label}": uniform_spec(spec, f) for f in menu}
+    to_measure = {n: (assemble(s, uniform) if s.is_mixed else uniform[s.layer_formats(1)[0]]) for n, s in specs.items()}
+    measured = _measure(lm, to_measure, windows, progress)
+    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
+                     None if n.startswith("uniform:") else predicted(assignments[int(n[5:])])) for n, s in specs.items()]
+    good = sorted((p for p in points if p["passes"]), key=lambda p: p["bytes_per_token"])
+    if not good:
+        chosen = mixed_spec(spec, [FP16] * L, name=spec.name)
+        log.warning("tune: nothing in the menu passed the gates x margin on the tuning windows; every layer stays fp16")
+    else:
+        chosen = specs[good[0]["name"]]
+    # window and sinks, end to end, on the chosen per-layer assignment
+    alt = {}
+    for w in cfg.windows:
+        for s in cfg.sinks:
+            if (w, s) != (chosen.window, chosen.sink_tokens) and chosen.is_mixed:
+                alt[f"{good[0]['name'] if good else 'fp16'}+w{w}s{s}"] = mixed_spec(chosen, chosen.layers, window=w, sink_tokens=s)
+    if alt and good:
+        m2 = _measure(lm, {n: assemble(s, uniform) for n, s in alt.items()}, windows, progress)
+        pts2 = [_point(n, "window/sinks", s, geom, context, fp16_bpt, m2[n], limits) for n, s in alt.items()]
+        points += pts2
+        better = sorted((p for p in pts2 if p["passes"] and p["bytes_per_token"] < good[0]["bytes_per_token"]), key=lambda p: p["bytes_per_token"])
+        if better:
+            chosen, good = alt[better[0]["name"]], [better[0], *good]
+    final = mixed_spec(chosen, chosen.layer_formats(L), name=spec.name)
+    book = fit(stats, final)
+    chosen_name = good[0]["name"] if good else None
+    for p in points:
+        p["chosen"] = p["name"] == chosen_name
+    default_bpt = spec_bytes(kv_preset("int8k_int4v"), geom, context)
+    record = {
+        "context": context,
+        "margin": cfg.margin,
+        "limits": limits,
+        "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
+        "tuning_text": {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed},
+        "menu": [f.label for f in options],
+        "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
+        "layer_bytes_per_token": {f.label: cost[0][o] for o, f in enumerate(options)},
+        "hull_size": len(assignments),
+        "points": points,
+        "chosen": {"name": chosen_name, "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,
+                   "bytes_per_token": spec_bytes(final, geom, context),
+                   "vs_int8k_int4v": spec_bytes(final, geom, context) / default_bpt},
+        "native_fallback": "native_int8 (trtllm_ckpt: TensorRT-LLM's INT8 KV cache; no native format holds per-layer formats)",
+        "times_s": {"sensitivity": round(t_sens, 1), "total": round(time.time() - t0, 1)},
+    }
+    log.info("tune: chose %s: %.1f bytes/token at %d tokens (%.3f x int8k_int4v); layers %s", chosen_name, record["chosen"]["bytes_per_token"],
+             context, record["chosen"]["vs_int8k_int4v"], " ".join(record["chosen"]["layers"]))
+    return book, record
+

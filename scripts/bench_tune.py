@@ -1,0 +1,82 @@
+"""kv=auto against the default format, side by side in one run, on the same machine.
+
+    python scripts/bench_tune.py                  # embedded model, default config (export on)
+    python scripts/bench_tune.py --export none    # without the export stage
+
+Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
+`python -m kvcompress kv=int8k_int4v` and `python -m kvcompress kv=auto` one after the other in
+subprocesses with the same cache, and prints: wall time of each and their ratio (issue #12's goal:
+at most 3x), bytes per token at the tuning context (the model's serving context) and their ratio
+(goal: at most 0.85), and each run's held-out verdict. Writes docs/bench/tune.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULT = ROOT / "docs" / "bench" / "tune.json"
+
+
+def run(args: list[str], env: dict, run_dir: Path) -> float:
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "kvcompress", *args, f"hydra.run.dir={run_dir}"], env=env, cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode:
+        sys.exit(f"bench_tune: {' '.join(args)} failed:\n{p.stdout[-3000:]}")
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--export", default="trtllm", choices=["trtllm", "none"])
+    ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/tune.json")
+    a = ap.parse_args()
+    from kvcompress.models.base import Geometry
+    from kvcompress.provenance import base_provenance
+    from kvcompress.reference import spec_cache_nbytes
+    from kvcompress.scalebook import ScaleBook
+
+    env = dict(os.environ)
+    common = [f"model={a.model}", f"export={a.export}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        run([*common, "export=none", "stages=[profile]"], env, tmp / "warm")
+        out = {}
+        for kv in ("int8k_int4v", "auto"):
+            d = tmp / kv
+            secs = run([*common, f"kv={kv}"], env, d)
+            rep = json.loads((d / "report.json").read_text())
+            book = ScaleBook.load(d / "scalebook.safetensors")
+            g = Geometry(**rep["model"]["geometry"])
+            tune = json.loads((d / "tune.json").read_text()) if (d / "tune.json").is_file() else None
+            ctx = tune["context"] if tune else g.max_position
+            bpt = sum(v for k, v in spec_cache_nbytes(book.spec, g, ctx).items() if k != "static") / ctx
+            out[kv] = {"seconds": secs, "stage_times_s": rep.get("stage_times_s"), "verdict": rep["verdict"], "bytes_per_token": bpt, "context": ctx,
+                       "kl_mean": rep["quality"]["kl_mean"], "ppl_delta_rel": rep["quality"]["ppl_delta_rel"],
+                       "gates": [{"name": x["name"], "status": x["status"], "value": x["value"]} for x in rep["gates"]],
+                       **({"layers": tune["chosen"]["layers"], "window": tune["chosen"]["window"], "sink_tokens": tune["chosen"]["sink_tokens"],
+                           "tune_times_s": tune["times_s"]} if tune else {})}
+    res = {"model": a.model, "export": a.export, "ran": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_sha": base_provenance().get("git_sha"),
+           "time_ratio": out["auto"]["seconds"] / out["int8k_int4v"]["seconds"],
+           "bytes_ratio": out["auto"]["bytes_per_token"] / out["int8k_int4v"]["bytes_per_token"], "runs": out}
+    p, q = out["int8k_int4v"], out["auto"]
+    print(f"kv=int8k_int4v: {p['seconds']:.0f} s, {p['bytes_per_token']:.1f} B/token at {p['context']}, held-out verdict {p['verdict'].upper()}")
+    print(f"kv=auto:        {q['seconds']:.0f} s, {q['bytes_per_token']:.1f} B/token at {q['context']}, held-out verdict {q['verdict'].upper()}")
+    print(f"time ratio auto / int8k_int4v: {res['time_ratio']:.2f}x (goal <= 3); bytes ratio: {res['bytes_ratio']:.3f} (goal <= 0.85)")
+    if not a.no_write:
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps(res, indent=1))
+        print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""kv=auto: per-layer formats (spec, fit, cache, bytes, one-pass), the sensitivity pass, the search."""
+import json
+
+import pytest
+import torch
+
+from conftest import SMOKE_CALIB, run_cli, tiny_lm
+from kvcompress import reference as ref
+from kvcompress.cache import CompressedCache
+from kvcompress.config import Gate, TuneConfig, EvalConfig, to_run_config
+from kvcompress.data import load_texts, token_windows
+from kvcompress.errors import UserError
+from kvcompress.models.base import Geometry
+from kvcompress.eval.attention import compressed_attention
+from kvcompress.eval.sensitivity import layer_sensitivity
+from kvcompress.scalebook import ScaleBook
+from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
+from kvcompress.stages.fit import fit, uniform_spec
+from kvcompress.stages.profile import profile
+from kvcompress.stages.tune import hull, tune
+from kvcompress.stages.validate import evaluate_quality
+
+K8 = LayerFormat(key_bits=8, value_bits=4, value_group=16)
+K4 = LayerFormat(key_bits=4, value_bits=4, value_group=32, outlier_channels=2)
+FP16 = LayerFormat(key_bits=16, value_bits=16)
+BASE = KVSpec(name="t", window=8, sink_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def lm3():
+    return tiny_lm("llama", layers=3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def stats3(lm3):
+    return profile(lm3, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+
+
+def test_layer_format_and_mixed_spec_validate_and_round_trip():
+    with pytest.raises(ValueError, match="fp16"):
+        LayerFormat(key_bits=16, value_bits=4)
+    s = mixed_spec(BASE, [K4, FP16, K8])
+    assert s.is_mixed and not s.is_baseline and s.layer(0).key.bits == 4 and s.layer(0).outlier_channels == 2
+    assert s.layer(1).is_baseline and s.layer(2).value.group_size == 16
+    assert KVSpec.model_validate(json.loads(json.dumps(s.model_dump()))) == s
+    assert mixed_spec(BASE, [FP16, FP16]).is_baseline
+    with pytest.raises(ValueError, match="kv.layers"):
+        KVSpec(name="n", format="native_int8", window=0, sink_tokens=0, layers=(K8,))
+    with pytest.raises(UserError, match="3 formats but the model has 2"):
+        s.layer_formats(2)
+
+
+def test_mixed_fit_takes_each_layer_from_its_own_format_and_loads_back(stats3, tmp_path):
+    s = mixed_spec(BASE, [K4, FP16, K8])
+    book = fit(stats3, s)
+    b4, b8 = fit(stats3, uniform_spec(BASE, K4)), fit(stats3, uniform_spec(BASE, K8))
+    assert torch.equal(book.tensors["k_scale"][0], b4.tensors["k_scale"][0]) and torch.equal(book.tensors["k_scale"][2], b8.tensors["k_scale"][2])
+    assert book.key_params(0).outlier_idx.shape[-1] == 2 and book.key_params(2).outlier_idx.shape[-1] == 0
+    assert torch.equal(book.key_params(0).outlier_idx, b4.tensors["k_outliers"][0])
+    book.save(tmp_path / "b.safetensors")
+    back = ScaleBook.load(tmp_path / "b.safetensors", book.geometry)
+    assert back.spec == s and back.fit_info["layers"] == ["k4v4o2", "fp16", "k8v4g16"]
+    with pytest.raises(Exception, match="per-layer formats but the model has"):
+        ScaleBook.load(tmp_path / "b.safetensors", {**book.geometry, "n_layers": 2})
+
+
+def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3):
+    s = mixed_spec(BASE, [K4, FP16, K8])
+    book = fit(stats3, s)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = CompressedCache(book)
+    with torch.no_grad():
+        dec = torch.cat([lm3.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(40)], 1)
+        with compressed_attention(lm3.model, book) as kw:
+            one = lm3.model(input_ids=ids, use_cache=False, **kw).logits
+    torch.testing.assert_close(one, dec, atol=1e-4, rtol=1e-4)
+    acc = ref.spec_cache_nbytes(s, lm3.geometry, 40)
+    got = cache.nbytes_breakdown()
+    assert sum(v for k, v in got.items() if k != "static") == sum(v for k, v in acc.items() if k != "static")
+    # the mixed accounting is the sum of the three formats' own
+    per = [ref.spec_cache_nbytes(uniform_spec(BASE, f), lm3.geometry, 40) for f in (K4, FP16, K8)]
+    assert sum(acc.values()) * 3 == sum(sum(p.values()) for p in per)
+    # and an all-K4 book gives different logits from the mixed one (each layer reads its own format)
+    with torch.no_grad(), compressed_attention(lm3.model, fit(stats3, uniform_spec(BASE, K4))) as kw:
+        assert (lm3.model(input_ids=ids, use_cache=False, **kw).logits - one).abs().max() > 1e-4
+
+
+def test_sensitivity_equals_compressing_only_that_layer(lm3, stats3):
+    """The layer-major shared-prefix schedule gives what a full pass with only layer l compressed gives."""
+    books = {f.label: fit(stats3, uniform_spec(BASE, f)) for f in (K4,)}
+    w = token_windows(lm3.tokenizer, load_texts(SMOKE_CALIB), 2, 96, seed=4)
+    sens = layer_sensitivity(lm3, w, books, progress=False, stride=1)
+    for li in range(3):
+        only = mixed_spec(BASE, [K4 if i == li else FP16 for i in range(3)], name=f"only{li}")
+        q, _ = evaluate_quality(lm3, {only.name: fit(stats3, only)}, w, 1, progress=False)[0][only.name]
+        got = sens["k4v4o2"][li]["kl_mean"]
+        assert got > 0 and abs(got - q["kl_mean"]) <= 0.05 * q["kl_mean"] + 1e-7, (li, got, q["kl_mean"])
+
+
+def test_hull_is_ordered_from_compact_to_accurate():
+    cost = [[10, 6, 3], [10, 6, 3], [10, 6, 3]]
+    kl = [[0, 1, 5], [0, 0.1, 0.2], [0, 2, 9]]
+    h = hull(cost, kl)
+    b = [sum(cost[i][o] for i, o in enumerate(a)) for a in h]
+    k = [sum(kl[i][o] for i, o in enumerate(a)) for a in h]
+    assert h[0] == (2, 2, 2) and h[-1] == (0, 0, 0)
+    assert all(x <= y for x, y in zip(b, b[1:])) and all(x >= y for x, y in zip(k, k[1:]))
+    assert (2, 2, 2) in h and (0, 2, 0) in h  # the cheap-to-compress layer goes first
+
+
+def _eval(max_kl):
+    return EvalConfig(name="t", gates=[Gate(name="kl_mean", max=max_kl)])
+
+
+def test_tune_picks_fewer_bytes_under_looser_gates(lm3, stats3):
+    cfg = TuneConfig(menu=[K8, K4], n_windows=1, seq_len=96, max_checks=6)
+    spec = KVSpec(name="auto", window=8, sink_tokens=2, layers="auto")
+    loose_book, loose = tune(lm3, stats3, spec, cfg, _eval(10.0), SMOKE_CALIB, progress=False)
+    tight_book, tight = tune(lm3, stats3, spec, cfg, _eval(1e-12), SMOKE_CALIB, progress=False)
+    assert loose["chosen"]["layers"] == ["k4v4o2"] * 3  # anything passes: the most compact
+    assert tight["chosen"]["layers"] == ["fp16"] * 3  # nothing compressed passes: fp16 everywhere
+    assert loose_book.spec.is_mixed and loose_book.spec.name == "auto" and tight_book.spec.is_baseline
+    assert loose["chosen"]["bytes_per_token"] < tight["chosen"]["bytes_per_token"]
+    pts = loose["points"]
+    assert any(p["kind"] == "uniform" for p in pts) and sum(p["chosen"] for p in pts) == 1
+    assert all("measured" in p for p in pts) and loose["tuning_text"]["origin"].startswith("builtin:calib")
+
+
+def test_kv_auto_config_adds_the_tune_stage_and_refuses_contradictions():
+    from kvcompress.paths import load_preset
+
+    base = {"model": load_preset("model", "tiny_llama"), "kv": load_preset("kv", "auto"), "calib": load_preset("calib", "smoke"),
+            "eval": load_preset("eval", "smoke"), "export": {"name": "none"}, "stages": None, "cache_dir": "/tmp/x"}
+    assert to_run_config(base).stages == ["profile", "fit", "tune", "validate"]
+    with pytest.raises(UserError, match="add tune to stages"):
+        to_run_config({**base, "stages": ["profile", "fit", "validate"]})
+    with pytest.raises(UserError, match="fixed formats"):
+        to_run_config({**base, "kv": load_preset("kv", "int8k_int4v"), "stages": ["profile", "fit", "tune"]})
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["tune.foo=1"], "tune.foo is not a known key of tune"),
+    (["tune.margin=0"], "tune.margin=0 is invalid"),
+])
+def test_bad_tune_input_one_line(tmp_path, args, needle):
+    r = run_cli("model=tiny_llama", "kv=auto", "export=none", *args, f"hydra.run.dir={tmp_path}/run", cache_dir=tmp_path / "c")
+    assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_kv_auto_end_to_end_on_the_tiny_model(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96", "tune.margin=1.0",
+                "eval.gates=[{name: kl_mean, max: 0.05}]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = json.loads((run / "tune.json").read_text())
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["tune"]["chosen"] == t["chosen"] and rep["tune"]["held_out_verdict"] == rep["verdict"]
+    book = ScaleBook.load(run / "scalebook.safetensors")
+    assert book.spec.is_mixed and [f.label for f in book.spec.layers] == t["chosen"]["layers"]
+    geom = Geometry(**rep["model"]["geometry"])
+    want = sum(v for k, v in ref.spec_cache_nbytes(book.spec, geom, rep["memory"]["context"]).items() if k != "static")
+    assert rep["memory"]["bytes_per_token_compressed"] * rep["memory"]["context"] == pytest.approx(want)
+    page = (run / "report.html").read_text()
+    assert "Pareto" in page and "per-layer format map" in page and "Tuning (kv=auto)" in (run / "report.md").read_text()
+    assert json.loads((run / "config.json").read_text())["tune"]["margin"] == 1.0
