@@ -47,6 +47,27 @@ def test_plugin_library_compiles_against_tensorrt_headers_without_warnings(tmp_p
     assert "KvcDecodeAttention" in text and "KvcAppend" in text
 
 
+@needs_trt
+def test_one_library_holds_several_variants_each_in_its_own_namespace(tmp_path):
+    """Per-layer formats: one AOT build of two variants, one library; each variant's plugins register
+    under kvcompress.<variant> and live in their own C++ namespace (no duplicate symbols at link)."""
+    import json
+
+    names = ["d64_g3_int8k_int4v", "d128_g8_int4"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    vs = json.dumps([{"name": n, **dict(zip(FIELDS, VARIANTS[n]))} for n in names])
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(tmp_path / "k"), "--variant-json", vs],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    launchers.generate(tmp_path / "k")
+    lib = tmp_path / "libkvcompress_trt.so"
+    build(Path(TRT), tmp_path / "k", names, lib)
+    text = subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout
+    assert all(f"kvcompress.{n}" in text for n in names)
+    demangled = subprocess.run(["nm", "-C", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    assert all(f"kvc_{n}::" in demangled for n in names)
+
+
 def test_plugin_lib_cli_rejects_a_directory_without_headers(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvcompress.targets.plugin_lib", "--trt-include", str(tmp_path), "--kernels", str(tmp_path),
                         "--variant", "x"], capture_output=True, text=True)

@@ -114,11 +114,13 @@ def test_scalebook_round_trip_and_refusals(tmp_path, tiny_stats):
     assert loaded.spec == book.spec and torch.equal(loaded.tensors["k_scale"], book.tensors["k_scale"])
     with safe_open(str(path), "pt") as f:
         header = json.loads(f.metadata()["kvcompress"])
-    assert header["format_version"] == 1 and header["geometry"]["head_dim"] == 32 and "provenance" in header
+    assert header["format_version"] == 2 and header["geometry"]["head_dim"] == 32 and "provenance" in header
     with pytest.raises(ArtifactError, match="geometry does not match"):
         ScaleBook.load(path, {**book.geometry, "head_dim": 64})
     from kvcompress.artifacts import save_artifact
 
+    save_artifact(tmp_path / "v1.safetensors", book.tensors, {**header, "format_version": 1})  # written before per-layer formats
+    assert ScaleBook.load(tmp_path / "v1.safetensors").spec == book.spec
     save_artifact(tmp_path / "future.safetensors", book.tensors, {**header, "format_version": 99})
     with pytest.raises(ArtifactError, match="format_version=99"):
         ScaleBook.load(tmp_path / "future.safetensors")

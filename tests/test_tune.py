@@ -163,3 +163,28 @@ def test_kv_auto_end_to_end_on_the_tiny_model(tmp_path):
     page = (run / "report.html").read_text()
     assert "Pareto" in page and "per-layer format map" in page and "Tuning (kv=auto)" in (run / "report.md").read_text()
     assert json.loads((run / "config.json").read_text())["tune"]["margin"] == 1.0
+
+
+def test_kv_auto_report_renders_offline_in_headless_chromium(tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI: .ci/run must install Debian's chromium")
+        pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
+    run = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+                "eval.gates=[{name: kl_mean, max: 0.05}]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-3000:]
+    page = run / "report.html"
+    head = page.read_text().split("<pre>")[0]
+    assert "<script" not in head and "http" not in head and "src=" not in head
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "Tuning (kv=auto)" in dom.stdout and "Pareto" in dom.stdout and "<circle" in dom.stdout and "per-layer format map" in dom.stdout
+    assert "chosen" in dom.stdout and "release gate" in dom.stdout

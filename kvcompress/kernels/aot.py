@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", required=True, help=f"one of {', '.join(ARCHS)}")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--variants", default="default", help=f"one of {', '.join(VARIANTS)}")
-    ap.add_argument("--variant-json", default=None, help="compile one variant given as JSON (Variant fields) instead")
+    ap.add_argument("--variant-json", default=None, help="compile the variant(s) given as JSON instead: Variant fields, or a list of them")
     a = ap.parse_args(argv)
     if a.arch not in ARCHS:
         print(f"kvcompress: error: --arch={a.arch} is not supported; allowed: {', '.join(ARCHS)}", file=sys.stderr)
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.variants not in VARIANTS:
         print(f"kvcompress: error: --variants={a.variants} is unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    variants = [Variant(**json.loads(a.variant_json))] if a.variant_json else VARIANTS[a.variants]
+    given = json.loads(a.variant_json) if a.variant_json else None
+    variants = [Variant(**v) for v in (given if isinstance(given, list) else [given])] if given else VARIANTS[a.variants]
     meta = compile_all(a.arch, a.out, variants)
     for e in meta["kernels"]:
         print(f"{e['name']:<36} regs {e['registers']:>3}  stack {e['stack']}  local {e['local']}  smem {e['shared']:>6} B")

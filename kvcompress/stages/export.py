@@ -12,6 +12,7 @@ written into a temporary directory that is renamed to export/ when complete, man
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -82,24 +83,28 @@ class Checks:
         self.rows.append({"check": name, "status": "skipped", "detail": {"skipped": why}})
 
 
-def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
-    """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with their SASS audit and C
-    launchers, the plugin sources (and the plugin library when TensorRT's headers are given), and the
-    ONNX acceptance kit built from the run's real K/V (`stats_path`) and checked on CPU."""
-    out.mkdir(parents=True, exist_ok=True)
-    book.save(out / "scalebook.safetensors")
-    atomic_write_json(out / "kv_spec.json", {"spec": book.spec.model_dump(), "geometry": book.geometry, "layout": "kvcompress.kernels.layout"})
-    s = book.spec
-    v = Variant(
-        f"d{geom.head_dim}_g{geom.n_heads // geom.n_kv_heads}_{s.name}", geom.head_dim, geom.n_heads // geom.n_kv_heads,
-        s.key.bits, s.value.bits, s.value_group(geom.head_dim), s.sink_tokens, s.window, s.outlier_channels,
-    )
+def bundle_variants(book: ScaleBook, geom) -> tuple[list[Variant], list[str]]:
+    """(the kernel variants of a ScaleBook, the variant of each layer): one for a uniform format; one
+    per distinct layer format for per-layer formats (named after the spec and the layer format)."""
+    D, G = geom.head_dim, geom.n_heads // geom.n_kv_heads
+    variants: dict[str, Variant] = {}
+    per_layer = []
+    for i in range(geom.n_layers):
+        s = book.layer_spec(i)
+        name = f"d{D}_g{G}_{book.spec.name}" + (f"_{book.spec.layers[i].label}" if book.spec.is_mixed else "")
+        variants.setdefault(name, Variant(name, D, G, s.key.bits, s.value.bits, s.value_group(D), s.sink_tokens, s.window, s.outlier_channels))
+        per_layer.append(name)
+    return list(variants.values()), per_layer
+
+
+def _aot_compile(out: Path, archs: list[str], variants: list[Variant]) -> None:
+    """python -m kvcompress.kernels.aot for every arch, in parallel (subprocesses: no Triton interpreter)."""
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = {}
     try:
         for arch in archs:
             procs[arch] = subprocess.Popen([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", arch, "--out", str(out / "kernels" / arch),
-                                            "--variant-json", json.dumps(v.__dict__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                            "--variant-json", json.dumps([v.__dict__ for v in variants])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         errs = {arch: p.communicate()[1] for arch, p in procs.items()}
     except BaseException:  # Ctrl-C: stop the compilers before the caller removes the directory they write into
         with _uninterruptible():
@@ -110,41 +115,75 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
                 except (ProcessLookupError, ChildProcessError):
                     pass  # already exited and reaped
         raise
-    kernels = {}
     for arch, p in procs.items():
-        err = errs[arch]
         if p.returncode:
-            raise RuntimeError(f"AOT compile for {arch} failed: {err.strip()[-600:]}")
+            raise RuntimeError(f"AOT compile for {arch} failed: {errs[arch].strip()[-600:]}")
+
+
+def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
+    """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with their SASS audit and C
+    launchers, the plugin sources (and the plugin library when TensorRT's headers are given), and the
+    ONNX acceptance kit built from the run's real K/V (`stats_path`) and checked on CPU. Per-layer
+    formats: every variant is compiled, gets its kit, and is linked into the one plugin library
+    (plugins registered under kvcompress.<variant>)."""
+    from kvcompress.targets.plugin_lib import plugin_namespace
+
+    out.mkdir(parents=True, exist_ok=True)
+    book.save(out / "scalebook.safetensors")
+    atomic_write_json(out / "kv_spec.json", {"spec": book.spec.model_dump(), "geometry": book.geometry, "layout": "kvcompress.kernels.layout"})
+    variants, per_layer = bundle_variants(book, geom)
+    retiled = {}
+    for _ in range(3):
+        _aot_compile(out, archs, variants)
+        # a variant whose decode kernel needs a stack frame on some arch (a ptxas choice for that tile):
+        # compile it again with half the token tile, the same tile on every arch (the plugin and kit read it)
+        spilled = {k["variant"]["name"] for arch in archs for k in json.loads((out / "kernels" / arch / "kernels.json").read_text())["kernels"]
+                   if k["spills"] and k["kernel"] == "decode_split"}
+        redo = [v for v in variants if v.name in spilled and v.block_t > 16]
+        if not redo:
+            break
+        for v in redo:
+            retiled.setdefault(v.name, [v.block_t]).append(v.block_t // 2)
+        variants = [dataclasses.replace(v, block_t=v.block_t // 2) if v in redo else v for v in variants]
+    kernels = {}
+    for arch in archs:
         kdir = out / "kernels" / arch
         files = launchers.generate(kdir)
         meta = json.loads((kdir / "kernels.json").read_text())["kernels"]
         kernels[arch] = [k["name"] for k in meta]
         checks.add(f"AOT kernels {arch}: no spills (cuobjdump)", not any(k["spills"] for k in meta),
-                   {k["name"]: {"registers": k["registers"], "local": k["local"], "stack": k["stack"]} for k in meta})
+                   {k["name"]: {"registers": k["registers"], "local": k["local"], "stack": k["stack"], "block_t": k["constexprs"].get("BLOCK_T")} for k in meta}
+                   | ({"token tile halved after a stack frame (variant: tiles tried)": retiled} if retiled else {}))
         audit = json.loads((kdir / "audit.json").read_text())["kernels"]  # written by the AOT build (kvcompress.kernels.audit)
         loops = {k["name"]: k["main_loop"]["narrowest_payload_bits"] for k in audit if "main_loop" in k}
         checks.add(f"AOT kernels {arch}: decode payload read by >= 64-bit loads (SASS audit, audit.json)", all(b >= 64 for b in loops.values()),
                    {n: f"{b}-bit" for n, b in loops.items()})
         _compile_launchers(kdir, files, arch, checks)
-        _compile_plugin(kdir, v.name, out / "lib" / arch, arch, checks)
+        _compile_plugin(kdir, [v.name for v in variants], out / "lib" / arch, arch, checks)
+    ns = {v.name: plugin_namespace(v.name, len(variants)) for v in variants}
     if stats_path is not None and stats_path.is_file() and importlib.util.find_spec("onnx") is not None:
         from kvcompress.targets.acceptance import check_kit, kit_for_bundle
 
-        kit = out / "acceptance" / v.name
-        kit_for_bundle(kit, v.__dict__, stats_path, book)
-        res = check_kit(kit)
-        checks.add(f"ONNX acceptance kit {v.name}: onnx.checker + onnx.reference reproduce the reference goldens exactly", all(res.values()),
-                   {"cases": res, "on a TensorRT host": f"python acceptance/{v.name}/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so"})
+        for v in variants:
+            kit = out / "acceptance" / v.name
+            layer = None if len(variants) == 1 else per_layer.index(v.name)  # a layer that runs this variant
+            kit_for_bundle(kit, {**v.__dict__, "namespace": ns[v.name]}, stats_path, book, layer)
+            res = check_kit(kit)
+            checks.add(f"ONNX acceptance kit {v.name}: onnx.checker + onnx.reference reproduce the reference goldens exactly", all(res.values()),
+                       {"cases": res, "on a TensorRT host": f"python acceptance/{v.name}/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so"})
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
-    return {"variant": v.__dict__, "kernels": kernels}
+    info = {"variant": variants[0].__dict__, "kernels": kernels}
+    if book.spec.is_mixed:
+        info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
+    return info
 
 
 NETWORK_NEW_TOKENS = 8  # generated after the prompt in the network check
 
 
-def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Checks) -> dict:
+def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Checks, layers: list[dict] | None = None) -> dict:
     """network.json + plugin_params.safetensors for build_engine.py --tier custom, and the CPU check of
     that network's graph (trtllm_network.decoder_step, plugins = reference numerics) against
     CompressedCache decoding of the same tokens on the run's model: a prompt of held-out text long
@@ -159,7 +198,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     token_bytes = kd + vd + 4 * (g.head_dim // variant["group"]) + 2 * variant["n_out"]
     n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
     splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
-    spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits)
+    spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits, layers)
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
     info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
@@ -194,7 +233,7 @@ def _compile_launchers(kdir: Path, files: list[Path], arch: str, checks: Checks)
     checks.add(f"C launchers {arch} compile against cuda.h (gcc -Wall -Werror)", not errs, errs or f"{sum(f.suffix == '.c' for f in files)} files")
 
 
-def _compile_plugin(kdir: Path, variant: str, out: Path, arch: str, checks: Checks) -> None:
+def _compile_plugin(kdir: Path, variant: list[str], out: Path, arch: str, checks: Checks) -> None:
     """libkvcompress_trt.so when TensorRT's headers are given (TENSORRT_INCLUDE_DIR); else not run."""
     from kvcompress.targets.plugin_lib import build
 
@@ -203,7 +242,7 @@ def _compile_plugin(kdir: Path, variant: str, out: Path, arch: str, checks: Chec
         return  # not run: recorded by its absence from the checks (and in not_verified_here)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        build(Path(trt), kdir, variant, out / "libkvcompress_trt.so")
+        build(Path(trt), kdir, variant if len(variant) > 1 else variant[0], out / "libkvcompress_trt.so")
         checks.add(f"plugin library {arch} compiles against TensorRT headers (-Wall -Wextra -Werror)", True, {"headers": trt, "lib": str(out / "libkvcompress_trt.so")})
     except RuntimeError as e:
         checks.add(f"plugin library {arch} compiles against TensorRT headers (-Wall -Wextra -Werror)", False, str(e)[-800:])
@@ -329,18 +368,21 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     hf_fold.record(checks)
     trt_guard, hf_guard = trt_fold.guard, hf_fold.guard
     primary = books["primary"]
-    if primary.spec.is_mixed:
-        # NOT IMPLEMENTED: kernels, plugin bundle and network for per-layer formats (one kernel variant
-        # per distinct layer format plus fp16 layers); the validated native fallbacks above are written
-        checks.skip(f"custom tier for {primary.spec.name} (per-layer formats)",
-                    "the plugin bundle (AOT kernels, plugins, network) holds one format for all layers; per-layer formats are not exported "
-                    "yet: serve the native fallback (trtllm_ckpt) or a uniform kv format")
+    fp16_layers = [i for i in range(geom.n_layers) if primary.spec.is_mixed and primary.layer_spec(i).is_baseline]
+    if fp16_layers:
+        # NOT IMPLEMENTED: an fp16 layer in the custom-tier network (it needs a plain attention over an fp16 cache)
+        checks.skip(f"custom tier for {primary.spec.name} (per-layer formats with fp16 layers {fp16_layers})",
+                    "the custom-tier network runs every layer through the kvcompress plugins; fp16 layers are not exported yet: "
+                    "serve the native fallback (trtllm_ckpt)")
     elif primary.spec.tier == "custom":
+        mixed = " (per-layer formats: one kernel variant per distinct layer format)" if primary.spec.is_mixed else ""
         artifacts["plugin_bundle"] = {
-            "tier": "custom", "what": f"full kvcompress format {primary.spec.name}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",
+            "tier": "custom", "what": f"full kvcompress format {primary.spec.name}{mixed}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",
             "validated_as": primary.spec.name, "verdict": report["verdict"], **plugin_bundle(primary, geom, out / "plugin_bundle", ecfg.archs, checks, run.dir / "kv_stats.safetensors"),
         }
-        artifacts["plugin_bundle"]["network"] = custom_network(run, primary, artifacts["plugin_bundle"]["variant"], out / "plugin_bundle", checks)
+        pb = artifacts["plugin_bundle"]
+        layers = [pb["variants"][n] for n in pb["layer_variants"]] if "layer_variants" in pb else None
+        pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 
     # ---- checks: read back and re-measure what was written
     windows, base = run.baseline if run.baseline and run.baseline[1] is not None else (None, None)
@@ -458,9 +500,11 @@ def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:
         manifest["engine_build"] = _build(final / "trtllm_ckpt" / f"tp{run.cfg.export.tp_sizes[0]}", final / "engine")
         manifest["engine_built"] = manifest["engine_build"]["returncode"] == 0
         atomic_write_json(final / "manifest.json", manifest)
-    failed = [c["check"] for c in manifest["checks"] if c["status"] != "passed"]
-    log.info("export: wrote %s (%s); %d checks ran, %s; TensorRT engine %s: %s", final, ", ".join(manifest["artifacts"]), len(manifest["checks"]),
-             f"FAILED: {failed}" if failed else "all passed", "BUILT" if manifest["engine_built"] else "NOT BUILT", manifest["engine_reason"])
+    failed = [c["check"] for c in manifest["checks"] if c["status"] not in ("passed", "skipped")]
+    skipped = [c["check"] for c in manifest["checks"] if c["status"] == "skipped"]
+    log.info("export: wrote %s (%s); %d checks, %s%s; TensorRT engine %s: %s", final, ", ".join(manifest["artifacts"]), len(manifest["checks"]),
+             f"FAILED: {failed}" if failed else "all that ran passed", f"; skipped (reason in the manifest): {skipped}" if skipped else "",
+             "BUILT" if manifest["engine_built"] else "NOT BUILT", manifest["engine_reason"])
     report["export"] = manifest
     atomic_write_json(report_path, report)
     return {"export": final}

@@ -86,14 +86,14 @@ def reference_output(x: dict[str, np.ndarray], sm_scale: float) -> np.ndarray:
     return ops.decode_attention_reference(q, kv, p, sm_scale).numpy()
 
 
-def make_model(op: str, x: dict[str, np.ndarray], inputs, outputs: dict[str, np.ndarray], attrs: dict):
+def make_model(op: str, x: dict[str, np.ndarray], inputs, outputs: dict[str, np.ndarray], attrs: dict, namespace: str = OP_NAMESPACE):
     """A one-node model: the plugin `op` (name, version, namespace as it registers) with `attrs` as its fields."""
     from onnx import helper
 
     def vi(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), list(arr.shape))
 
-    node = helper.make_node(op, list(inputs), list(outputs), domain=OP_DOMAIN, plugin_version=OP_VERSION, plugin_namespace=OP_NAMESPACE, **attrs)
+    node = helper.make_node(op, list(inputs), list(outputs), domain=OP_DOMAIN, plugin_version=OP_VERSION, plugin_namespace=namespace, **attrs)
     graph = helper.make_graph([node], f"{op}_case", [vi(n, x[n]) for n in inputs], [vi(n, a) for n, a in outputs.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(OP_DOMAIN, 1)],
                              producer_name="kvcompress")
@@ -105,9 +105,11 @@ def case_lengths(n_sink: int, window: int, block: int) -> list[list[int]]:
 
 
 def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Tensor, v_rows: torch.Tensor, splits: int = 3, seed: int = 0) -> list[dict]:
-    """Cases for one variant; k_rows, v_rows: [N, H, D] real rows of one layer. Returns the case list."""
+    """Cases for one variant; k_rows, v_rows: [N, H, D] real rows of one layer. Returns the case list.
+    variant["namespace"] (optional): the plugin namespace the variant registers in (default kvcompress)."""
     import onnx
 
+    ns = variant.get("namespace", OP_NAMESPACE)
     out.mkdir(parents=True, exist_ok=True)
     H, D, G = k_rows.shape[1], variant["head_dim"], variant["gqa"]
     g = torch.Generator().manual_seed(seed)
@@ -126,7 +128,7 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         attrs = {"H": H, "G": G, "D": D, "splits": splits, "cap": int(kv.k_payload.shape[2]), "sm_scale": sm_scale}
         name = f"case{i}_len{'-'.join(map(str, lens))}"
         expected = reference_output(x, sm_scale)
-        onnx.save(make_model(OP, x, INPUTS, {"out": expected}, attrs), str(out / f"{name}.onnx"))
+        onnx.save(make_model(OP, x, INPUTS, {"out": expected}, attrs, ns), str(out / f"{name}.onnx"))
         np.savez(out / f"{name}.npz", **x, expected=expected)
         cases.append({"name": name, "op": OP, "lens": lens, "attrs": attrs, "outputs": ["out"]})
         # the append of the next token: from the cache of `lens` tokens to the cache of lens + 1 (built by the reference)
@@ -142,10 +144,10 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         after = {k: getattr(full, k).numpy() for k in APPEND_OUTPUTS}
         aname = f"append{i}_len{'-'.join(map(str, lens))}"
         aattrs = {"H": H, "D": D, "cap": int(kv.k_payload.shape[2])}
-        onnx.save(make_model(APPEND_OP, ax, APPEND_INPUTS, {f"{k}_out": after[k] for k in APPEND_OUTPUTS}, aattrs), str(out / f"{aname}.onnx"))
+        onnx.save(make_model(APPEND_OP, ax, APPEND_INPUTS, {f"{k}_out": after[k] for k in APPEND_OUTPUTS}, aattrs, ns), str(out / f"{aname}.onnx"))
         np.savez(out / f"{aname}.npz", **ax, **{f"expected_{k}_out": after[k] for k in APPEND_OUTPUTS})
         cases.append({"name": aname, "op": APPEND_OP, "lens": lens, "attrs": aattrs, "outputs": [f"{k}_out" for k in APPEND_OUTPUTS]})
-    (out / "cases.json").write_text(json.dumps({"op": OP, "version": OP_VERSION, "namespace": OP_NAMESPACE, "domain": OP_DOMAIN,
+    (out / "cases.json").write_text(json.dumps({"op": OP, "version": OP_VERSION, "namespace": ns, "domain": OP_DOMAIN,
                                                 "variant": variant, "tolerance": TOLERANCE, "cases": cases}, indent=2))
     (out / "verify.py").write_text(VERIFY)
     return cases
@@ -189,7 +191,8 @@ def check_kit(kit: Path) -> dict[str, bool]:
 
 
 def kit_for_bundle(out: Path, variant: dict, stats_path: Path, book, layer: int | None = None) -> list[dict]:
-    """The bundle's kit: real K/V rows of one layer from the run's kv_stats, that layer's key params."""
+    """The bundle's kit: real K/V rows of one layer (default the middle one) from the run's kv_stats,
+    that layer's key params."""
     from kvcompress.stats import KVStats
 
     stats = KVStats.load(stats_path)

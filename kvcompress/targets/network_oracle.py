@@ -63,7 +63,8 @@ class TorchGraph:
     def sigmoid(self, x):
         return torch.sigmoid(x.float()).to(x.dtype)
 
-    def plugin(self, name: str, inputs: list, fields: dict, n_out: int):
+    def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = tn.NAMESPACE):
+        # the reference ops read the format from the buffers' shapes and dtypes (any variant, any namespace)
         x = [t.numpy() for t in inputs]
         if name == "KvcAppend":
             out = reference_append(dict(zip(APPEND_INPUTS, x)))
@@ -76,13 +77,20 @@ class TorchGraph:
 def plugin_params(book) -> dict[str, np.ndarray]:
     """The per-layer plugin constants of a ScaleBook (what the export writes to plugin_params.safetensors)."""
     per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
+    n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
+    idx = [torch.nn.functional.pad(p[3], (0, n_out - p[3].shape[-1])) for p in per]
     return {"k_scale": torch.stack([p[0] for p in per]).numpy(), "k_zero": torch.stack([p[1] for p in per]).numpy(),
-            "k_zero_masked": torch.stack([p[2] for p in per]).numpy(), "outlier_idx": torch.stack([p[3] for p in per]).numpy()}
+            "k_zero_masked": torch.stack([p[2] for p in per]).numpy(), "outlier_idx": torch.stack(idx).numpy()}
 
 
-def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: int) -> dict:
+def _variant_fields(v: dict) -> dict:
+    return {k: v[k] for k in ("name", "n_sink", "window", "key_bits", "value_bits", "group", "n_out")}
+
+
+def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: int, layers: list[dict] | None = None) -> dict:
     """network.json: what build_engine --tier custom needs besides the weights and the plugin constants.
-    RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses)."""
+    RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses).
+    layers (per-layer formats): each layer's variant, with the plugin namespace it registers in."""
     from kvcompress.targets.trtllm_ckpt import trtllm_config
     from kvcompress.targets.trtllm_reader import rope_inv_freq
 
@@ -93,8 +101,8 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
                  "n_kv_heads": book.geometry["n_kv_heads"], "head_dim": book.geometry["head_dim"], "hidden": hf_config.hidden_size,
                  "vocab_size": hf_config.vocab_size, "rms_eps": float(hf_config.rms_norm_eps), "model_type": hf_config.model_type},
         "rope_inv_freq": [float(f) for f in inv],
-        "variant": {"name": variant["name"], "n_sink": variant["n_sink"], "window": variant["window"], "key_bits": variant["key_bits"],
-                    "value_bits": variant["value_bits"], "group": variant["group"], "n_out": variant["n_out"]},
+        "variant": _variant_fields(variant),
+        **({"layers": [{**_variant_fields(v), "namespace": v["namespace"]} for v in layers]} if layers else {}),
         "splits": splits,
         "format": book.spec.name,
         "weights": {"hf_dir": identity.get("weights_cache") or identity.get("path"), "identity": identity},
@@ -103,8 +111,11 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
 
 def empty_past(spec: dict, B: int, cap: int) -> list[list[torch.Tensor]]:
     a = spec["arch"]
-    tails = tn.cache_tails(spec["variant"], a["n_kv_heads"], a["head_dim"], cap)
-    return [[torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.CACHE] for _ in range(a["n_layers"])]
+    out = []
+    for i in range(a["n_layers"]):
+        tails = tn.cache_tails(tn.layer_variant(spec, i), a["n_kv_heads"], a["head_dim"], cap)
+        out.append([torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.CACHE])
+    return out
 
 
 def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1):
@@ -148,7 +159,7 @@ def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int]
     got = logits[:, 0]
     lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(got, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
-    v = spec["variant"]
+    v = tn.layer_variant(spec, 0)
     return {"tokens": len(toks[0]) - 1, "crossed_into_store": len(toks[0]) - 1 > v["n_sink"] + v["window"],
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float((ref_logits.argmax(-1) == got.argmax(-1)).float().mean()),
             "max_abs_logit_diff": float((ref_logits - got).abs().max()), "seconds": round(time.time() - t0, 1)}

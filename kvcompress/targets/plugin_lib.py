@@ -1,6 +1,6 @@
 """Compile libkvcompress_trt.so (the TensorRT plugin + the AOT kernels' C launchers) without CMake.
 
-    python -m kvcompress.targets.plugin_lib --trt-include DIR --kernels DIR --variant NAME --out libkvcompress_trt.so
+    python -m kvcompress.targets.plugin_lib --trt-include DIR --kernels DIR --variant NAME [NAME ...] --out libkvcompress_trt.so
 
 DIR of --trt-include: TensorRT's public headers (include/ of NVIDIA's open-source TensorRT
 repository at the tag TensorRT-LLM 1.2.1 depends on, v10.13.3; or a TensorRT install). --kernels:
@@ -26,27 +26,48 @@ PLUGIN_SOURCES = [ROOT / "plugins" / "trt" / "kvcDecodeAttentionPlugin.cpp", ROO
 WARN = ["-Wall", "-Wextra", "-Werror"]
 
 
-def build(trt_include: Path, kernels: Path, variant: str, out: Path) -> list[list[str]]:
-    """Compile and link; raises RuntimeError with the compiler's message on failure. Returns the commands."""
+def plugin_namespace(variant: str, n_variants: int) -> str:
+    """The plugin namespace a variant registers in: kvcompress, or kvcompress.<variant> in a library
+    holding several variants (a per-layer format: one variant per distinct layer format)."""
+    return "kvcompress" if n_variants == 1 else f"kvcompress.{variant}"
+
+
+def variant_defines(variant: str, n_variants: int = 1) -> list[str]:
+    """Compiler definitions that bind the plugin sources to one variant's launchers and constants. With
+    several variants in one library each copy also gets its own C++ namespace (no symbol clashes) and
+    plugin namespace."""
+    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
+            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
+    if n_variants > 1:
+        defs += [f"-Dkvc=kvc_{variant}", f'-DKVC_PLUGIN_NAMESPACE="{plugin_namespace(variant, n_variants)}"']
+    return defs
+
+
+def build(trt_include: Path, kernels: Path, variant: str | list[str], out: Path) -> list[list[str]]:
+    """Compile and link; raises RuntimeError with the compiler's message on failure. Returns the commands.
+    `variant`: one name, or several (one library registering every variant's plugins, each under
+    kvcompress.<variant>)."""
     cuda = cuda_include_dirs()
     if not cuda:
         raise RuntimeError("no cuda.h found (CUDA toolkit or Triton's copy)")
     if not (Path(trt_include) / "NvInferRuntime.h").is_file():
         raise RuntimeError(f"--trt-include={trt_include} has no NvInferRuntime.h")
-    launchers = sorted(Path(kernels).glob(f"kvc_*_{variant}.c"))
-    if not launchers:
-        raise RuntimeError(f"--kernels={kernels} has no launchers for --variant={variant}")
+    names = [variant] if isinstance(variant, str) else list(variant)
+    launchers = {v: sorted(Path(kernels).glob(f"kvc_*_{v}.c")) for v in names}
+    for v, files in launchers.items():
+        if not files:
+            raise RuntimeError(f"--kernels={kernels} has no launchers for --variant={v}")
     sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
-    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
-            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
     cmds, objs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for src in launchers:
-            objs.append(Path(tmp) / (src.stem + ".o"))
-            cmds.append(["gcc", "-std=c11", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", "-o", str(objs[-1])])
-        for src in PLUGIN_SOURCES:
-            objs.append(Path(tmp) / (src.stem + ".o"))
-            cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", f"-I{src.parent}", *defs, "-o", str(objs[-1])])
+        for v in names:
+            for src in launchers[v]:
+                objs.append(Path(tmp) / (src.stem + ".o"))
+                cmds.append(["gcc", "-std=c11", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", "-o", str(objs[-1])])
+            for src in PLUGIN_SOURCES:
+                objs.append(Path(tmp) / f"{src.stem}_{v}.o")
+                cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", f"-I{src.parent}",
+                             *variant_defines(v, len(names)), "-o", str(objs[-1])])
         cmds.append(["g++", "-shared", "-o", str(out), *map(str, objs)])
         for c in cmds:
             r = subprocess.run(c, capture_output=True, text=True)
@@ -63,8 +84,7 @@ def build_harness(trt_include: Path, kernels: Path, variant: str, out: Path) -> 
     registry and logger and the CUDA driver), which drives the plugins' build-time and serialization logic on CPU."""
     cuda = cuda_include_dirs()
     sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
-    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
-            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
+    defs = variant_defines(variant)
     with tempfile.TemporaryDirectory() as tmp:
         objs = []
         for src in sorted(Path(kernels).glob(f"kvc_*_{variant}.c")):
@@ -100,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trt-include", type=Path, required=True)
     ap.add_argument("--kernels", type=Path, required=True)
-    ap.add_argument("--variant", required=True)
+    ap.add_argument("--variant", required=True, nargs="+", help="one variant, or several (a per-layer format's bundle)")
     ap.add_argument("--out", type=Path, default=Path("libkvcompress_trt.so"))
     a = ap.parse_args(argv)
     if shutil.which("g++") is None or shutil.which("gcc") is None:
         print("kvcompress: error: needs gcc and g++ on PATH", file=sys.stderr)
         return 2
     try:
-        build(a.trt_include, a.kernels, a.variant, a.out)
+        build(a.trt_include, a.kernels, a.variant if len(a.variant) > 1 else a.variant[0], a.out)
     except RuntimeError as e:
         print(f"kvcompress: error: {e}", file=sys.stderr)
         return 1

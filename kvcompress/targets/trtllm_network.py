@@ -16,6 +16,9 @@ per-sequence cache: 9 buffers per layer (layout of `kvcompress.kernels.layout.Pa
 `past.<layer>.<buffer>` and outputs `present.<layer>.<buffer>` (KvcAppend's outputs, aliased to its
 inputs), bound to the same device memory, plus `lens` [B] (tokens cached before this one; the
 network adds 1 for the attention read) and `input_ids` [B]. Prompts are fed one token per step.
+A per-layer format (kv=auto) gives each layer its own variant (network.json `layers`): that layer's
+buffers have its variant's shapes and its plugins are the ones registered under the variant's
+namespace (kvcompress.<variant>, all in one plugin library).
 
 This file is copied into the plugin bundle next to build_engine.py; it imports only numpy at
 module level (torch, tensorrt, tensorrt_llm, safetensors inside the functions that need them).
@@ -49,9 +52,15 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
     }
 
 
+def layer_variant(spec: dict, i: int) -> dict:
+    """The variant layer i runs: the bundle's one variant, or the layer's own (per-layer formats)."""
+    return spec["layers"][i] if spec.get("layers") else spec["variant"]
+
+
 def store_capacity(spec: dict, max_seq_len: int) -> int:
-    """Compressed-store slots for sequences of up to max_seq_len tokens (the rest are sinks and window)."""
-    v = spec["variant"]
+    """Compressed-store slots for sequences of up to max_seq_len tokens (the rest are sinks and window;
+    the same in every layer)."""
+    v = layer_variant(spec, 0)
     return max(1, max_seq_len - v["n_sink"] - v["window"])
 
 
@@ -145,14 +154,17 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
     lens1 = g.add(lens, g.const(np.ones((1,), np.int32)))  # the attention reads the new token too
     present = []
     for i in range(L):
+        v = layer_variant(spec, i)
+        ns = v.get("namespace", NAMESPACE)
         h = _rms_norm(g, x, W[f"{i}.ln1"], eps)
         q = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wq"]), transpose_b=True), (0, H, D)), cos, sin, R)
         k = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wk"]), transpose_b=True), (0, HKV, D)), cos, sin, R)
         vv = g.reshape(g.matmul(h, g.const(W[f"{i}.wv"]), transpose_b=True), (0, HKV, D))
-        ks, kz, kzm, idx = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked", "outlier_idx"))
-        new = g.plugin("KvcAppend", [k, vv, ks, kz, idx, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(CACHE))
+        ks, kz, kzm = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked"))
+        idx = g.const(np.ascontiguousarray(P["outlier_idx"][i][:, : v["n_out"]]))  # padded to the most outliers of any layer
+        new = g.plugin("KvcAppend", [k, vv, ks, kz, idx, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(CACHE), ns)
         att = g.plugin("KvcDecodeAttention", [q, ks, kzm, idx, *new, lens1],
-                       {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1)[0]
+                       {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1, ns)[0]
         att = g.reshape(g.cast(att, "float16"), (0, H * D))
         x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
         h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
@@ -219,11 +231,11 @@ class TrtGraph:
     def sigmoid(self, x):
         return self.net.add_activation(x, self.trt.ActivationType.SIGMOID).get_output(0)
 
-    def plugin(self, name: str, inputs: list, fields: dict, n_out: int):
+    def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = NAMESPACE):
         trt = self.trt
-        creator = self.registry.get_creator(name, "1", NAMESPACE)
+        creator = self.registry.get_creator(name, "1", namespace)
         if creator is None:
-            raise RuntimeError(f"plugin {NAMESPACE}::{name} v1 is not registered: load libkvcompress_trt.so first (--plugin-lib)")
+            raise RuntimeError(f"plugin {namespace}::{name} v1 is not registered: load the bundle's libkvcompress_trt.so first (--plugin-lib)")
         pf = [trt.PluginField(k, np.array([val], np.float32 if isinstance(val, float) else np.int32),
                               trt.PluginFieldType.FLOAT32 if isinstance(val, float) else trt.PluginFieldType.INT32) for k, val in fields.items()]
         plugin = creator.create_plugin(name, trt.PluginFieldCollection(pf), trt.TensorRTPhase.BUILD)
@@ -240,7 +252,7 @@ def engine_io(spec: dict, cap: int) -> dict[str, tuple[tuple, str]]:
     a = spec["arch"]
     io = {"input_ids": ((), "int32"), "lens": ((), "int32")}
     for i in range(a["n_layers"]):
-        for c, (tail, dt) in cache_tails(spec["variant"], a["n_kv_heads"], a["head_dim"], cap).items():
+        for c, (tail, dt) in cache_tails(layer_variant(spec, i), a["n_kv_heads"], a["head_dim"], cap).items():
             io[f"past.{i}.{c}"] = (tail, dt)
     return io
 

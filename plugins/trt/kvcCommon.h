@@ -9,7 +9,10 @@
 
 namespace kvc {
 
-static constexpr char const* kNAMESPACE = "kvcompress";
+#ifndef KVC_PLUGIN_NAMESPACE
+#define KVC_PLUGIN_NAMESPACE "kvcompress"  // a library holding several variants registers each as kvcompress.<variant>
+#endif
+static constexpr char const* kNAMESPACE = KVC_PLUGIN_NAMESPACE;
 static constexpr int32_t kKEY_ROW = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;  // bytes of a packed key row
 static constexpr int32_t kVAL_ROW = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D;
 static constexpr int32_t kNG = KVC_D / KVC_GROUP;
