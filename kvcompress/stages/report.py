@@ -177,7 +177,7 @@ def _tune_rows(t: dict, top: int = 12) -> list[tuple[str, ...]]:
             continue
         m, pr = p.get("measured", {}), p.get("predicted")
         mix = ", ".join(f"{n}x {f}" for f, n in sorted(((f, p["layers"].count(f)) for f in set(p["layers"])), key=lambda x: -x[1]))
-        rows.append(((" **chosen** " if p.get("chosen") else "") + p["name"], p["kind"], f"{p['bytes_per_token']:.1f}", f"{p['bits_per_element']:.2f}",
+        rows.append((("(chosen) " if p.get("chosen") else "") + p["name"], p["kind"], f"{p['bytes_per_token']:.1f}", f"{p['bits_per_element']:.2f}",
                      "n/a" if pr is None else f"{pr['kl_mean']:.2e}", f"{m.get('kl_mean', float('nan')):.2e}", f"{100 * m.get('ppl_delta_rel', float('nan')):+.3f}%",
                      "PASS" if p.get("passes") else "fail", f"w{p['window']} s{p['sink_tokens']}: {mix}"))
     return rows
@@ -213,7 +213,7 @@ def pareto(points: list[dict], limit: float | None, gate: float | None, title: s
     lines = [v for v in (limit, gate) if v]
     lo, hi = math.log10(min(ys + lines)) - 0.2, math.log10(max(ys + lines)) + 0.2
     x0, x1 = min(xs) * 0.95, max(xs) * 1.05
-    left, right, top, bottom = 64, 10, 10, 36
+    left, right, top, bottom = 64, 34, 10, 36
 
     def X(v):
         return left + (w - left - right) * (v - x0) / max(x1 - x0, 1e-9)
