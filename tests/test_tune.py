@@ -188,3 +188,15 @@ def test_kv_auto_report_renders_offline_in_headless_chromium(tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "Tuning (kv=auto)" in dom.stdout and "Pareto" in dom.stdout and "<circle" in dom.stdout and "per-layer format map" in dom.stdout
     assert "chosen" in dom.stdout and "release gate" in dom.stdout
+
+
+def test_tune_searches_window_and_sinks_end_to_end(lm3, stats3):
+    """tune.windows x tune.sinks: each alternative is measured on the chosen assignment; under a loose
+    gate the smallest fp16 window and sinks win (fewest bytes at the tuning context)."""
+    spec = KVSpec(name="auto", window=8, sink_tokens=2, layers="auto")
+    cfg = TuneConfig(menu=[K8, K4], n_windows=1, seq_len=96, max_checks=4, windows=[8, 0], sinks=[2, 0], context=64)
+    _, loose = tune(lm3, stats3, spec, cfg, _eval(10.0), SMOKE_CALIB, progress=False)
+    alts = [p for p in loose["points"] if p["kind"] == "window/sinks"]
+    assert len(alts) == 3 and all("measured" in p for p in alts)
+    assert (loose["chosen"]["window"], loose["chosen"]["sink_tokens"]) == (0, 0) and loose["chosen"]["name"].endswith("+w0s0")
+    assert sum(p["chosen"] for p in loose["points"]) == 1
