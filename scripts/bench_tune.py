@@ -2,6 +2,7 @@
 
     python scripts/bench_tune.py                  # embedded model, default config (export on)
     python scripts/bench_tune.py --export none    # without the export stage
+    python scripts/bench_tune.py --readme         # re-render the README block from docs/bench/tune.json
 
 Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
 `python -m kvcompress kv=int8k_int4v` and `python -m kvcompress kv=auto` one after the other in
@@ -23,6 +24,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULT = ROOT / "docs" / "bench" / "tune.json"
+BEGIN, END = "<!-- tune-bench:begin (rendered by scripts/bench_tune.py --readme from docs/bench/tune.json) -->", "<!-- tune-bench:end -->"
+
+
+def render(r: dict) -> str:
+    """The README block, from a results file of this benchmark."""
+    p, q = r["runs"]["int8k_int4v"], r["runs"]["auto"]
+
+    def times(x):
+        return ", ".join(f"{k} {v:.0f} s" for k, v in x["stage_times_s"].items() if v >= 1)
+
+    def drops(x):
+        return ", ".join(f"{g['name']} {g['value']:+.3f}" for g in x["gates"] if g["name"].endswith("_drop"))
+
+    k4 = sum(f.startswith("k4") for f in q["layers"])
+    lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}{' with uncommitted changes' if str(r['git_sha']).endswith('-dirty') else ''}, 2 CPU cores, export={r['export']} (`docs/bench/tune.json`):", "",
+             f"| run | wall time | bytes/token at {q['context']} tokens | held-out verdict (default eval) | KL mean | ppl delta |", "|---|---|---|---|---|---|"]
+    for name, x in (("kv=int8k_int4v", p), ("kv=auto", q)):
+        ratio = f" (**{x['bytes_per_token'] / p['bytes_per_token']:.3f}x**)" if x is q else ""
+        lines.append(f"| `{name}` | {x['seconds']:.0f} s ({times(x)}) | {x['bytes_per_token']:.0f}{ratio} | {x['verdict'].upper()} ({drops(x)}) | "
+                     f"{x['kl_mean']:.2e} | {100 * x['ppl_delta_rel']:+.3f}% |")
+    lines += ["", f"Time ratio **{r['time_ratio']:.2f}x**. The choice: {k4} of {len(q['layers'])} layers int4 keys, "
+              f"{len(q['layers']) - k4} int8 keys ({', '.join(sorted(set(q['layers'])))}), window {q['window']}, {q['sink_tokens']} sinks."]
+    return "\n".join(lines + ["", END])
+
+
+def write_readme(r: dict) -> None:
+    readme = ROOT / "README.md"
+    head, rest = readme.read_text().split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + render(r) + tail)
 
 
 def run(args: list[str], env: dict, run_dir: Path) -> float:
@@ -39,10 +70,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--export", default="trtllm", choices=["trtllm", "none"])
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/tune.json")
+    ap.add_argument("--readme", action="store_true", help="only render docs/bench/tune.json into the README (no run)")
     a = ap.parse_args()
+    if a.readme:
+        write_readme(json.loads(RESULT.read_text()))
+        return
     from kvcompress.models.base import Geometry
     from kvcompress.provenance import base_provenance
-    from kvcompress.reference import spec_cache_nbytes
+    from kvcompress.stages.validate import memory_summary
     from kvcompress.scalebook import ScaleBook
 
     env = dict(os.environ)
@@ -59,7 +94,7 @@ def main() -> None:
             g = Geometry(**rep["model"]["geometry"])
             tune = json.loads((d / "tune.json").read_text()) if (d / "tune.json").is_file() else None
             ctx = tune["context"] if tune else g.max_position
-            bpt = sum(v for k, v in spec_cache_nbytes(book.spec, g, ctx).items() if k != "static") / ctx
+            bpt = memory_summary(book.spec, g, ctx).bytes_per_token_compressed
             out[kv] = {"seconds": secs, "stage_times_s": rep.get("stage_times_s"), "verdict": rep["verdict"], "bytes_per_token": bpt, "context": ctx,
                        "kl_mean": rep["quality"]["kl_mean"], "ppl_delta_rel": rep["quality"]["ppl_delta_rel"],
                        "gates": [{"name": x["name"], "status": x["status"], "value": x["value"]} for x in rep["gates"]],
@@ -75,7 +110,8 @@ def main() -> None:
     if not a.no_write:
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(res, indent=1))
-        print(f"wrote {RESULT}")
+        write_readme(res)
+        print(f"wrote {RESULT} and its README block")
 
 
 if __name__ == "__main__":

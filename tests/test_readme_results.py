@@ -40,3 +40,13 @@ def test_readme_streaming_block_is_rendered_from_the_committed_benchmark():
     readme = (ROOT / "README.md").read_text()
     assert readme[readme.index(mod.BEGIN) : readme.index(mod.END) + len(mod.END)] == mod.render(r)
     assert r["command"] in readme and r["git_sha"] and r["synthetic"]["exported"]
+
+
+def test_readme_tune_block_is_rendered_from_the_committed_benchmark():
+    spec = importlib.util.spec_from_file_location("bench_tune", ROOT / "scripts" / "bench_tune.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = json.loads(mod.RESULT.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert readme[readme.index(mod.BEGIN) : readme.index(mod.END) + len(mod.END)] == mod.render(r)
+    assert r["git_sha"] and set(r["runs"]) == {"int8k_int4v", "auto"} and "python scripts/bench_tune.py" in readme

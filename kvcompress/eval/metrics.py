@@ -39,7 +39,7 @@ class QualityAccumulator:
         self.nll_comp += float(-lc.gather(-1, tgt).sum())
         self.n += tgt.numel()
         self.top1_agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
-        kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)  # [B, T-1]  KL(base || comp)
+        kl = kl_per_position(lb, lc)  # [B, T-1]  KL(base || comp)
         self.kl_values.append(kl.flatten().double())
         nb, nc = -lb.gather(-1, tgt).squeeze(-1), -lc.gather(-1, tgt).squeeze(-1)  # [B, T-1]
         pb = position_bucket(torch.arange(1, kl.shape[1] + 1))  # position of the predicted token
@@ -81,6 +81,11 @@ class QualityAccumulator:
         }
 
 
+def kl_per_position(lb: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+    """KL(base || compressed) of each position's next-token distribution from log-probabilities [..., V]."""
+    return (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)
+
+
 def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, T, V] -> float32 log-probabilities [B, T-1, V] of the next token at positions 0..T-2 (CPU)."""
     return torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
@@ -90,4 +95,4 @@ def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:
     """Mean KL(base || other) of next-token distributions over every position. logits: [..., V]."""
     lb = torch.log_softmax(logits_base.double(), -1)
     lo = torch.log_softmax(logits_other.double(), -1)
-    return float((lb.exp() * (lb - lo)).sum(-1).clamp(min=0).mean())
+    return float(kl_per_position(lb, lo).mean())

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.eval.attention import LayerErrors, eval_call
+from kvcompress.eval.metrics import kl_per_position
 from kvcompress.models.observe import attention_implementation
 from kvcompress.models.streaming import catch_first_layer
 from kvcompress.scalebook import ScaleBook
@@ -90,7 +91,7 @@ def scored_positions(T: int, first: int, stride: int) -> torch.Tensor:
 def _quality(lb: torch.Tensor, lc: torch.Tensor, tgt: torch.Tensor, n_all: int, scale: float) -> dict:
     """KL mean and perplexity change over all n_all predictions, estimated from the scored ones
     (their sums times `scale`; the unscored early positions counted as unchanged)."""
-    kl = float((lb.exp() * (lb - lc)).sum(-1).clamp(min=0).double().sum()) * scale
+    kl = float(kl_per_position(lb, lc).double().sum()) * scale
     dnll = float((lb.gather(-1, tgt) - lc.gather(-1, tgt)).double().sum()) * scale
     return {"kl_sum": kl, "dnll_sum": dnll, "n": n_all}
 

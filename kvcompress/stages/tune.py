@@ -22,7 +22,6 @@ import logging
 import math
 import time
 
-from kvcompress import reference as ref
 from kvcompress.config import kv_preset
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
@@ -37,16 +36,16 @@ FP16 = LayerFormat(key_bits=16, value_bits=16)
 TUNE_GATES = ("ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree")  # measurable on the tuning windows
 
 
+def spec_bytes(spec: KVSpec, geom, context: int) -> float:
+    """Per-sequence cache bytes per token at `context` (the report's accounting, static scales excluded)."""
+    from kvcompress.stages.validate import memory_summary
+
+    return memory_summary(spec, geom, context).bytes_per_token_compressed
+
+
 def layer_bytes(spec: KVSpec, f: LayerFormat, geom, context: int) -> float:
     """Per-token cache bytes of one layer in format f (window and sinks amortised at `context`)."""
-    one = dataclasses.replace(geom, n_layers=1)
-    b = ref.spec_cache_nbytes(uniform_spec(spec, f), one, context)
-    return sum(v for k, v in b.items() if k != "static") / context
-
-
-def spec_bytes(spec: KVSpec, geom, context: int) -> float:
-    b = ref.spec_cache_nbytes(spec, geom, context)
-    return sum(v for k, v in b.items() if k != "static") / context
+    return spec_bytes(uniform_spec(spec, f), dataclasses.replace(geom, n_layers=1), context)
 
 
 def hull(cost: list[list[float]], kl: list[list[float]]) -> list[tuple[int, ...]]:
@@ -93,9 +92,11 @@ def _measure(lm, books: dict[str, ScaleBook], windows, progress: bool) -> dict[s
 
 
 def _point(name: str, kind: str, spec: KVSpec, geom, context: int, fp16_bpt: float, q: dict | None, limits, predicted=None) -> dict:
-    bpt = spec_bytes(spec, geom, context)
-    elems = 2 * geom.n_layers * geom.n_kv_heads * geom.head_dim
-    p = {"name": name, "kind": kind, "bytes_per_token": bpt, "bits_per_element": bpt * 8 / elems, "vs_fp16": fp16_bpt / bpt,
+    from kvcompress.stages.validate import memory_summary
+
+    m = memory_summary(spec, geom, context)
+    bpt = m.bytes_per_token_compressed
+    p = {"name": name, "kind": kind, "bytes_per_token": bpt, "bits_per_element": m.bits_per_element, "vs_fp16": fp16_bpt / bpt,
          "window": spec.window, "sink_tokens": spec.sink_tokens,
          "layers": [f.label for f in spec.layer_formats(geom.n_layers)]}
     if predicted is not None:
