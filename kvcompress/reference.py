@@ -349,12 +349,16 @@ def cache_nbytes(
 
 def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str, int]:
     """cache_nbytes for a KVSpec and a model geometry (see kvcompress.models.base.Geometry);
-    per-layer formats: the sum over layers of each layer's own accounting."""
-    if spec.is_mixed:
-        one = dataclasses.replace(geometry, n_layers=1)
+    per-layer formats, and models with sliding-window layers (a sliding layer holds at most its
+    window of tokens, as a serving engine's rolling buffer does; kvcompress's CompressedCache, a
+    quality reference, keeps every token): the sum over layers of each layer's own accounting."""
+    sliding = any(getattr(geometry, "sliding_windows", ()) or ())
+    if spec.is_mixed or sliding:
         out: dict[str, int] = {}
         for i in range(geometry.n_layers):
-            for k, v in spec_cache_nbytes(spec.layer(i), one, n_tokens, batch).items():
+            one = dataclasses.replace(geometry.layer(i), sliding_windows=())
+            f = spec.layer(i) if spec.is_mixed else spec
+            for k, v in spec_cache_nbytes(f, one, geometry.stored_tokens(i, n_tokens), batch).items():
                 out[k] = out.get(k, 0) + v
         return out
     return cache_nbytes(

@@ -2,13 +2,15 @@
 
     python scripts/bench_tune.py                  # embedded model, default config (export on)
     python scripts/bench_tune.py --export none    # without the export stage
-    python scripts/bench_tune.py --readme         # re-render the README block from docs/bench/tune.json
+    python scripts/bench_tune.py --model gemma3_270m --export none   # the second model family
+    python scripts/bench_tune.py --readme         # re-render the README blocks from docs/bench/tune*.json
 
 Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
 `python -m kvcompress kv=int8k_int4v` and `python -m kvcompress kv=auto` one after the other in
 subprocesses with the same cache, and prints: wall time of each and their ratio (issue #12's goal:
 at most 3x), bytes per token at the tuning context (the model's serving context) and their ratio
-(goal: at most 0.85), and each run's held-out verdict. Writes docs/bench/tune.json.
+(goal: at most 0.85), and each run's held-out verdict. Writes docs/bench/tune.json (the embedded
+model) or docs/bench/tune_<model>.json, and the README block of that model.
 """
 from __future__ import annotations
 
@@ -23,13 +25,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULT = ROOT / "docs" / "bench" / "tune.json"
-BEGIN, END = "<!-- tune-bench:begin (rendered by scripts/bench_tune.py --readme from docs/bench/tune.json) -->", "<!-- tune-bench:end -->"
+DEFAULT_MODEL = "smollm2_135m"
+
+
+def result_path(model: str) -> Path:
+    return ROOT / "docs" / "bench" / ("tune.json" if model == DEFAULT_MODEL else f"tune_{model}.json")
+
+
+def markers(model: str) -> tuple[str, str]:
+    rel = result_path(model).relative_to(ROOT)
+    tag = "tune-bench" if model == DEFAULT_MODEL else f"tune-bench:{model}"
+    return f"<!-- {tag}:begin (rendered by scripts/bench_tune.py --readme from {rel}) -->", f"<!-- {tag}:end -->"
+
+
+def layer_map(layers: list[str], sliding: list[int]) -> str:
+    """One line per distinct format: which layers (sliding-window layers marked with *)."""
+    out = []
+    for f in sorted(set(layers)):
+        idx = [f"{i}{'*' if sliding and sliding[i] else ''}" for i, x in enumerate(layers) if x == f]
+        out.append(f"{f}: layers {' '.join(idx)}")
+    return "; ".join(out)
 
 
 def render(r: dict) -> str:
     """The README block, from a results file of this benchmark."""
     p, q = r["runs"]["int8k_int4v"], r["runs"]["auto"]
+    BEGIN, END = markers(r["model"])
 
     def times(x):
         return ", ".join(f"{k} {v:.0f} s" for k, v in x["stage_times_s"].items() if v >= 1)
@@ -38,19 +59,21 @@ def render(r: dict) -> str:
         return ", ".join(f"{g['name']} {g['value']:+.3f}" for g in x["gates"] if g["name"].endswith("_drop"))
 
     k4 = sum(f.startswith("k4") for f in q["layers"])
-    lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}{' with uncommitted changes' if str(r['git_sha']).endswith('-dirty') else ''}, 2 CPU cores, export={r['export']} (`docs/bench/tune.json`):", "",
+    lines = [BEGIN, "", f"Model {r['model']}; ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}{' with uncommitted changes' if str(r['git_sha']).endswith('-dirty') else ''}, 2 CPU cores, export={r['export']} (`{result_path(r['model']).relative_to(ROOT)}`):", "",
              f"| run | wall time | bytes/token at {q['context']} tokens | held-out verdict (default eval) | KL mean | ppl delta |", "|---|---|---|---|---|---|"]
     for name, x in (("kv=int8k_int4v", p), ("kv=auto", q)):
         ratio = f" (**{x['bytes_per_token'] / p['bytes_per_token']:.3f}x**)" if x is q else ""
         lines.append(f"| `{name}` | {x['seconds']:.0f} s ({times(x)}) | {x['bytes_per_token']:.0f}{ratio} | {x['verdict'].upper()} ({drops(x)}) | "
                      f"{x['kl_mean']:.2e} | {100 * x['ppl_delta_rel']:+.3f}% |")
     lines += ["", f"Time ratio **{r['time_ratio']:.2f}x**. The choice: {k4} of {len(q['layers'])} layers int4 keys, "
-              f"{len(q['layers']) - k4} int8 keys ({', '.join(sorted(set(q['layers'])))}), window {q['window']}, {q['sink_tokens']} sinks."]
+              f"{len(q['layers']) - k4} int8 keys, window {q['window']}, {q['sink_tokens']} sinks. Per layer"
+              f"{' (* = sliding-window layer)' if any(r.get('sliding_windows') or ()) else ''}: {layer_map(q['layers'], r.get('sliding_windows') or [])}."]
     return "\n".join(lines + ["", END])
 
 
 def write_readme(r: dict) -> None:
     readme = ROOT / "README.md"
+    BEGIN, END = markers(r["model"])
     head, rest = readme.read_text().split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     readme.write_text(head + render(r) + tail)
@@ -73,7 +96,8 @@ def main() -> None:
     ap.add_argument("--readme", action="store_true", help="only render docs/bench/tune.json into the README (no run)")
     a = ap.parse_args()
     if a.readme:
-        write_readme(json.loads(RESULT.read_text()))
+        for f in sorted((ROOT / "docs" / "bench").glob("tune*.json")):
+            write_readme(json.loads(f.read_text()))
         return
     from kvcompress.models.base import Geometry
     from kvcompress.provenance import base_provenance
@@ -85,13 +109,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         run([*common, "export=none", "stages=[profile]"], env, tmp / "warm")
-        out = {}
+        out, sliding = {}, []
         for kv in ("int8k_int4v", "auto"):
             d = tmp / kv
             secs = run([*common, f"kv={kv}"], env, d)
             rep = json.loads((d / "report.json").read_text())
             book = ScaleBook.load(d / "scalebook.safetensors")
             g = Geometry(**rep["model"]["geometry"])
+            sliding = list(g.sliding_windows)
             tune = json.loads((d / "tune.json").read_text()) if (d / "tune.json").is_file() else None
             ctx = tune["context"] if tune else g.max_position
             bpt = memory_summary(book.spec, g, ctx).bytes_per_token_compressed
@@ -101,6 +126,7 @@ def main() -> None:
                        **({"layers": tune["chosen"]["layers"], "window": tune["chosen"]["window"], "sink_tokens": tune["chosen"]["sink_tokens"],
                            "tune_times_s": tune["times_s"]} if tune else {})}
     res = {"model": a.model, "export": a.export, "ran": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_sha": base_provenance().get("git_sha"),
+           "sliding_windows": sliding,
            "time_ratio": out["auto"]["seconds"] / out["int8k_int4v"]["seconds"],
            "bytes_ratio": out["auto"]["bytes_per_token"] / out["int8k_int4v"]["bytes_per_token"], "runs": out}
     p, q = out["int8k_int4v"], out["auto"]
@@ -108,10 +134,11 @@ def main() -> None:
     print(f"kv=auto:        {q['seconds']:.0f} s, {q['bytes_per_token']:.1f} B/token at {q['context']}, held-out verdict {q['verdict'].upper()}")
     print(f"time ratio auto / int8k_int4v: {res['time_ratio']:.2f}x (goal <= 3); bytes ratio: {res['bytes_ratio']:.3f} (goal <= 0.85)")
     if not a.no_write:
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(json.dumps(res, indent=1))
+        result = result_path(a.model)
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.write_text(json.dumps(res, indent=1))
         write_readme(res)
-        print(f"wrote {RESULT} and its README block")
+        print(f"wrote {result} and its README block")
 
 
 if __name__ == "__main__":

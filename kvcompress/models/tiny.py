@@ -10,9 +10,9 @@ from kvcompress.models.tokenizer import ByteTokenizer
 
 
 def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma3": Gemma3TextConfig}
     common = dict(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=hidden,
@@ -29,6 +29,11 @@ def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: in
     )
     if arch == "mistral":
         common["sliding_window"] = None
+    if arch == "gemma3":  # Gemma 3's layout: every 3rd layer global, the others local (window 16), QK-norm, two RoPE bases
+        common.update(sliding_window=16, query_pre_attn_scalar=head_dim,
+                      layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     return classes[arch](**common)
 
 

@@ -60,7 +60,8 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
     for layer in range(L):
         k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
         if "rope_inv_freq" in stats.tensors and spec.key.tie_rope_pairs:
-            k = rotate_to_random_positions(k, stats["rope_inv_freq"], stats.geometry["max_position"], AUGMENT_SEED + layer)
+            inv = stats["rope_inv_freq"]
+            k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, stats.geometry["max_position"], AUGMENT_SEED + layer)
         q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():

@@ -46,9 +46,9 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
                 for i, ids in enumerate(tqdm(batches, desc="profile", unit="batch", disable=not progress)):
                     before_batch(i)
                     lm.model(input_ids=ids.to(lm.device), cache=ObservingCache(g.n_layers, acc.observe_kv), use_cache=True, logits_to_keep=1)
-    rotary = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
-    if rotary is not None and getattr(rotary, "inv_freq", None) is not None and rotary.inv_freq.numel() == g.head_dim // 2:
-        acc.t["rope_inv_freq"] = rotary.inv_freq.detach().float().cpu()  # [D/2]: lets fit rotate keys to other positions
+    inv_freq = rope_inv_freq(lm.model, g)
+    if inv_freq is not None:
+        acc.t["rope_inv_freq"] = inv_freq  # lets fit rotate keys to other positions
     header = {
         "geometry": g.to_dict(),
         "provenance": {
@@ -65,3 +65,19 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
         },
     }
     return acc.finish(header)
+
+
+def rope_inv_freq(model, g) -> torch.Tensor | None:
+    """The model's RoPE inverse frequencies: [D/2], or [L, D/2] when layer types use different
+    RoPE bases (Gemma 3: local and global layers); None when the model has no standard rotary."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return None
+    inv = getattr(rotary, "inv_freq", None)
+    if inv is not None:
+        return inv.detach().float().cpu() if inv.numel() == g.head_dim // 2 else None
+    types = getattr(model.config, "layer_types", None)
+    per = [getattr(rotary, f"{t}_inv_freq", None) for t in types] if types else []
+    if per and all(p is not None and p.numel() == g.head_dim // 2 for p in per):
+        return torch.stack([p.detach().float().cpu() for p in per])
+    return None

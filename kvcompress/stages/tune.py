@@ -17,7 +17,6 @@ held-out windows and the report says whether it passed there.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -43,9 +42,10 @@ def spec_bytes(spec: KVSpec, geom, context: int) -> float:
     return memory_summary(spec, geom, context).bytes_per_token_compressed
 
 
-def layer_bytes(spec: KVSpec, f: LayerFormat, geom, context: int) -> float:
-    """Per-token cache bytes of one layer in format f (window and sinks amortised at `context`)."""
-    return spec_bytes(uniform_spec(spec, f), dataclasses.replace(geom, n_layers=1), context)
+def layer_bytes(spec: KVSpec, f: LayerFormat, geom, context: int, layer: int = 0) -> float:
+    """Per-token cache bytes of one layer in format f (window and sinks amortised at `context`; a
+    sliding-window layer holds at most its window)."""
+    return spec_bytes(uniform_spec(spec, f), geom.layer(layer), context)
 
 
 def hull(cost: list[list[float]], kl: list[list[float]]) -> list[tuple[int, ...]]:
@@ -137,7 +137,7 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
     sens = layer_sensitivity(lm, windows, books, progress)
     t_sens = time.time() - t_sens
     options = [FP16, *menu]
-    cost = [[layer_bytes(spec, f, geom, context) for f in options] for _ in range(L)]
+    cost = [[layer_bytes(spec, f, geom, context, i) for f in options] for i in range(L)]
     kl = [[0.0] + [sens[f.label][i]["kl_mean"] for f in menu] for i in range(L)]
     dnll = [[0.0] + [math.log1p(sens[f.label][i]["ppl_delta_rel"]) for f in menu] for i in range(L)]
     assignments = hull(cost, kl)
@@ -191,7 +191,7 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
         "tuning_text": {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed},
         "menu": [f.label for f in options],
         "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
-        "layer_bytes_per_token": {f.label: cost[0][o] for o, f in enumerate(options)},
+        "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(options)},
         "hull_size": len(assignments),
         "points": points,
         "chosen": {"name": chosen_name, "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,

@@ -98,7 +98,7 @@ def memory_summary(spec: KVSpec, geom: Geometry, context: int) -> Memory:
     static = b.pop("static", 0)
     per_tok = {k: v / context for k, v in b.items()}
     comp = sum(per_tok.values())
-    elems = 2 * geom.n_layers * geom.n_kv_heads * geom.head_dim
+    elems = fp16 / ref.HP_BYTES  # K and V elements the cache holds per token (sliding layers: their window)
     return Memory(
         context=context,
         bytes_per_token_fp16=fp16,
