@@ -134,3 +134,24 @@ def test_gemma3_270m_end_to_end(tmp_path):
     p = run_cli("model=gemma3_270m", "calib=smoke", "eval=smoke", f"hydra.run.dir={tmp_path / 'run2'}", cache_dir=tmp_path / "cache")
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "Gemma3ForCausalLM: add export=none" in p.stderr
+
+
+@pytest.mark.parametrize("cache", ["kept", "sliding"])
+def test_task_scoring_sees_the_whole_prompt_past_the_sliding_window(gemma, monkeypatch, cache):
+    """The retrieval/copy tasks prefill the prompt, then teacher-force the answer over that prefix:
+    with a prompt longer than the sliding window its fp16 side must equal the model's own forward
+    on prompt + answer. transformers' sliding cache layers (what DynamicCache(config=...) builds for
+    Gemma 3) keep only the last window, and the scores go wrong: the negative case shows it."""
+    from transformers import DynamicCache
+
+    from kvcompress.eval import retrieval
+
+    if cache == "sliding":
+        monkeypatch.setattr(retrieval, "full_cache", lambda model: DynamicCache(config=model.config))
+    g = torch.Generator().manual_seed(0)
+    prompt, ans = torch.randint(0, 256, (60,), generator=g).tolist(), torch.randint(0, 256, (6,), generator=g).tolist()
+    got = retrieval.score_sample(gemma.model, prompt, ans, {})["fp16"][0]
+    with torch.no_grad():
+        lp = torch.log_softmax(gemma.model(input_ids=torch.tensor([prompt + ans])).logits[0].float(), -1)
+    want = sum(float(lp[len(prompt) - 1 + i, a]) for i, a in enumerate(ans))
+    assert (abs(got - want) < 1e-3) == (cache == "kept")

@@ -29,15 +29,15 @@ from kvcompress.stages.profile import profile
 from kvcompress.stages.validate import evaluate_quality, self_check
 
 
-def _pair(tmp_path: Path, tie: bool = False, dtype=torch.float32, compute: str = "float32") -> tuple[LoadedModel, LoadedModel]:
+def _pair(tmp_path: Path, tie: bool = False, dtype=torch.float32, compute: str = "float32", arch: str = "llama") -> tuple[LoadedModel, LoadedModel]:
     """(in-memory, streamed) views of the same checkpoint directory."""
     from transformers import AutoModelForCausalLM
 
-    model = build_tiny("llama", layers=3, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
+    model = build_tiny(arch, layers=3, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
     if tie:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
-    d = tmp_path / f"ckpt_{tie}_{dtype}".replace("torch.", "")
+    d = tmp_path / f"ckpt_{arch}_{tie}_{dtype}".replace("torch.", "")
     model.to(dtype).save_pretrained(str(d))
     mem = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, compute)).eval()
     lm_mem = LoadedModel(mem, ByteTokenizer(), Geometry.from_hf_config(mem.config), {"name": "tiny"})
@@ -50,10 +50,11 @@ def _quality(lm, books, windows):
     return {n: (q, e.rel_attn_error(), e.clip_rate()) for n, (q, e) in measured.items()}, kept
 
 
-@pytest.mark.parametrize("tie,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
-def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, tie, dtype):
+@pytest.mark.parametrize("tie,dtype,arch", [(False, torch.float32, "llama"), (True, torch.float32, "llama"), (False, torch.bfloat16, "llama"),
+                                            (False, torch.float32, "gemma3")])  # gemma3: per-layer-type RoPE and masks, scaled embeddings
+def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, tie, dtype, arch):
     monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 100-row vocabulary chunks: 3 chunks of 257
-    lm_mem, lm_st = _pair(tmp_path, tie=tie, dtype=dtype)
+    lm_mem, lm_st = _pair(tmp_path, tie=tie, dtype=dtype, arch=arch)
     assert lm_st.streamer is not None and lm_st.streamer.chunk_rows == 100
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())  # nothing resident between runs
     texts = load_texts(SMOKE_CALIB)

@@ -85,8 +85,13 @@ def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3)
         assert (lm3.model(input_ids=ids, use_cache=False, **kw).logits - one).abs().max() > 1e-4
 
 
-def test_sensitivity_equals_compressing_only_that_layer(lm3, stats3):
-    """The layer-major shared-prefix schedule gives what a full pass with only layer l compressed gives."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sensitivity_equals_compressing_only_that_layer(lm3, stats3, arch):
+    """The layer-major shared-prefix schedule gives what a full pass with only layer l compressed gives
+    (gemma3: every layer runs with its own RoPE tables and mask, sliding layers and the global one)."""
+    if arch == "gemma3":
+        lm3 = tiny_lm("gemma3", layers=3, seed=3)
+        stats3 = profile(lm3, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
     books = {f.label: fit(stats3, uniform_spec(BASE, f)) for f in (K4,)}
     w = token_windows(lm3.tokenizer, load_texts(SMOKE_CALIB), 2, 96, seed=4)
     sens = layer_sensitivity(lm3, w, books, progress=False, stride=1)

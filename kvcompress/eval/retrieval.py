@@ -85,12 +85,19 @@ class PrefixCache(Cache):
         return c
 
 
+def full_cache(model) -> DynamicCache:
+    """A prefill cache that keeps every token in every layer: transformers' sliding-window layers
+    (DynamicCache(config=...) for Gemma 3, Mistral) would keep only the last window, and the
+    teacher-forced answer must see the prompt's K/V at their true positions."""
+    return DynamicCache()
+
+
 @torch.no_grad()
 def score_sample(model, prompt: list[int], answer: list[int], books: dict) -> dict[str, tuple[float, bool]]:
     """{"fp16": (logprob, exact), name: (...) for each book} for one sample, context-phase."""
     dev = next(model.parameters()).device
     ans = torch.tensor(answer, device=dev)
-    cap = DynamicCache(config=model.config)
+    cap = full_cache(model)
     first = model(input_ids=torch.tensor([prompt], device=dev), cache=cap, use_cache=True).logits[0, -1:]  # predicts answer[0]
     prompt_kv = [(layer.keys, layer.values) for layer in cap.layers]  # exact: the prefill attends exactly
 
@@ -113,7 +120,7 @@ def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True
     prompt is prefilled exactly (its K/V kept for this layer only), then the answer is scored by the
     unquantized side and by each book over that prefix, exactly as score_sample computes it."""
     model, L = lm.model, lm.geometry.n_layers
-    caps = [DynamicCache(config=model.config) for _ in samples]
+    caps = [full_cache(model) for _ in samples]
     prompts = [torch.tensor([s.prompt]) for s in samples]
     answers = [torch.tensor([s.answer[:-1] or s.answer[:1]]) for s in samples]  # 1-token answers: scored from the prefill alone
     calls = [eval_call(None, exact=True)] + [eval_call(b) for b in books.values()]

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kvcompress.eval.attention import LayerErrors, eval_call
 from kvcompress.eval.metrics import kl_per_position
 from kvcompress.models.observe import attention_implementation
-from kvcompress.models.streaming import catch_first_layer
+from kvcompress.models.streaming import catch_layer_inputs
 from kvcompress.scalebook import ScaleBook
 
 
@@ -31,13 +31,12 @@ class _Layers:
         self.lm, self.s = lm, lm.streamer
         self.layers = lm.model.model.layers
 
-    def catch(self, ids: torch.Tensor, impl, kw) -> tuple[torch.Tensor, dict]:
+    def catch(self, ids: torch.Tensor, impl, kw) -> tuple[torch.Tensor, list[dict]]:
+        """The first layer's input and every layer's own keywords (see catch_layer_inputs)."""
         with attention_implementation(self.lm.model, impl):
             if self.s is None:
-                args, lkw = catch_first_layer(self.lm.model, input_ids=ids.to(self.lm.device), **kw)
-            else:
-                args, lkw = catch_first_layer(self.lm.model, inputs_embeds=self.s.embed(ids), **kw)
-        return args[0], lkw
+                return catch_layer_inputs(self.lm.model, input_ids=ids.to(self.lm.device), **kw)
+            return catch_layer_inputs(self.lm.model, inputs_embeds=self.s.embed(ids), **kw)
 
     def loaded(self, li: int):
         if self.s is None:
@@ -127,10 +126,10 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
             with layers.loaded(li):
                 for n in names:  # passes that start here: the baseline's input to layer li, compressed at li
                     _, kw = eval_call(books[n], LayerErrors(L))
-                    live[(li, n)] = _run_layer(layer, base_h, {**eval_kw, **kw}, lm.model, impl)
+                    live[(li, n)] = _run_layer(layer, base_h, {**eval_kw[li], **kw}, lm.model, impl)
                 for key in [k for k in live if k[0] < li]:  # passes compressed below: exact attention here
-                    live[key] = _run_layer(layer, live[key], base_kw, lm.model, None)
-                base_h = _run_layer(layer, base_h, base_kw, lm.model, None)
+                    live[key] = _run_layer(layer, live[key], base_kw[li], lm.model, None)
+                base_h = _run_layer(layer, base_h, base_kw[li], lm.model, None)
             bar.update((li + 1) * len(names) + 1)
         T = ids.shape[1]
         pos = scored_positions(T, first, stride)

@@ -167,7 +167,8 @@ class LayerStreamer:
             sel = (ids >= lo) & (ids < hi)
             if sel.any():
                 out[sel] = self.ckpt.rows(self.embed_key, lo, hi, self.dtype, self.device)[ids[sel] - lo]
-        return out
+        scale = getattr(self.model.model.embed_tokens, "scalar_embed_scale", None)  # Gemma: rows times sqrt(hidden)
+        return out if scale is None else out * torch.tensor(scale).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head, vocabulary chunk by chunk: [B, T, hidden] -> [B, T, V] float32."""
@@ -182,7 +183,8 @@ class LayerStreamer:
                     self._head_cache[lo] = w  # one chunk: keep it for the head phase
             out[..., lo:hi] = torch.nn.functional.linear(h, w).float()
             del w
-        return out
+        cap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma 2: tanh soft cap
+        return out if not cap else torch.tanh(out / cap) * cap
 
     # --- execution ---------------------------------------------------------------------------
     def _spill(self, batches: list[torch.Tensor], passes: list[Pass]) -> bool:
@@ -196,9 +198,9 @@ class LayerStreamer:
         free, _ = torch.cuda.mem_get_info(self.device)
         return need > 0.5 * (free - 2 * self.layer_bytes)
 
-    def _catch(self, emb: torch.Tensor, p: Pass, i: int) -> tuple[tuple, dict]:
+    def _catch(self, emb: torch.Tensor, p: Pass, i: int) -> tuple[torch.Tensor, list[dict]]:
         with p.context():
-            return catch_first_layer(self.model, inputs_embeds=emb, **p.kwargs(i))
+            return catch_layer_inputs(self.model, inputs_embeds=emb, **p.kwargs(i))
 
     @torch.no_grad()
     def run(self, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None] | None = None,
@@ -212,9 +214,9 @@ class LayerStreamer:
         for i, ids in enumerate(batches):
             emb = self.embed(ids)
             for p in passes:
-                args, kw = self._catch(emb if p.inputs is None else self.embed(p.inputs(i)), p, i)
-                p.hidden.append(args[0].pin_memory() if spill else args[0])
-                p.layer_kwargs.append(kw)
+                h, kws = self._catch(emb if p.inputs is None else self.embed(p.inputs(i)), p, i)
+                p.hidden.append(h.pin_memory() if spill else h)
+                p.layer_kwargs.append(kws)
         n = len(self.layers)
         bar = tqdm(range(n), desc=desc, unit="layer", disable=not progress)
         for li in bar:
@@ -227,7 +229,7 @@ class LayerStreamer:
                     for p in passes:
                         with p.context():
                             h = p.hidden[i].to(self.device, non_blocking=True)
-                            out = layer(h, **p.layer_kwargs[i])
+                            out = layer(h, **p.layer_kwargs[i][li])
                             out = out[0] if isinstance(out, tuple) else out
                         p.hidden[i] = out.pin_memory() if spill else out
             finally:
@@ -247,20 +249,39 @@ class LayerStreamer:
             self._head_cache.clear()
 
 
-def catch_first_layer(model, **forward_kwargs) -> tuple[tuple, dict]:
-    """(args, kwargs) the model's forward passes to its first decoder layer (it stops there):
-    every later layer is called with the same keywords, as the model's own loop does."""
-    def hook(module, args, kwargs):
-        raise _Caught(args, kwargs)
+def catch_layer_inputs(model, **forward_kwargs) -> tuple[torch.Tensor, list[dict]]:
+    """The hidden states the model's forward passes to its first decoder layer, and the keywords it
+    passes to each decoder layer: they differ by layer type in some models (Gemma 3's sliding and
+    global layers get their own RoPE tables and masks), so every layer is run with its own. The
+    layers are not run here: each stands in as the identity while the model walks its loop, which
+    stops after the last one (a streamed model's head is never reached)."""
+    layers = model.model.layers
+    first: list[torch.Tensor] = []
+    kws: list[dict] = []
 
-    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    def stand_in(i: int):
+        def forward(*args, **kwargs):
+            h = args[0] if args else kwargs.pop("hidden_states")
+            if len(args) > 1:
+                raise RuntimeError(f"decoder layer {i} got {len(args)} positional arguments; kvcompress passes only the hidden states")
+            if i == 0:
+                first.append(h)
+            kws.append(kwargs)
+            if i == len(layers) - 1:
+                raise _Caught((first[0],), kws)
+            return h
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stand_in(i)
     try:
         model(**{"use_cache": False, "logits_to_keep": 1, **forward_kwargs})
-    except _Caught as c:
-        return c.args_, c.kwargs_
+    except _Caught:
+        return first[0], kws
     finally:
-        h.remove()
-    raise RuntimeError("the model's forward never reached its first decoder layer")
+        for layer in layers:
+            del layer.forward  # the class's forward again
+    raise RuntimeError("the model's forward never reached its last decoder layer")
 
 
 def _trim_heap() -> None:
