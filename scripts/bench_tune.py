@@ -65,8 +65,9 @@ def render(r: dict) -> str:
         ratio = f" (**{x['bytes_per_token'] / p['bytes_per_token']:.3f}x**)" if x is q else ""
         lines.append(f"| `{name}` | {x['seconds']:.0f} s ({times(x)}) | {x['bytes_per_token']:.0f}{ratio} | {x['verdict'].upper()} ({drops(x)}) | "
                      f"{x['kl_mean']:.2e} | {100 * x['ppl_delta_rel']:+.3f}% |")
+    k8, hp = sum(f.startswith("k8") for f in q["layers"]), sum(f == "fp16" for f in q["layers"])
     lines += ["", f"Time ratio **{r['time_ratio']:.2f}x**. The choice: {k4} of {len(q['layers'])} layers int4 keys, "
-              f"{len(q['layers']) - k4} int8 keys, window {q['window']}, {q['sink_tokens']} sinks. Per layer"
+              f"{k8} int8 keys{f', {hp} fp16' if hp else ''}, window {q['window']}, {q['sink_tokens']} sinks. Per layer"
               f"{' (* = sliding-window layer)' if any(r.get('sliding_windows') or ()) else ''}: {layer_map(q['layers'], r.get('sliding_windows') or [])}."]
     return "\n".join(lines + ["", END])
 
