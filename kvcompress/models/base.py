@@ -59,8 +59,12 @@ class Geometry:
         w = self.sliding_windows[i] if self.sliding_windows else 0
         return min(n_tokens, w) if w else n_tokens
 
+    def __post_init__(self):
+        object.__setattr__(self, "sliding_windows", tuple(int(w) for w in self.sliding_windows))  # from JSON: a list
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-shaped (a round trip through a file header gives the same dict)."""
+        return {**asdict(self), "sliding_windows": list(self.sliding_windows)}
 
     def kv_fields(self) -> dict:
         """The fields an artifact must agree on to be usable with a model."""

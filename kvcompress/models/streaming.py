@@ -272,6 +272,7 @@ def catch_layer_inputs(model, **forward_kwargs) -> tuple[torch.Tensor, list[dict
             return h
         return forward
 
+    own = [layer.__dict__.get("forward") for layer in layers]  # e.g. accelerate's device-map hooks
     for i, layer in enumerate(layers):
         layer.forward = stand_in(i)
     try:
@@ -279,8 +280,11 @@ def catch_layer_inputs(model, **forward_kwargs) -> tuple[torch.Tensor, list[dict
     except _Caught:
         return first[0], kws
     finally:
-        for layer in layers:
-            del layer.forward  # the class's forward again
+        for layer, f in zip(layers, own):
+            if f is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = f
     raise RuntimeError("the model's forward never reached its last decoder layer")
 
 
