@@ -259,3 +259,21 @@ def test_a_directory_that_is_not_a_supported_model_is_one_line(tmp_path, case):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode != 0 and len(lines) == 1 and needle in lines[0], r.stderr
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_streamed_tune_sensitivity_equals_in_memory(tmp_path, arch):
+    """kv=auto's per-layer sensitivity pass (layer-major, shared prefixes) gives the same numbers on a
+    layer-streamed model as in memory (gemma3: each layer with its own RoPE tables and mask)."""
+    from kvcompress.eval.sensitivity import layer_sensitivity
+    from kvcompress.spec import LayerFormat
+    from kvcompress.stages.fit import uniform_spec
+
+    lm_mem, lm_st = _pair(tmp_path, arch=arch)
+    stats = profile(lm_mem, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    f = LayerFormat(key_bits=4, value_bits=4, value_group=32, outlier_channels=2)
+    books = {f.label: fit(stats, uniform_spec(KVSpec(name="t", window=8, sink_tokens=2), f))}
+    w = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB), 2, 48, seed=2)
+    s_mem, s_st = layer_sensitivity(lm_mem, w, books, progress=False), layer_sensitivity(lm_st, w, books, progress=False)
+    assert s_mem == s_st and all(r["kl_mean"] > 0 for r in s_mem[f.label])
+    assert all(p.device.type == "meta" for p in lm_st.model.parameters())
