@@ -155,8 +155,8 @@ class CompressedCache(Cache):
                 f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "
                 "validate simulates it exactly, CompressedCache holds the kvcompress format only"
             )
-        if book.spec.key.group_tokens:
-            raise UserError(f"kv.key.group_tokens={book.spec.key.group_tokens} (KIVI-style keys) is a comparison format simulated in validate only; "
+        if book.spec.validate_only:
+            raise UserError(f"kv={book.spec.name} uses {book.spec.validate_only}: a comparison format simulated in validate only; "
                             "CompressedCache holds the kvcompress format")
         n = book.geometry["n_layers"]
         # per-layer formats: an fp16 layer holds every token in fp16

@@ -215,8 +215,8 @@ class RunConfig(Frozen):
             raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
         for name in self.eval.compare:
             kv_preset(name)  # a bad name fails here, before any work
-        if self.kv.key.group_tokens and "export" in self.stages:
-            raise ValueError(f"kv={self.kv.name} uses KIVI-style keys (kv.key.group_tokens={self.kv.key.group_tokens}), a comparison format "
+        if self.kv.validate_only and "export" in self.stages:
+            raise ValueError(f"kv={self.kv.name} uses {self.kv.validate_only}, a comparison format "
                              "that is validated but never shipped: add export=none")
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")

@@ -201,6 +201,45 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
 
 
+# ---------------------------------------------------------------- rotated, per-token formats (validate only)
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """The normalised Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric and orthogonal
+    (H @ H = I), so x @ H rotates a head's vector and (x @ H) @ H gives it back; q.k is unchanged
+    when both sides are rotated."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size; got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).float().to(device)
+
+
+def rotate(x: torch.Tensor, how: str) -> torch.Tensor:
+    """x [..., D] in the rotated basis ('hadamard': x @ H, float32) or unchanged ('none'). Its own inverse."""
+    if how == "none":
+        return x
+    if how == "hadamard":
+        return x.float() @ hadamard(x.shape[-1], x.device)
+    raise ValueError(f"unknown rotation {how!r}; allowed: none, hadamard")
+
+
+def fake_quant_token_symmetric(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Per token, per group of `group` channels, symmetric: scale = amax / Q (fp16, rounded up so
+    nothing clips), q = clamp(round_half_even(x / scale), -Q, Q), Q = 2**(bits-1) - 1; x_hat = q * scale."""
+    xg = x.float().unflatten(-1, (-1, group))
+    scale = _round_outward_fp16(xg.abs().amax(-1) / key_qmax(bits), float("inf")).float().unsqueeze(-1)
+    s = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (round_half_even(xg / s).clamp_(-key_qmax(bits), key_qmax(bits)) * s).flatten(-2)
+
+
+def fake_quant_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
+    """A per-token format in a rotated basis: rotate, quantize per token and group (symmetric, or the
+    asymmetric value quantizer), rotate back; in x's dtype. Keys: q.k_hat = (q H).(quantized k H)."""
+    xr = rotate(x, how)
+    xq = fake_quant_token_symmetric(xr, bits, group) if symmetric else fake_quant_values(xr.float(), bits, group)
+    return rotate(xq, how).to(x.dtype)
+
+
 # ---------------------------------------------------------------- TensorRT-LLM's native KV formats
 NATIVE_QMAX = {"native_int8": 127.0, "native_fp8": 448.0, "native_nvfp4": 448.0}  # per-layer scale = amax / qmax
 NVFP4_BLOCK = 16
@@ -312,6 +351,8 @@ def cache_nbytes(
     n_tokens: int,
     batch: int = 1,
     key_group_tokens: int = 0,
+    key_token_group: int = 0,
+    value_symmetric: bool = False,
 ) -> dict[str, int]:
     """Exact bytes of every tensor a compressed cache holding n_tokens per sequence allocates.
 
@@ -322,6 +363,8 @@ def cache_nbytes(
     Static (per model, not per sequence): key scale D*4, zero D*4 and n_out*8 outlier index
     per layer-head.
     A 16-bit spec means the plain fp16 cache: every token is 2*D*2.
+    Per-token keys (key_token_group=Gk): (D/Gk)*2 key scale per compressed token, no static scales;
+    symmetric values: (D/G)*2 (a scale, no min).
     """
     n_sink, n_comp, n_win = region_sizes(n_tokens, sink_tokens, window)
     lh = n_layers * n_kv_heads * batch
@@ -336,13 +379,16 @@ def cache_nbytes(
         "key_payload": lh * n_comp * head_dim * key_bits // 8,
         "key_outliers": lh * n_comp * outlier_channels * HP_BYTES,
         "value_payload": lh * n_comp * head_dim * value_bits // 8,
-        "value_meta": lh * n_comp * (head_dim // value_group) * 2 * HP_BYTES,
+        "value_meta": lh * n_comp * (head_dim // value_group) * (1 if value_symmetric else 2) * HP_BYTES,
         "sinks": lh * n_sink * 2 * head_dim * HP_BYTES,
         "window": lh * n_win * 2 * head_dim * HP_BYTES,
         "static": n_layers * n_kv_heads * (head_dim * 2 * KEY_SCALE_BYTES + outlier_channels * OUTLIER_INDEX_BYTES),
     }
     if key_group_tokens:  # KIVI-style keys: fp16 scale + min per channel per group of tokens, no static scales
         out["key_meta"] = lh * (-(-n_comp // key_group_tokens)) * head_dim * 2 * HP_BYTES
+        out["static"] = 0
+    if key_token_group:  # per-token keys: an fp16 scale per token per group of channels, no static scales
+        out["key_meta"] = lh * n_comp * (head_dim // key_token_group) * HP_BYTES
         out["static"] = 0
     return out
 
@@ -374,6 +420,8 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         n_tokens=n_tokens,
         batch=batch,
         key_group_tokens=0 if spec.is_native else spec.key.group_tokens,
+        key_token_group=spec.key_group(geometry.head_dim) if spec.key.granularity == "token" and not spec.is_native else 0,
+        value_symmetric=spec.value.symmetric and not spec.is_native,
     )
 
 

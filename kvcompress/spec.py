@@ -23,7 +23,11 @@ class KeySpec(Frozen):
     """
 
     bits: Literal[4, 8, 16] = 8
-    granularity: Literal["channel"] = "channel"
+    # "token" (validate only, like group_tokens below): per-token symmetric scales computed at write
+    # time over groups of group_size channels (0 = the whole head), usually after a rotation
+    granularity: Literal["channel", "token"] = "channel"
+    group_size: int = Field(0, ge=0)  # granularity=token only
+    rotate: Literal["none", "hadamard"] = "none"  # granularity=token only: x @ H per head before quantizing (q gets the same)
     symmetric: bool = True
     # how the clipping range is chosen: see kvcompress/observers
     clip: Literal["minmax", "mse", "percentile"] = "mse"
@@ -45,7 +49,10 @@ class ValueSpec(Frozen):
     bits: Literal[4, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
-    symmetric: Literal[False] = False
+    # symmetric=True or rotate=hadamard: validate only (scale = amax / (2**(bits-1) - 1), no min;
+    # v @ H per head before quantizing, undone after attention)
+    symmetric: bool = False
+    rotate: Literal["none", "hadamard"] = "none"
 
 
 class LayerFormat(Frozen):
@@ -99,6 +106,10 @@ class KVSpec(Frozen):
     fold_keys: Union[bool, Literal["auto"]] = "auto"
     fold_values: Union[bool, Literal["auto"]] = "auto"
     fold_strength: Union[float, Literal["auto"]] = "auto"  # 0 = no migration, 1 = full equalisation
+    # native formats: per-layer scale = amax * headroom / qmax. "auto": `fit` takes the largest
+    # headroom whose error on the calibration sample stays within 1% of no headroom (free for FP8 and
+    # NVFP4 until subnormals, costly for INT8), so held-out K/V beyond the calibrated amax don't saturate
+    headroom: Union[float, Literal["auto"]] = "auto"
     key: KeySpec = KeySpec()
     value: ValueSpec = ValueSpec()
     window: int = Field(128, ge=0)  # most recent tokens kept in fp16
@@ -123,9 +134,34 @@ class KVSpec(Frozen):
         if self.key.group_tokens and (self.is_native or self.outlier_channels or self.window < self.key.group_tokens):
             raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (KIVI-style keys) needs the kvcompress format, no outlier channels "
                              f"and kv.window >= group_tokens (a group is quantized once all its tokens left the window); got window={self.window}")
+        if self.headroom != "auto" and not self.headroom >= 1.0:
+            raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
+        if self.key.rotate != "none" and self.key.granularity != "token":
+            raise ValueError(f"kv.key.rotate={self.key.rotate} needs kv.key.granularity=token (static per-channel scales follow RoPE pairs, not a rotated basis)")
+        if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
+            raise ValueError(f"kv.key.granularity=token is symmetric per token: needs kv.key.symmetric=true, kv.key.group_tokens=0, kv.outlier_channels=0")
+        if self.validate_only and (self.is_native or self.layers is not None):
+            raise ValueError(f"kv={self.name}: the validate-only key/value options (per-token or rotated keys, symmetric or rotated values) "
+                             f"need format=kvcompress without kv.layers")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
             raise ValueError(f"kv.fold_strength={self.fold_strength} must be 'auto' or in [0, 1]")
         return self
+
+    @property
+    def validate_only(self) -> str:
+        """Why the format is a comparison format (validated, never in CompressedCache, the kernels or
+        the export), or "" when it ships."""
+        why = []
+        if self.key.group_tokens:
+            why.append(f"KIVI-style keys (kv.key.group_tokens={self.key.group_tokens})")
+        if self.key.granularity == "token":
+            why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
+        if self.value.symmetric or self.value.rotate != "none":
+            why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate}")
+        return ", ".join(why)
+
+    def key_group(self, head_dim: int) -> int:
+        return self.key.group_size or head_dim
 
     @property
     def is_native(self) -> bool:
@@ -177,6 +213,10 @@ class KVSpec(Frozen):
                 if head_dim % (f.value_group or head_dim) or f.outlier_channels >= head_dim:
                     raise UserError(f"kv.layers[{i}]: value_group={f.value_group} must divide head_dim={head_dim} and "
                                     f"outlier_channels={f.outlier_channels} must be < head_dim")
+        if self.key.granularity == "token" and head_dim % self.key_group(head_dim):
+            raise UserError(f"kv.key.group_size={self.key.group_size} must divide head_dim={head_dim}")
+        if "hadamard" in (self.key.rotate, self.value.rotate) and head_dim & (head_dim - 1):
+            raise UserError(f"kv.key.rotate/kv.value.rotate=hadamard needs a power-of-two head_dim; got head_dim={head_dim}")
         g = self.value.group_size or head_dim
         if head_dim % g:
             raise UserError(f"kv.value.group_size={self.value.group_size} must divide head_dim={head_dim}")

@@ -17,6 +17,8 @@ from kvcompress.stats import KVStats
 
 
 FOLD_STRENGTHS = (0.5, 1.0)  # candidates when kv.fold_strength=auto (0 = no fold is always a candidate of auto)
+HEADROOMS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # candidates when kv.headroom=auto
+HEADROOM_TOL = 0.01  # auto: the largest headroom whose calibration error (keys and values) is within 1% of headroom 1
 
 
 def _strengths(flag, strength) -> tuple[float, ...]:
@@ -70,8 +72,41 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
             name = "keys" if w == "k" else "values"
             info[f"fold_strength_{name}"].append(best)
             info[f"fold_error_{name}"].append({str(a): e for a, e in errs.items()})
+    headroom = _headroom(stats, spec, sk, sv, scale, n, info)
+    scale = scale * headroom
     tensors = {"fold_k": sk, "fold_v": sv, "native_scale": scale, "k_scale": torch.ones(L, H, D), "k_zero": torch.zeros(L, H, D), "k_clip": torch.ones(L, H)}
     return tensors, info
+
+
+def _headroom(stats: KVStats, spec: KVSpec, sk, sv, scale, n: int, info: dict) -> torch.Tensor:
+    """[L] headroom factors on the per-layer scale (kv.headroom; see HEADROOMS / HEADROOM_TOL).
+
+    On the calibration sample nothing saturates at headroom 1, so headroom only costs resolution
+    there; a held-out K or V beyond the calibrated amax saturates without it. FP8's error is relative
+    per element down to its subnormals, so headroom is free until then; INT8's step grows with it.
+    """
+    L = scale.shape[0]
+    if spec.headroom != "auto":
+        info["headroom"] = [float(spec.headroom)] * L
+        return torch.full((L,), float(spec.headroom))
+    if not n:
+        info["headroom"] = [1.0] * L
+        return torch.ones(L)
+    out, errs_all = torch.ones(L), []
+    for layer in range(L):
+        xk, xv = stats["sample_k"][layer].float(), stats["sample_v"][layer].float()
+        qq = stats.q_second_moment(layer)
+        errs = {h: (_native_error(xk, sk[layer], float(scale[layer]) * h, spec.format, qq),
+                    _native_error(xv, sv[layer], float(scale[layer]) * h, spec.format, None)) for h in HEADROOMS}
+        base = errs[1.0]
+        ok = [h for h, (ek, ev) in errs.items() if ek <= (1 + HEADROOM_TOL) * base[0] and ev <= (1 + HEADROOM_TOL) * base[1]]
+        out[layer] = max(ok)
+        errs_all.append({str(h): list(e) for h, e in errs.items()})
+    info["headroom"] = out.tolist()
+    info["headroom_rule"] = (f"largest of {list(HEADROOMS)} whose key (q.k score MSE) and value (reconstruction MSE) errors on the "
+                             f"calibration sample are within {HEADROOM_TOL:.0%} of headroom 1")
+    info["headroom_error"] = errs_all
+    return out
 
 
 def assemble(spec: KVSpec, uniform: dict[LayerFormat, ScaleBook]) -> ScaleBook:
