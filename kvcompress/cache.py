@@ -28,7 +28,7 @@ from kvcompress import reference as ref
 from kvcompress.errors import UserError
 from kvcompress.scalebook import ScaleBook
 
-_STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
+_STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "k_scale")
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -51,12 +51,30 @@ class CompressedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    @property
+    def _token_keys(self) -> bool:
+        return self.spec.key.granularity == "token"
+
+    @property
+    def _rot_values(self) -> bool:
+        return self.spec.value.symmetric or self.spec.value.rotate != "none"
+
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H, n, D] tokens leaving the window
-        k_payload, k_out = ref.encode_keys(k, self.p)
-        v_payload, v_scale, v_min = ref.encode_values(v, self.spec.value.bits, self.group)
-        for name, t in zip(_STORE, (k_payload, k_out, v_payload, v_scale, v_min)):
-            self.store[name] = _cat(self.store[name], t)
+        sp, D = self.spec, k.shape[-1]
+        if self._token_keys:  # per-token symmetric keys in a rotated basis: payload + fp16 scale
+            k_payload, k_scale = ref.encode_rotated(k, sp.key.bits, sp.key_group(D), True, sp.key.rotate)
+            k_out = None
+        else:
+            (k_payload, k_out), k_scale = ref.encode_keys(k, self.p), None
+        if self._rot_values:
+            v_parts = ref.encode_rotated(v, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate)
+            v_payload, v_scale, v_min = (*v_parts, None)[:3]
+        else:
+            v_payload, v_scale, v_min = ref.encode_values(v, sp.value.bits, self.group)
+        for name, t in zip(_STORE, (k_payload, k_out, v_payload, v_scale, v_min, k_scale)):
+            if t is not None:
+                self.store[name] = _cat(self.store[name], t)
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states, value_states: [B, H, C, D] new post-RoPE tokens
@@ -91,9 +109,16 @@ class CompressedLayer(CacheLayerMixin):
             ks.append(self.sink_k.to(self.dtype))
             vs.append(self.sink_v.to(self.dtype))
         if self.store["k_payload"] is not None:
-            s = self.store
-            ks.append(ref.decode_keys(s["k_payload"], s["k_outliers"], self.p).to(self.dtype))
-            vs.append(ref.decode_values(s["v_payload"], s["v_scale"], s["v_min"], self.spec.value.bits, self.group).to(self.dtype))
+            s, sp, D = self.store, self.spec, self.p.scale.shape[-1]
+            if self._token_keys:
+                ks.append(ref.decode_rotated((s["k_payload"], s["k_scale"]), sp.key.bits, sp.key_group(D), True, sp.key.rotate).to(self.dtype))
+            else:
+                ks.append(ref.decode_keys(s["k_payload"], s["k_outliers"], self.p).to(self.dtype))
+            if self._rot_values:
+                stored = (s["v_payload"], s["v_scale"]) if sp.value.symmetric else (s["v_payload"], s["v_scale"], s["v_min"])
+                vs.append(ref.decode_rotated(stored, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate).to(self.dtype))
+            else:
+                vs.append(ref.decode_values(s["v_payload"], s["v_scale"], s["v_min"], sp.value.bits, self.group).to(self.dtype))
         if self.win_k is not None and self.win_k.shape[-2]:
             ks.append(self.win_k.to(self.dtype))
             vs.append(self.win_v.to(self.dtype))
@@ -104,7 +129,7 @@ class CompressedLayer(CacheLayerMixin):
             return 0 if t is None else t.nbytes
 
         s = self.store
-        return {
+        out = {
             "key_payload": nb(s["k_payload"]),
             "key_outliers": nb(s["k_outliers"]),
             "value_payload": nb(s["v_payload"]),
@@ -113,6 +138,9 @@ class CompressedLayer(CacheLayerMixin):
             "window": nb(self.win_k) + nb(self.win_v),
             "static": self.p.scale.nbytes + self.p.zero.nbytes + self.p.outlier_idx.nbytes,
         }
+        if self._token_keys:  # no static key scales: a scale per token, stored with it
+            out |= {"key_meta": nb(s["k_scale"]), "static": 0}
+        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.n_tokens + query_length, 0
@@ -155,8 +183,8 @@ class CompressedCache(Cache):
                 f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "
                 "validate simulates it exactly, CompressedCache holds the kvcompress format only"
             )
-        if book.spec.validate_only:
-            raise UserError(f"kv={book.spec.name} uses {book.spec.validate_only}: a comparison format simulated in validate only; "
+        if book.spec.key.group_tokens:
+            raise UserError(f"kv.key.group_tokens={book.spec.key.group_tokens} (KIVI-style keys) is a comparison format simulated in validate only; "
                             "CompressedCache holds the kvcompress format")
         n = book.geometry["n_layers"]
         # per-layer formats: an fp16 layer holds every token in fp16

@@ -201,7 +201,7 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
 
 
-# ---------------------------------------------------------------- rotated, per-token formats (validate only)
+# ---------------------------------------------------------------- rotated, per-token formats (CompressedCache and validate; no kernels yet)
 def hadamard(n: int, device=None) -> torch.Tensor:
     """The normalised Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric and orthogonal
     (H @ H = I), so x @ H rotates a head's vector and (x @ H) @ H gives it back; q.k is unchanged
@@ -223,21 +223,49 @@ def rotate(x: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown rotation {how!r}; allowed: none, hadamard")
 
 
-def fake_quant_token_symmetric(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def quantize_token_symmetric(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, per group of `group` channels, symmetric: scale = amax / Q (fp16, rounded up so
-    nothing clips), q = clamp(round_half_even(x / scale), -Q, Q), Q = 2**(bits-1) - 1; x_hat = q * scale."""
+    nothing clips), q = clamp(round_half_even(x / scale), -Q, Q), Q = 2**(bits-1) - 1.
+    x: [..., T, D] -> (int8 codes [..., T, D], fp16 scale [..., T, D // group])."""
     xg = x.float().unflatten(-1, (-1, group))
-    scale = _round_outward_fp16(xg.abs().amax(-1) / key_qmax(bits), float("inf")).float().unsqueeze(-1)
-    s = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return (round_half_even(xg / s).clamp_(-key_qmax(bits), key_qmax(bits)) * s).flatten(-2)
+    scale = _round_outward_fp16(xg.abs().amax(-1) / key_qmax(bits), float("inf"))
+    s = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+    q = round_half_even(xg / s).clamp_(-key_qmax(bits), key_qmax(bits))
+    return q.flatten(-2).to(torch.int8), scale
+
+
+def dequantize_token_symmetric(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def fake_quant_token_symmetric(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """decode(encode(x)) of the symmetric per-token quantizer, float32."""
+    return dequantize_token_symmetric(*quantize_token_symmetric(x, bits, group), group)
+
+
+def encode_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> tuple[torch.Tensor, ...]:
+    """Storage form of a per-token format in a rotated basis: x [..., T, D] -> symmetric: (payload, scale);
+    asymmetric: (payload, scale, min). int4 payloads are packed (signed codes offset-binary, q + 8)."""
+    xr = rotate(x, how)
+    if not symmetric:
+        return encode_values(xr.float(), bits, group)
+    q, scale = quantize_token_symmetric(xr, bits, group)
+    return (pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if bits == 4 else q), scale
+
+
+def decode_rotated(stored: tuple[torch.Tensor, ...], bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
+    """encode_rotated's inverse up to the rounding: dequantize, then rotate back (float32)."""
+    if not symmetric:
+        return rotate(decode_values(*stored, bits, group), how)
+    payload, scale = stored
+    q = unpack_int4(payload).to(torch.int8) - INT4_KEY_OFFSET if bits == 4 else payload
+    return rotate(dequantize_token_symmetric(q, scale, group), how)
 
 
 def fake_quant_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
     """A per-token format in a rotated basis: rotate, quantize per token and group (symmetric, or the
     asymmetric value quantizer), rotate back; in x's dtype. Keys: q.k_hat = (q H).(quantized k H)."""
-    xr = rotate(x, how)
-    xq = fake_quant_token_symmetric(xr, bits, group) if symmetric else fake_quant_values(xr.float(), bits, group)
-    return rotate(xq, how).to(x.dtype)
+    return decode_rotated(encode_rotated(x, bits, group, symmetric, how), bits, group, symmetric, how).to(x.dtype)
 
 
 # ---------------------------------------------------------------- TensorRT-LLM's native KV formats

@@ -23,7 +23,7 @@ class KeySpec(Frozen):
     """
 
     bits: Literal[4, 8, 16] = 8
-    # "token" (validate only, like group_tokens below): per-token symmetric scales computed at write
+    # "token" (CompressedCache and validate; no kernels or export yet): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
     granularity: Literal["channel", "token"] = "channel"
     group_size: int = Field(0, ge=0)  # granularity=token only
@@ -49,7 +49,7 @@ class ValueSpec(Frozen):
     bits: Literal[4, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
-    # symmetric=True or rotate=hadamard: validate only (scale = amax / (2**(bits-1) - 1), no min;
+    # symmetric=True or rotate=hadamard: no kernels or export yet (scale = amax / (2**(bits-1) - 1), no min;
     # v @ H per head before quantizing, undone after attention)
     symmetric: bool = False
     rotate: Literal["none", "hadamard"] = "none"
@@ -141,7 +141,7 @@ class KVSpec(Frozen):
         if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
             raise ValueError(f"kv.key.granularity=token is symmetric per token: needs kv.key.symmetric=true, kv.key.group_tokens=0, kv.outlier_channels=0")
         if self.validate_only and (self.is_native or self.layers is not None):
-            raise ValueError(f"kv={self.name}: the validate-only key/value options (per-token or rotated keys, symmetric or rotated values) "
+            raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
             raise ValueError(f"kv.fold_strength={self.fold_strength} must be 'auto' or in [0, 1]")
@@ -149,8 +149,8 @@ class KVSpec(Frozen):
 
     @property
     def validate_only(self) -> str:
-        """Why the format is a comparison format (validated, never in CompressedCache, the kernels or
-        the export), or "" when it ships."""
+        """Why the format is a comparison format (validated, not in the kernels or the export; KIVI-style
+        keys not in CompressedCache either), or "" when it ships."""
         why = []
         if self.key.group_tokens:
             why.append(f"KIVI-style keys (kv.key.group_tokens={self.key.group_tokens})")

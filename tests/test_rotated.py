@@ -1,6 +1,6 @@
-"""kv=rot4: Hadamard-rotated per-token int4 keys and values, a validate-only format at <= 4.5 bits
-per element (window and sinks amortised at 8K): reference numerics, bytes, the one-pass evaluation,
-and the refusals (CompressedCache, export)."""
+"""kv=rot4: Hadamard-rotated per-token int4 keys and values, at <= 4.5 bits per element (window and
+sinks amortised at 8K): reference numerics, bytes, the one-pass evaluation == decoding through
+CompressedCache, and the export's refusal (no kernels for it yet)."""
 import json
 
 import pytest
@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from conftest import fitted_book, run_cli
 from kvcompress import reference as ref
-from kvcompress.errors import UserError
+from kvcompress.cache import CompressedCache
+from kvcompress.eval.attention import compressed_attention
 from kvcompress.eval.attention import simulate_kv
 from kvcompress.models.base import Geometry
 from kvcompress.spec import KVSpec
@@ -75,16 +76,11 @@ def test_bytes_and_the_rot4_preset_fits_the_4_5_bit_budget():
     assert m.bits_per_element <= 4.5, m
 
 
-def test_refusals(tiny_llama, tmp_path):
-    from kvcompress.cache import CompressedCache
-
+def test_refusals(tmp_path):
     with pytest.raises(ValidationError, match="kv.key.rotate=hadamard needs kv.key.granularity=token"):
         KVSpec(name="x", key={"rotate": "hadamard"})
     with pytest.raises(ValidationError, match="needs kv.key.symmetric=true"):
         KVSpec(name="x", key={"bits": 4, "granularity": "token", "symmetric": False})
-    book = fitted_book(tiny_llama, name="rot", window=8, sink_tokens=0, **ROT)
-    with pytest.raises(UserError, match="comparison format"):
-        CompressedCache(book)
     r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=rot4", cache_dir=tmp_path / "c")
     assert r.returncode != 0 and "validated but never shipped: add export=none" in r.stderr and "Traceback" not in r.stderr
 
@@ -97,3 +93,37 @@ def test_rot4_validates_end_to_end(tmp_path):
     rep = json.loads((run_dir / "report.json").read_text())
     assert rep["quality"]["key_clip_rate"] == 0 and rep["memory"]["breakdown_per_token"]["key_meta"] > 0
     assert rep["quality"]["kl_mean"] > 0
+
+
+ROT_SPECS = {
+    "rot4": dict(value={"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}, **ROT),
+    "k8tok_v4rot_asym": dict(key={"bits": 8, "granularity": "token", "group_size": 16, "rotate": "hadamard"},
+                             value={"bits": 4, "group_size": 16, "rotate": "hadamard"}),
+    "v4sym_only": dict(value={"bits": 4, "group_size": 16, "symmetric": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(ROT_SPECS))
+def test_onepass_equals_decoding_through_the_compressed_cache(name):
+    """The validation path and the real cache (packed codes, fp16 scales, rotation undone on read)
+    give the same logits; a rounding flip of one code would exceed the tolerance."""
+    from conftest import tiny_lm
+    from kvcompress.models.base import Geometry
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, name=name, window=6, sink_tokens=2, **ROT_SPECS[name])
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = CompressedCache(book)
+        dec = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(ids.shape[1])], 1)
+        with compressed_attention(lm.model, book) as kw:
+            one = lm.model(input_ids=ids, use_cache=False, **kw).logits
+        plain = lm.model(input_ids=ids).logits
+    torch.testing.assert_close(one, dec, atol=1e-4, rtol=1e-4)
+    assert (one - plain).abs().max() > 1e-3  # something was quantized
+    assert cache.nbytes_breakdown() == ref.spec_cache_nbytes(book.spec, Geometry(**book.geometry), 30, batch=2)
+    st = cache.layers[0].store
+    if book.spec.key.granularity == "token":
+        assert st["k_scale"].dtype == torch.float16 and st["k_outliers"] is None
+    if book.spec.value.symmetric:
+        assert st["v_min"] is None and st["v_payload"].dtype == torch.uint8
