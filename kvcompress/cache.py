@@ -51,23 +51,15 @@ class CompressedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    @property
-    def _token_keys(self) -> bool:
-        return self.spec.key.granularity == "token"
-
-    @property
-    def _rot_values(self) -> bool:
-        return self.spec.value.symmetric or self.spec.value.rotate != "none"
-
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H, n, D] tokens leaving the window
         sp, D = self.spec, k.shape[-1]
-        if self._token_keys:  # per-token symmetric keys in a rotated basis: payload + fp16 scale
+        if self.spec.token_keys:  # per-token symmetric keys in a rotated basis: payload + fp16 scale
             k_payload, k_scale = ref.encode_rotated(k, sp.key.bits, sp.key_group(D), True, sp.key.rotate)
             k_out = None
         else:
             (k_payload, k_out), k_scale = ref.encode_keys(k, self.p), None
-        if self._rot_values:
+        if self.spec.rotated_values:
             v_parts = ref.encode_rotated(v, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate)
             v_payload, v_scale, v_min = (*v_parts, None)[:3]
         else:
@@ -110,11 +102,11 @@ class CompressedLayer(CacheLayerMixin):
             vs.append(self.sink_v.to(self.dtype))
         if self.store["k_payload"] is not None:
             s, sp, D = self.store, self.spec, self.p.scale.shape[-1]
-            if self._token_keys:
+            if self.spec.token_keys:
                 ks.append(ref.decode_rotated((s["k_payload"], s["k_scale"]), sp.key.bits, sp.key_group(D), True, sp.key.rotate).to(self.dtype))
             else:
                 ks.append(ref.decode_keys(s["k_payload"], s["k_outliers"], self.p).to(self.dtype))
-            if self._rot_values:
+            if self.spec.rotated_values:
                 stored = (s["v_payload"], s["v_scale"]) if sp.value.symmetric else (s["v_payload"], s["v_scale"], s["v_min"])
                 vs.append(ref.decode_rotated(stored, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate).to(self.dtype))
             else:
@@ -138,7 +130,7 @@ class CompressedLayer(CacheLayerMixin):
             "window": nb(self.win_k) + nb(self.win_v),
             "static": self.p.scale.nbytes + self.p.zero.nbytes + self.p.outlier_idx.nbytes,
         }
-        if self._token_keys:  # no static key scales: a scale per token, stored with it
+        if self.spec.token_keys:  # no static key scales: a scale per token, stored with it
             out |= {"key_meta": nb(s["k_scale"]), "static": 0}
         return out
 

@@ -121,17 +121,24 @@ def split_outliers(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
     return torch.gather(k, -1, _expand_idx(p.outlier_idx, k)).to(HP_DTYPE)
 
 
+def store_signed(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed codes -> payload: int8 [.., D] as is, int4 packed offset-binary (q + 8) uint8 [.., D/2]."""
+    return pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if bits == 4 else q
+
+
+def load_signed(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of store_signed: signed integer codes [.., D]."""
+    return unpack_int4(payload).to(torch.int16) - INT4_KEY_OFFSET if bits == 4 else payload
+
+
 def encode_keys(k: torch.Tensor, p: KeyParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Storage form of keys: (payload, outliers). payload is int8 [.., D] or packed uint8 [.., D/2]."""
-    q = quantize_keys(k, p)
-    payload = pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if p.bits == 4 else q
-    return payload, split_outliers(k, p)
+    return store_signed(quantize_keys(k, p), p.bits), split_outliers(k, p)
 
 
 def decode_keys(payload: torch.Tensor, outliers: torch.Tensor, p: KeyParams) -> torch.Tensor:
     """Inverse of encode_keys (up to quantization): float32 keys [..., H, T, D]."""
-    q = unpack_int4(payload).to(torch.int16) - INT4_KEY_OFFSET if p.bits == 4 else payload
-    return dequantize_keys(q, p, outliers)
+    return dequantize_keys(load_signed(payload, p.bits), p, outliers)
 
 
 def fake_quant_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
@@ -238,11 +245,6 @@ def dequantize_token_symmetric(codes: torch.Tensor, scale: torch.Tensor, group: 
     return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
-def fake_quant_token_symmetric(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """decode(encode(x)) of the symmetric per-token quantizer, float32."""
-    return dequantize_token_symmetric(*quantize_token_symmetric(x, bits, group), group)
-
-
 def encode_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> tuple[torch.Tensor, ...]:
     """Storage form of a per-token format in a rotated basis: x [..., T, D] -> symmetric: (payload, scale);
     asymmetric: (payload, scale, min). int4 payloads are packed (signed codes offset-binary, q + 8)."""
@@ -250,7 +252,7 @@ def encode_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how:
     if not symmetric:
         return encode_values(xr.float(), bits, group)
     q, scale = quantize_token_symmetric(xr, bits, group)
-    return (pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if bits == 4 else q), scale
+    return store_signed(q, bits), scale
 
 
 def decode_rotated(stored: tuple[torch.Tensor, ...], bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
@@ -258,8 +260,7 @@ def decode_rotated(stored: tuple[torch.Tensor, ...], bits: int, group: int, symm
     if not symmetric:
         return rotate(decode_values(*stored, bits, group), how)
     payload, scale = stored
-    q = unpack_int4(payload).to(torch.int8) - INT4_KEY_OFFSET if bits == 4 else payload
-    return rotate(dequantize_token_symmetric(q, scale, group), how)
+    return rotate(dequantize_token_symmetric(load_signed(payload, bits), scale, group), how)
 
 
 def fake_quant_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
@@ -448,7 +449,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         n_tokens=n_tokens,
         batch=batch,
         key_group_tokens=0 if spec.is_native else spec.key.group_tokens,
-        key_token_group=spec.key_group(geometry.head_dim) if spec.key.granularity == "token" and not spec.is_native else 0,
+        key_token_group=spec.key_group(geometry.head_dim) if spec.token_keys else 0,
         value_symmetric=spec.value.symmetric and not spec.is_native,
     )
 

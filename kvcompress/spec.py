@@ -154,11 +154,21 @@ class KVSpec(Frozen):
         why = []
         if self.key.group_tokens:
             why.append(f"KIVI-style keys (kv.key.group_tokens={self.key.group_tokens})")
-        if self.key.granularity == "token":
+        if self.token_keys:
             why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
-        if self.value.symmetric or self.value.rotate != "none":
+        if self.rotated_values:
             why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate}")
         return ", ".join(why)
+
+    @property
+    def token_keys(self) -> bool:
+        """Keys quantized per token at write time (reference.encode_rotated), no static scales."""
+        return self.key.granularity == "token" and not self.is_native
+
+    @property
+    def rotated_values(self) -> bool:
+        """Values through reference.encode_rotated (symmetric and/or rotated) instead of encode_values."""
+        return (self.value.symmetric or self.value.rotate != "none") and not self.is_native
 
     def key_group(self, head_dim: int) -> int:
         return self.key.group_size or head_dim

@@ -114,6 +114,16 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
     for art in ("trtllm_ckpt", "hf_ckpt"):
         c = manifest["artifacts"][art]["remeasured"]
         assert c["passed"] and abs(c["remeasured_kl"] - c["validated_kl"]) <= max(0.1 * c["validated_kl"], 1e-4), (art, c)
+    # the FP8 checkpoint carries the validated per-layer scale, headroom included (manifest records it)
+    from kvcompress.scalebook import ScaleBook
+
+    fp8_book = ScaleBook.load(run / ("scalebook.safetensors" if kv == "native_fp8" else "scalebook.native_fp8.safetensors"))
+    assert manifest["artifacts"]["hf_ckpt"]["fold"]["headroom"] == fp8_book.fit_info["headroom"]
+    stored = {}
+    for shard in (out / "hf_ckpt").glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            stored |= {k: f.get_tensor(k) for k in f.keys() if k.endswith("k_proj.k_scale")}
+    assert stored and float(stored["model.layers.0.self_attn.k_proj.k_scale"]) == pytest.approx(float(fp8_book.tensors["native_scale"][0]), rel=1e-6)
     names = [c["check"] for c in manifest["checks"]]
     assert all(c["status"] == "passed" for c in manifest["checks"] if not c["check"].startswith("custom-tier network graph"))
     assert any("re-measured" in n for n in names) and any("shards merge" in n for n in names)

@@ -100,11 +100,11 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
     g, D = spec.key.group_tokens, k_hp.shape[-1]
     if g:
         k_hat = ref.fake_quant_keys_grouped(k_hp, spec.key.bits, g)
-    elif spec.key.granularity == "token":
+    elif spec.token_keys:
         k_hat = ref.fake_quant_rotated(k_hp, spec.key.bits, spec.key_group(D), True, spec.key.rotate)
     else:
         k_hat = ref.fake_quant_keys(k_hp, book.key_params(layer))
-    if spec.value.symmetric or spec.value.rotate != "none":
+    if spec.rotated_values:
         v_hat = ref.fake_quant_rotated(v_hp, spec.value.bits, book.value_group(layer), spec.value.symmetric, spec.value.rotate)
     else:
         v_hat = ref.fake_quant_values(v_hp, spec.value.bits, book.value_group(layer))
@@ -131,7 +131,7 @@ def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.T
         kc, vc = ref.native_saturated(k_hp / sk, s, spec.format), ref.native_saturated(v_hp / sv, s, spec.format)
         e.v_clipped[layer] += float(vc[..., comp, :].sum())
         e.v_quantized[layer] += vc[..., comp, :].numel()
-    elif spec.key.group_tokens or spec.key.granularity == "token":
+    elif spec.key.group_tokens or spec.token_keys:
         kc = torch.zeros_like(k_hp, dtype=torch.bool)  # scales computed at write time from the group's own range: nothing clips
     else:
         kc = ref.key_clipped(k_hp, book.key_params(layer))

@@ -414,7 +414,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["trtllm_ckpt"] = {
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
-        "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values")}, "fold_guard": trt_guard, "remeasured": c_trt,
+        "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom")}, "fold_guard": trt_guard, "remeasured": c_trt,
     }
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
@@ -422,7 +422,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["hf_ckpt"] = {
         "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
         "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
-        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values")}, "fold_guard": hf_guard, "remeasured": c_hf,
+        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom")}, "fold_guard": hf_guard, "remeasured": c_hf,
     }
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
