@@ -209,24 +209,34 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- rotated, per-token formats (CompressedCache and validate; no kernels yet)
-def hadamard(n: int, device=None) -> torch.Tensor:
-    """The normalised Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric and orthogonal
-    (H @ H = I), so x @ H rotates a head's vector and (x @ H) @ H gives it back; q.k is unchanged
-    when both sides are rotated."""
+def hadamard_signs(n: int, device=None) -> torch.Tensor:
+    """The Sylvester-Hadamard sign matrix [n, n] (n a power of two), float32 entries
+    (-1)**popcount(i & j): symmetric, S @ S = n I. The kernels build the same signs in registers."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two size; got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).float().to(device)
+    i = torch.arange(n)
+    x = i[:, None] & i[None, :]
+    parity = torch.zeros_like(x)
+    while bool(x.any()):
+        parity ^= x & 1
+        x = x >> 1
+    return (1 - 2 * parity).float().to(device)
+
+
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """The normalised Hadamard matrix S / sqrt(n): symmetric and orthogonal (H @ H = I), so x @ H
+    rotates a head's vector and (x @ H) @ H gives it back; q.k is unchanged when both sides are rotated."""
+    return hadamard_signs(n, device) * n**-0.5
 
 
 def rotate(x: torch.Tensor, how: str) -> torch.Tensor:
-    """x [..., D] in the rotated basis ('hadamard': x @ H, float32) or unchanged ('none'). Its own inverse."""
+    """x [..., D] in the rotated basis ('hadamard': x @ H, float32) or unchanged ('none'). Its own inverse.
+    Computed as (x @ S) * D**-0.5 with S the +-1 signs: the sums are of +-x (exact for fp16 inputs of
+    moderate range, so any summation order agrees) and one rounding scales them, as in the kernels."""
     if how == "none":
         return x
     if how == "hadamard":
-        return x.float() @ hadamard(x.shape[-1], x.device)
+        return (x.float() @ hadamard_signs(x.shape[-1], x.device)) * x.shape[-1] ** -0.5
     raise ValueError(f"unknown rotation {how!r}; allowed: none, hadamard")
 
 

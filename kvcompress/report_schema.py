@@ -41,6 +41,7 @@ class Quality(_M):
     ppl_delta: float
     ppl_delta_rel: float
     kl_mean: float  # mean KL(fp16 || compressed) of next-token distributions, nats
+    kl_se: float = 0.0  # standard error of kl_mean (std of the per-token KL / sqrt(tokens)); older reports lack it
     kl_p99: float
     kl_max: float
     top1_agree: float  # fraction of positions with the same argmax

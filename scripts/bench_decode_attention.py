@@ -34,34 +34,43 @@ H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 
 def check_correctness(device: str) -> dict:
-    """Kernels vs reference on the device (the same checks as tests/test_kernels.py)."""
-    g = torch.Generator().manual_seed(0)
-    lens = [1, 127, 128, 129, 1170, 4099]
-    ks = [torch.randn(H, n, D, generator=g) for n in lens]
-    vs = [torch.randn(H, n, D, generator=g) for n in lens]
-    p = KeyParams(8, torch.stack([k.abs().amax(1) for k in ks]).amax(0) / 127, torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long))
-    kv = PackedKV.from_reference(ks, vs, p, n_sink=4, window=128, value_bits=4, group=32)
-    kv = PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
-    pd = KeyParams(8, p.scale.to(device), p.zero.to(device), p.outlier_idx.to(device))
-    q = torch.randn(len(lens), H * G, D, generator=g).to(device)
-    out = ops.decode_attention(q, kv, pd, D**-0.5)  # the plan's tiles and split count
-    err = float((out - ops.decode_attention_reference(q, kv, pd, D**-0.5)).abs().max())
-    # append: a fresh cache filled token by token must equal the reference bytes
-    T = 300
-    kk = torch.randn(2, H, T, D, generator=g)
-    vv = torch.randn(2, H, T, D, generator=g)
-    app = PackedKV.empty(2, H, D, T, n_sink=4, window=128, n_out=0, key_bits=8, value_bits=4, group=32, device=device)
-    for t in range(T):
-        ops.append(app, kk[:, :, t].to(device), vv[:, :, t].to(device), pd)
-    expect = PackedKV.from_reference(list(kk), list(vv), p, n_sink=4, window=128, value_bits=4, group=32, cap=T)
-    exact = all(torch.equal(getattr(app, n).cpu(), getattr(expect, n)) for n in ("k_payload", "v_payload", "v_scale", "v_min", "win_k", "sink_k"))
-    return {"decode_max_abs_err": err, "decode_tol": 3e-3, "decode_ok": err <= 3e-3, "append_bit_exact": exact}
+    """Kernels vs reference on the device (the same checks as tests/test_kernels.py), for the
+    static-scale family (int8k_int4v) and the per-token family (rot4)."""
+    out = {}
+    for name in ("int8k_int4v", "rot4"):
+        fmt = FORMATS[name]
+        g = torch.Generator().manual_seed(0)
+        lens = [1, 127, 128, 129, 1170, 4099]
+        ks = [torch.randn(H, n, D, generator=g) for n in lens]
+        vs = [torch.randn(H, n, D, generator=g) for n in lens]
+        scale = torch.stack([k.abs().amax(1) for k in ks]).amax(0) / 127
+        p = KeyParams(fmt.key_bits, scale, torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long))
+        lay = dict(n_sink=fmt.n_sink, window=fmt.window, value_bits=fmt.value_bits, group=fmt.group, **fmt.family())
+        kv = PackedKV.from_reference(ks, vs, p, **lay)
+        kv = PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
+        pd = KeyParams(fmt.key_bits, p.scale.to(device), p.zero.to(device), p.outlier_idx.to(device))
+        q = torch.randn(len(lens), H * G, D, generator=g).to(device)
+        o = ops.decode_attention(q, kv, pd, D**-0.5)  # the plan's tiles and split count
+        err = float((o - ops.decode_attention_reference(q, kv, pd, D**-0.5)).abs().max())
+        # append: a fresh cache filled token by token must equal the reference bytes
+        T = 300
+        kk = torch.randn(2, H, T, D, generator=g)
+        vv = torch.randn(2, H, T, D, generator=g)
+        app = PackedKV.empty(2, H, D, T, n_out=0, key_bits=fmt.key_bits, device=device, **lay)
+        for t in range(T):
+            ops.append(app, kk[:, :, t].to(device), vv[:, :, t].to(device), pd)
+        expect = PackedKV.from_reference(list(kk), list(vv), p, cap=T, **lay)
+        names = ("k_payload", "k_scale", "v_payload", "v_scale", "v_min", "win_k", "sink_k")
+        exact = all(torch.equal(getattr(app, n).cpu(), getattr(expect, n)) for n in names)
+        out[name] = {"decode_max_abs_err": err, "decode_tol": 3e-3, "decode_ok": err <= 3e-3, "append_bit_exact": exact}
+    return out
 
 
 def random_cache(B: int, T: int, fmt, h: int, d: int, device: str) -> PackedKV:
     """A full compressed cache of T tokens per sequence with random codes (speed only)."""
     kv = PackedKV.empty(B, h, d, T, n_sink=fmt.n_sink, window=fmt.window, n_out=fmt.n_out, key_bits=fmt.key_bits, value_bits=fmt.value_bits,
-                        group=fmt.group, device=device)
+                        group=fmt.group, device=device, **fmt.family())
+    kv.k_scale.fill_(0.01)
     kv.k_payload.copy_(torch.randint(-127, 128, kv.k_payload.shape, dtype=torch.int8, device=device).to(kv.k_payload.dtype))
     kv.v_payload.copy_(torch.randint(0, 256, kv.v_payload.shape, dtype=torch.uint8, device=device))
     kv.v_scale.fill_(0.01)
@@ -140,7 +149,7 @@ def main() -> int:
     result["wall_s"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out} in {result['wall_s']:.0f} s")
-    ok = a.smoke or (result["correctness"]["decode_ok"] and result["correctness"]["append_bit_exact"])
+    ok = a.smoke or all(c["decode_ok"] and c["append_bit_exact"] for c in result["correctness"].values())
     return 0 if ok else 1
 
 

@@ -37,15 +37,16 @@ def audit_formats(arch: str = "sm_90") -> dict[tuple[str, int], dict]:
     from kvcompress.kernels.audit import audit_dir
 
     gqas = sorted({hq // h for _, hq, h, _ in MODELS.values()})
-    variants = [Variant(f"d128_g{g}_{n}", 128, g, f.key_bits, f.value_bits, f.group, f.n_sink, f.window, f.n_out) for n, f in FORMATS.items() for g in gqas]
+    variants = [Variant(f"d128_g{g}_{n}", 128, g, f.key_bits, f.value_bits, f.group, f.n_sink, f.window, f.n_out, **f.family())
+                for n, f in FORMATS.items() for g in gqas]
     with tempfile.TemporaryDirectory() as tmp:
         compile_all(arch, Path(tmp), variants)
         res = audit_dir(Path(tmp))
     out = {}
     for k in res["kernels"]:
-        if k["kernel"] != "decode_split":
+        if k["kernel"] not in ("decode_split", "decode_split_rot"):
             continue
-        v = next(x for x in variants if x.name == k["variant"]["name"])
+        v = next(x for x in variants if k["name"] == f"{k['kernel']}_{x.name}")
         ml = k["main_loop"]
         if k["spills"] or ml["narrowest_payload_bits"] < 64:
             raise SystemExit(f"kvcompress: error: {k['name']} fails the audit (spills={k['spills']}, payload loads {ml['narrowest_payload_bits']} bits): no prediction")

@@ -33,6 +33,12 @@ def tiny_lm(arch="llama", heads=6, kv_heads=2, head_dim=32, layers=2, seed=0) ->
     return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": f"tiny_{arch}"})
 
 
+def rmsnorm_float64(self, h):
+    """LlamaRMSNorm's formula, in the input's dtype (transformers computes it in float32): with it,
+    a model moved to float64 computes in float64 end to end."""
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 def fitted_book(lm: LoadedModel, **spec_kw):
     spec = KVSpec(name=spec_kw.pop("name", "test"), **spec_kw)
     stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)

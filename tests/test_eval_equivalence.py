@@ -104,11 +104,6 @@ def test_smollm2_onepass_equals_decode_float64(smollm2, sinks):
         assert float((off_by_one - dec).abs().max()) > 1e-3
 
 
-def _rmsnorm_float64(self, h):
-    """LlamaRMSNorm's formula, in the input's dtype (transformers computes it in float32)."""
-    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -122,7 +117,7 @@ def smollm2():
     book = fit(profile(lm, calib, load_texts(calib), progress=False), KVSpec(name="int8k_int4v"))
     lm.model.double()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LlamaRMSNorm, "forward", _rmsnorm_float64)
+        mp.setattr(LlamaRMSNorm, "forward", rmsnorm_float64)
         yield lm, book
 
 

@@ -185,6 +185,27 @@ def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, 
     assert not (tmp_path / "r" / "export").exists() and not list((tmp_path / "r").glob(".export*"))
 
 
+def test_recheck_tolerance_is_relative_or_three_standard_errors():
+    """compare(): 10% of the KL, or 3 standard errors of the per-token KL mean when fewer tokens
+    make the mean noisier than that (a checkpoint in fp16 weights re-measured on a smoke set)."""
+    from kvcompress.eval.metrics import QualityAccumulator
+    from kvcompress.targets.recheck import compare
+
+    acc = QualityAccumulator()
+    lb = torch.log_softmax(torch.randn(2, 50, 11, generator=torch.Generator().manual_seed(0)), -1)
+    lc = torch.log_softmax(lb + 0.3 * torch.randn(2, 50, 11, generator=torch.Generator().manual_seed(1)), -1)
+    acc.update_logprobs(lb, lc, torch.randint(0, 11, (2, 51)))
+    r = acc.result()
+    kl = torch.cat(acc.kl_values)
+    assert r["kl_se"] == pytest.approx(float(kl.std()) / 100**0.5) and r["kl_se"] > 0
+    v = {"kl_mean": 1.0e-2, "kl_se": 0.0, "ppl_delta_rel": 0.0}
+    assert compare(v, {**v, "kl_mean": 1.09e-2}, 0.1, 1e-4)["passed"]
+    assert not compare(v, {**v, "kl_mean": 1.2e-2}, 0.1, 1e-4)["passed"]
+    noisy = compare(v, {**v, "kl_mean": 1.2e-2, "kl_se": 1e-3}, 0.1, 1e-4)
+    assert noisy["passed"] and noisy["tolerance"] == pytest.approx(3e-3)
+    assert not compare(v, {**v, "kl_mean": 1.4e-2, "kl_se": 1e-3}, 0.1, 1e-4)["passed"]
+
+
 def test_fold_range_guard_on_extreme_channel_scales(lm):
     """Factors of 1e-4 on a key channel whose W_k rows are large would overflow fp16 (W_k / sigma);
     the guard raises those factors just enough, and the exported tensors are finite with no row

@@ -26,6 +26,33 @@ def audit_sm90(tmp_path_factory):
     return json.loads((out / "audit.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def audit_per_token_sm90(tmp_path_factory):
+    """The per-token family (kv=rot4 at head dims 128 and 64), compiled for sm_90 and audited."""
+    out = tmp_path_factory.mktemp("aot90pt")
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--variants", "per_token", "--out", str(out)],
+                       capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads((out / "audit.json").read_text())
+
+
+def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_token_sm90):
+    """kv_append_rot / decode_split_rot (Walsh-Hadamard butterflies in registers): no spills or stack,
+    packed payload read with >= 64-bit loads, as many resident warps per SM as the static-scale kernels,
+    and at most 25% above the format's bytes per element in the main loop (the audit's count is an upper
+    bound: it takes every thread's 16-bit loads of the per-token scales as distinct bytes; the static
+    int4 kernel is at 19% by the same count)."""
+    kernels = {k["name"]: k for k in audit_per_token_sm90["kernels"]}
+    assert {f"{k}_{v}" for k in ("kv_append_rot", "decode_split_rot", "decode_reduce") for v in ("d128_g8_rot4", "d64_g3_rot4")} == set(kernels)
+    for k in kernels.values():
+        assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
+        if k["kernel"] == "decode_split_rot":
+            ml = k["main_loop"]
+            assert ml["narrowest_payload_bits"] >= 64, k["name"]
+            assert ml["bytes_per_cache_element"] <= 1.25 * ml["format_bytes_per_cache_element"], k["name"]
+            assert k["occupancy"]["sm_90"]["warps_per_sm"] >= 16, k["name"]
+
+
 def _decode(audit, name):
     return next(k for k in audit["kernels"] if k["name"] == f"decode_split_{name}")
 

@@ -119,6 +119,70 @@ def test_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, n
         assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
 
 
+# the per-token family (kv.key.granularity=token): kv=rot4 and its neighbours. Only KeyParams.bits is read.
+ROT4 = dict(key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True)
+PER_TOKEN_CASES = [
+    # lens, H_kv, GQA, D, key bits, value bits, value group, family, sinks
+    ([1, 7, W - 1, W, W + 1, 150], 2, 3, 64, 4, 4, 64, ROT4, 4),  # kv=rot4 at SmolLM2's head dim
+    ([300, 21], 1, 8, 128, 4, 4, 128, dict(ROT4, key_group=128), 4),  # kv=rot4 at Llama's head dim
+    ([90, 33], 2, 1, 64, 8, 8, 32, dict(key_group=32, value_symmetric=True), 0),  # grouped key scales, int8, unrotated
+    ([90], 1, 3, 64, 4, 4, 32, dict(key_group=64, key_rotate=False, value_rotate=True), 2),  # asymmetric rotated values
+]
+
+
+def token_params(bits: int, H: int) -> KeyParams:
+    return KeyParams(bits, torch.zeros(H, 0), torch.zeros(H, 0), torch.zeros(H, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("lens,H,G,D,kb,vb,group,fam,n_sink", PER_TOKEN_CASES)
+def test_per_token_decode_matches_reference(lens, H, G, D, kb, vb, group, fam, n_sink):
+    """decode_split_rot_kernel (rotated query, per-token key scales, values rotated back once per
+    split) against softmax(q k_hat^T) v_hat with k_hat, v_hat decoded by reference.decode_rotated."""
+    ks, vs = make_seqs(lens, H, D, seed=5)
+    p = token_params(kb, H)
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=n_sink, window=W, value_bits=vb, group=group, **fam), DEVICE)
+    q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    for splits in (1, 3):
+        torch.testing.assert_close(ops.decode_attention(q, kv, p, D**-0.5, splits=splits, block_t=32), ops.decode_attention_reference(q, kv, p, D**-0.5), **DECODE_TOL)
+
+
+def test_per_token_decode_reads_the_rotated_store():
+    """Guards: the kernel must rotate the query (a cache written without key rotation but read as
+    rotated gives a different answer) and must read the per-token key scales."""
+    ks, vs = make_seqs([120], 1, 64, seed=7)
+    p = token_params(4, 1)
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=4, window=W, value_bits=4, group=64, **ROT4), DEVICE)
+    q = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    good = ops.decode_attention(q, kv, p, 0.125)
+    kv.key_rotate = False
+    assert (ops.decode_attention(q, kv, p, 0.125) - good).abs().max() > 1e-2
+    kv.key_rotate = True
+    kv.k_scale.mul_(2)
+    assert (ops.decode_attention(q, kv, p, 0.125) - good).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kb,vb,group,window,n_sink,fam", [
+    (4, 4, 64, W, 4, ROT4),
+    (8, 8, 32, 0, 2, dict(key_group=32, key_rotate=True, value_symmetric=True)),
+    (4, 4, 32, 1, 0, dict(key_group=64, value_rotate=True)),
+])
+def test_per_token_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, fam):
+    """kv_append_rot_kernel: rotation as sums of +-x then one scaling (reference.rotate's order), fp16
+    scales rounded up, round-half-even codes: the same bytes as PackedKV.from_reference."""
+    H, D, lens = 2, 64, [45, 3, 20]
+    ks, vs = make_seqs(lens, H, D, seed=9)
+    p = token_params(kb, H)
+    T = max(lens)
+    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=0, key_bits=kb, value_bits=vb, group=group, **fam), DEVICE)
+    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
+    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
+    for t in range(T):
+        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), None)
+    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T, **fam)
+    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min", "lens"):
+        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+
+
 def _to(kv: PackedKV, device) -> PackedKV:
     if device == "cpu":
         return kv

@@ -67,6 +67,7 @@ class QualityAccumulator:
             "ppl_delta": ppl_c - ppl_b,
             "ppl_delta_rel": (ppl_c - ppl_b) / ppl_b,
             "kl_mean": float(kl.mean()),
+            "kl_se": float(kl.std() / math.sqrt(kl.numel())) if kl.numel() > 1 else 0.0,  # standard error of kl_mean
             "kl_p99": float(torch.quantile(kl.float(), 0.99)) if kl.numel() > 1 else float(kl.max()),
             "kl_max": float(kl.max()),
             "top1_agree": self.top1_agree / max(1, self.n),

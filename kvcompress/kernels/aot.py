@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from kvcompress.kernels import plan
 from kvcompress.kernels.audit import audit_dir, nvidia_tool
 from kvcompress.kernels.ops import decode_launch_params
-from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
+from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_kernel, kv_append_rot_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic shared memory per block
@@ -48,10 +48,19 @@ class Variant:
     n_out: int
     block_t: int = 0  # 0: plan.block_t(head_dim, value_bits)
     decode_warps: int = 0  # 0: plan.decode_warps(head_dim)
+    # the per-token family (kv.key.granularity=token, e.g. kv=rot4): kv_append_rot / decode_split_rot
+    key_group: int = 0  # > 0: per-token symmetric key scales over key_group channels
+    key_rotate: bool = False
+    value_symmetric: bool = False
+    value_rotate: bool = False
+
+    @property
+    def per_token(self) -> bool:
+        return bool(self.key_group)
 
     def __post_init__(self):
         if not self.decode_warps:
-            object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim))
+            object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim, self.per_token))
         if not self.block_t:
             object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps))
 
@@ -65,6 +74,11 @@ VARIANTS = {
         # SmolLM2-135M: head dim 64, 3 query heads per kv head
         Variant("d64_g3_int8k_int4v", 64, 3, 8, 4, 32, 4, 128, 0),
     ],
+    # kv=rot4 (Hadamard-rotated per-token int4 keys and values): kernels only; no plugin or export yet
+    "per_token": [
+        Variant("d128_g8_rot4", 128, 8, 4, 4, 128, 4, 128, 0, key_group=128, key_rotate=True, value_symmetric=True, value_rotate=True),
+        Variant("d64_g3_rot4", 64, 3, 4, 4, 64, 4, 128, 0, key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True),
+    ],
 }
 
 PTR = {"kp8": "*i8", "kp4": "*u8"}
@@ -72,6 +86,8 @@ PTR = {"kp8": "*i8", "kp4": "*u8"}
 
 def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     """(kernel name, jit fn, signature, constexprs, num_warps) for the three kernels of a variant."""
+    if v.per_token:
+        return _per_token_specs(v)
     kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*u8", "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
     common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
@@ -83,6 +99,22 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     return [
         ("kv_append", kv_append_kernel, append_sig, {**common, "N_OUT_PAD": n_out_pad}, 2),
         ("decode_split", decode_split_kernel, split_sig, {**common, **launch}, v.decode_warps),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
+    ]
+
+
+def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
+    kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
+    vp = "*i8" if v.value_symmetric and v.value_bits == 8 else "*u8"
+    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KSC": "*fp16", "VP": vp, "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
+    common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, KEY_BITS=v.key_bits, KGROUP=v.key_group, ROT_K=int(v.key_rotate), VAL_BITS=v.value_bits,
+                  GROUP=v.group, V_SYM=int(v.value_symmetric), ROT_V=int(v.value_rotate), LOG2D=v.head_dim.bit_length() - 1, INV_SQRT_D=v.head_dim**-0.5)
+    append_sig = {"KN": "*fp16", "VN": "*fp16", **store, "H": "i32", "CAP": "i32"}
+    split_sig = {"Q": "*fp16", "QR": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
+    reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
+    return [
+        ("kv_append_rot", kv_append_rot_kernel, append_sig, common, 2),
+        ("decode_split_rot", decode_split_rot_kernel, split_sig, {**common, **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
         ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
     ]
 

@@ -113,14 +113,15 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
         "threads_per_block": threads, "occupancy": {a: occupancy(entry["registers"], threads, smem, a) for a in ARCH_LIMITS},
         "global_loads": {str(w): n for w, n in sorted(global_loads(instrs).items())}, "instructions": len(instrs),
     }
-    if entry["kernel"] == "decode_split":
+    if entry["kernel"] in ("decode_split", "decode_split_rot"):
         v = entry["variant"]
         lp = loops(instrs)
         if not lp:
             raise RuntimeError(f"{entry['name']}: no loop found in the SASS")
         lo, hi = lp[0]
         loads = global_loads(instrs, lo, hi)
-        fmt = CacheFormat(v["name"], v["key_bits"], v["value_bits"], v["group"], v["n_sink"], v["window"], v["n_out"])
+        fmt = CacheFormat(v["name"], v["key_bits"], v["value_bits"], v["group"], v["n_sink"], v["window"], v["n_out"],
+                          v.get("key_group", 0), v.get("value_symmetric", False))
         need = main_loop_bytes(fmt, v["head_dim"], v["block_t"])
         by_width = {w: n * threads * w // 8 for w, n in loads.items()}  # if every thread executes each load once per iteration
         out["main_loop"] = {

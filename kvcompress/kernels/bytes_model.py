@@ -36,11 +36,22 @@ class CacheFormat:
     n_sink: int
     window: int
     n_out: int = 0
+    key_group: int = 0  # > 0: per-token key scales (one fp16 per key_group channels), no static key parameters
+    value_symmetric: bool = False  # symmetric values: a scale per group, no min
+    rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4)
+
+    def family(self) -> dict:
+        """The per-token family's layout options (PackedKV.empty / aot.Variant keywords)."""
+        return dict(key_group=self.key_group, key_rotate=self.rotate, value_symmetric=self.value_symmetric, value_rotate=self.rotate)
 
     def token_bytes(self, head_dim: int) -> float:
         """Bytes of one compressed token of one kv head (payload + per-token metadata)."""
-        return (head_dim * self.key_bits / 8 + self.n_out * 2 + head_dim * self.value_bits / 8
-                + (head_dim // self.group) * 2 * 2)
+        return head_dim * (self.key_bits + self.value_bits) / 8 + self.meta_bytes(head_dim)
+
+    def meta_bytes(self, head_dim: int) -> float:
+        """Per-token metadata of one kv head: fp16 outliers, value scale (and min), per-token key scales."""
+        key_meta = (head_dim // self.key_group) * 2 if self.key_group else 0
+        return self.n_out * 2 + (head_dim // self.group) * 2 * (1 if self.value_symmetric else 2) + key_meta
 
 
 FP16 = CacheFormat("fp16", 16, 16, 1, 0, 0)
@@ -58,11 +69,11 @@ def decode_bytes(shape: DecodeShape, fmt: CacheFormat, splits: int) -> dict[str,
         "key_payload": bh * nc * D * fmt.key_bits / 8,
         "key_outliers": bh * nc * fmt.n_out * 2,
         "value_payload": bh * nc * D * fmt.value_bits / 8,
-        "value_meta": bh * nc * (D // fmt.group) * 2 * 2,
+        "value_meta": bh * nc * (fmt.meta_bytes(D) - fmt.n_out * 2),  # value scale (and min), per-token key scales
         "sinks": bh * ns * 2 * D * 2,
         "window": bh * nw * 2 * D * 2,
         "query": programs * G * (D + fmt.n_out) * 2,
-        "key_params": programs * (2 * D * 4 + fmt.n_out * 4),
+        "key_params": 0 if fmt.key_group else programs * (2 * D * 4 + fmt.n_out * 4),
         "lens": programs * 4,
         "partials": programs * G * (D + 2) * 4 + B * Hq * splits * (D + 2) * 4,  # written by the splits, read by the reduce
         "output": B * Hq * D * 4,
@@ -75,15 +86,15 @@ def format_bytes(shape: DecodeShape, fmt: CacheFormat) -> int:
         return shape.batch * shape.n_kv_heads * shape.context * 2 * shape.head_dim * 2
     b = ref.cache_nbytes(n_layers=1, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim, key_bits=fmt.key_bits,
                          value_bits=fmt.value_bits, value_group=fmt.group, outlier_channels=fmt.n_out,
-                         sink_tokens=fmt.n_sink, window=fmt.window, n_tokens=shape.context, batch=shape.batch)
+                         sink_tokens=fmt.n_sink, window=fmt.window, n_tokens=shape.context, batch=shape.batch,
+                         key_token_group=fmt.key_group, value_symmetric=fmt.value_symmetric)
     return sum(v for k, v in b.items() if k != "static")
 
 
 def main_loop_bytes(fmt: CacheFormat, head_dim: int, block: int) -> dict[str, float]:
     """What one main-loop iteration of one program reads: BLOCK_T compressed tokens."""
     D = head_dim
-    return {"payload": block * D * (fmt.key_bits + fmt.value_bits) / 8,
-            "metadata": block * ((D // fmt.group) * 2 * 2 + fmt.n_out * 2)}
+    return {"payload": block * D * (fmt.key_bits + fmt.value_bits) / 8, "metadata": block * fmt.meta_bytes(D)}
 
 
 # ---------------------------------------------------------------- the rows predict_decode.py and bench_decode_attention.py print
@@ -95,5 +106,6 @@ FORMATS = {
     "int8k_int4v": CacheFormat("int8k_int4v", 8, 4, 32, 4, 128, 0),
     "int8": CacheFormat("int8", 8, 8, 128, 4, 128, 0),
     "int4": CacheFormat("int4", 4, 4, 32, 4, 128, 2),
+    "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
 }
 ROW_COLUMNS = ("model", "gpu", "context", "batch", "format", "splits", "kvc_us", "fp16_us", "speedup")

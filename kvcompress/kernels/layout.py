@@ -12,6 +12,11 @@ Buffers ([B, H, *, *], contiguous):
     k_payload       [B, H, CAP, D] int8 | [B, H, CAP, D/2] uint8 (int4, offset-binary, low nibble = even)
     k_outliers      [B, H, CAP, N_OUT] fp16     v_payload [B, H, CAP, D] uint8 | [.., D/2] (int4)
     v_scale, v_min  [B, H, CAP, D/G] fp16       lens [B] int32
+The per-token family (key_group > 0: kv.key.granularity=token, e.g. kv=rot4) has no static key
+parameters: k_payload holds signed codes of the (Hadamard-rotated if key_rotate) key, int8 or packed
+offset-binary int4 (q + 8), and k_scale [B, H, CAP, D/key_group] fp16 its per-token scales; with
+value_symmetric the values are signed codes the same way (v_payload int8 for 8 bits) and v_min is
+unused; value_rotate stores values in the rotated basis (reference.encode_rotated).
 `PackedKV.from_reference` builds one from plain K/V with the reference numerics, so tests
 compare kernels with the reference on identical bytes.
 """
@@ -40,6 +45,16 @@ class PackedKV:
     key_bits: int
     value_bits: int
     group: int
+    k_scale: torch.Tensor | None = None  # [B, H, CAP, D / key_group] fp16; per-token family only
+    key_group: int = 0  # 0: static per-channel keys (KeyParams); > 0: per-token symmetric keys
+    key_rotate: bool = False
+    value_symmetric: bool = False
+    value_rotate: bool = False
+
+    @property
+    def per_token(self) -> bool:
+        """The per-token family (kv_append_rot_kernel / decode_split_rot_kernel)."""
+        return bool(self.key_group or self.value_symmetric or self.value_rotate)
 
     @property
     def n_sink(self) -> int:
@@ -49,8 +64,19 @@ class PackedKV:
     def window(self) -> int:
         return self.win_k.shape[2]
 
+    @property
+    def key_how(self) -> str:
+        return "hadamard" if self.key_rotate else "none"
+
+    @property
+    def value_how(self) -> str:
+        return "hadamard" if self.value_rotate else "none"
+
     @classmethod
-    def empty(cls, B, H, D, cap, *, n_sink, window, n_out, key_bits, value_bits, group, device="cpu") -> "PackedKV":
+    def empty(cls, B, H, D, cap, *, n_sink, window, n_out, key_bits, value_bits, group, device="cpu",
+              key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False) -> "PackedKV":
+        if (key_rotate or value_symmetric or value_rotate) and not key_group:
+            raise ValueError("the per-token kernels need per-token keys (key_group > 0)")
         f16 = dict(dtype=torch.float16, device=device)
         kd = D // 2 if key_bits == 4 else D
         vd = D // 2 if value_bits == 4 else D
@@ -61,21 +87,30 @@ class PackedKV:
             win_v=torch.zeros(B, H, window, D, **f16),
             k_payload=torch.zeros(B, H, cap, kd, dtype=torch.uint8 if key_bits == 4 else torch.int8, device=device),
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
-            v_payload=torch.zeros(B, H, cap, vd, dtype=torch.uint8, device=device),
+            v_payload=torch.zeros(B, H, cap, vd, dtype=torch.int8 if value_symmetric and value_bits == 8 else torch.uint8, device=device),
             v_scale=torch.zeros(B, H, cap, D // group, **f16),
             v_min=torch.zeros(B, H, cap, D // group, **f16),
             lens=torch.zeros(B, dtype=torch.int32, device=device),
             key_bits=key_bits,
             value_bits=value_bits,
             group=group,
+            k_scale=torch.zeros(B, H, cap, D // key_group if key_group else 0, **f16),
+            key_group=key_group,
+            key_rotate=key_rotate,
+            value_symmetric=value_symmetric,
+            value_rotate=value_rotate,
         )
 
     @classmethod
-    def from_reference(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], p: KeyParams, *, n_sink, window, value_bits, group, cap=None) -> "PackedKV":
-        """Sequences of different lengths (k: [H, n_b, D] each) -> buffers written by the reference."""
+    def from_reference(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], p: KeyParams, *, n_sink, window, value_bits, group, cap=None,
+                       key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False) -> "PackedKV":
+        """Sequences of different lengths (k: [H, n_b, D] each) -> buffers written by the reference.
+        For the per-token family (key_group > 0) only p.bits is read."""
         B, (H, _, D) = len(ks), ks[0].shape
         cap = cap or max(1, max(k.shape[1] for k in ks))
-        out = cls.empty(B, H, D, cap, n_sink=n_sink, window=window, n_out=p.outlier_idx.shape[-1], key_bits=p.bits, value_bits=value_bits, group=group, device=ks[0].device)
+        fam = dict(key_group=key_group, key_rotate=key_rotate, value_symmetric=value_symmetric, value_rotate=value_rotate)
+        out = cls.empty(B, H, D, cap, n_sink=n_sink, window=window, n_out=p.outlier_idx.shape[-1], key_bits=p.bits, value_bits=value_bits, group=group,
+                        device=ks[0].device, **fam)
         for b, (k, v) in enumerate(zip(ks, vs)):
             n = k.shape[1]
             kh, vh = k.to(torch.float16), v.to(torch.float16)
@@ -83,10 +118,15 @@ class PackedKV:
             out.sink_k[b, :, :ns], out.sink_v[b, :, :ns] = kh[:, :ns], vh[:, :ns]
             if nc:
                 kc, vc = kh[:, ns : ns + nc], vh[:, ns : ns + nc]
-                payload, outl = ref.encode_keys(kc, p)
-                out.k_payload[b, :, :nc], out.k_outliers[b, :, :nc] = payload, outl
-                vp, vsc, vmn = ref.encode_values(vc, value_bits, group)
-                out.v_payload[b, :, :nc], out.v_scale[b, :, :nc], out.v_min[b, :, :nc] = vp, vsc, vmn
+                if out.per_token:
+                    out.k_payload[b, :, :nc], out.k_scale[b, :, :nc] = ref.encode_rotated(kc, p.bits, key_group, True, out.key_how)
+                    v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how)
+                else:
+                    payload, outl = ref.encode_keys(kc, p)
+                    out.k_payload[b, :, :nc], out.k_outliers[b, :, :nc] = payload, outl
+                    v_parts = ref.encode_values(vc, value_bits, group)
+                for name, t in zip(("v_payload", "v_scale", "v_min"), v_parts):
+                    getattr(out, name)[b, :, :nc] = t
             for pos in range(ns + nc, n):
                 slot = (pos - n_sink) % window
                 out.win_k[b, :, slot], out.win_v[b, :, slot] = kh[:, pos], vh[:, pos]

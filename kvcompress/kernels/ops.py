@@ -12,7 +12,7 @@ from kvcompress import reference as ref
 from kvcompress.kernels import plan
 from kvcompress.kernels.bytes_model import CacheFormat
 from kvcompress.kernels.layout import PackedKV
-from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, kv_append_kernel
+from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_kernel, kv_append_rot_kernel
 from kvcompress.reference import KeyParams
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on tensor cores
@@ -33,9 +33,24 @@ def kernel_key_params(p: KeyParams, device) -> tuple[torch.Tensor, torch.Tensor,
     return scale, zero, zm, idx
 
 
+def per_token_constants(kv: PackedKV, D: int) -> dict:
+    """The per-token family's constexprs (kv_append_rot_kernel, decode_split_rot_kernel)."""
+    return dict(KEY_BITS=kv.key_bits, KGROUP=kv.key_group, ROT_K=int(kv.key_rotate), VAL_BITS=kv.value_bits, GROUP=kv.group,
+                V_SYM=int(kv.value_symmetric), ROT_V=int(kv.value_rotate), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
+
+
 def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams) -> None:
-    """Append one token per sequence (k_new, v_new: [B, H, D]) in place; lens += 1."""
+    """Append one token per sequence (k_new, v_new: [B, H, D]) in place; lens += 1.
+    The per-token family (kv.key_group > 0) reads no static key parameters (p may be None)."""
     B, H, D = k_new.shape
+    if kv.per_token:
+        kv_append_rot_kernel[(B, H)](
+            k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale,
+            kv.v_payload, kv.v_scale, kv.v_min, kv.lens, H, kv.k_payload.shape[2],
+            D=D, NS=kv.n_sink, W=kv.window, **per_token_constants(kv, D),
+        )
+        kv.lens += 1
+        return
     scale, zero, _, idx = kernel_key_params(p, k_new.device)
     n_out = idx.shape[-1]
     kv_append_kernel[(B, H)](
@@ -48,8 +63,12 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
     kv.lens += 1
 
 
-def decode_launch_params(G: int, n_sink: int, n_out: int, block_t: int) -> dict:
-    return dict(G=G, G_PAD=_pad(G, MIN_DOT), NS_PAD=_pad(n_sink, MIN_DOT), N_OUT_PAD=_pad(n_out), BLOCK_T=block_t)
+def decode_launch_params(G: int, n_sink: int, n_out: int, block_t: int, per_token: bool = False) -> dict:
+    """Tile constexprs of a split kernel (decode_split_rot_kernel has no outlier channels)."""
+    out = dict(G=G, G_PAD=_pad(G, MIN_DOT), NS_PAD=_pad(n_sink, MIN_DOT), N_OUT_PAD=_pad(n_out), BLOCK_T=block_t)
+    if per_token:
+        del out["N_OUT_PAD"]
+    return out
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float, splits: int | None = None, block_t: int | None = None,
@@ -61,16 +80,26 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     """
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
-    warps = num_warps or plan.decode_warps(D)
+    warps = num_warps or plan.decode_warps(D, kv.per_token)
     block_t = block_t or plan.block_t(D, kv.value_bits, warps)
     if splits is None:
         n_comp = max(0, int(kv.lens.max()) - kv.n_sink - kv.window)
-        tok = CacheFormat("", kv.key_bits, kv.value_bits, kv.group, kv.n_sink, kv.window, kv.k_outliers.shape[-1]).token_bytes(D)
+        tok = CacheFormat("", kv.key_bits, kv.value_bits, kv.group, kv.n_sink, kv.window, kv.k_outliers.shape[-1],
+                          kv.key_group, kv.value_symmetric).token_bytes(D)
         splits = plan.choose_splits(B, H, n_comp, HQ // H, D, tok, block_t)
-    scale, _, zm, idx = prepared or kernel_key_params(p, q.device)
     mo = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
     lo = torch.empty_like(mo)
     ao = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+    if kv.per_token:
+        qr = ref.rotate(q, kv.key_how).contiguous()  # the query in the keys' basis, once per step
+        decode_split_rot_kernel[(B, H, splits)](
+            q.contiguous(), qr, kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
+            mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
+            D=D, NS=kv.n_sink, W=kv.window, **per_token_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
+            num_warps=warps,
+        )
+        return _reduce(mo, lo, ao, splits)
+    scale, _, zm, idx = prepared or kernel_key_params(p, q.device)
     decode_split_kernel[(B, H, splits)](
         q.contiguous(), scale, zm, idx,
         kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
@@ -78,7 +107,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
         D=D, NS=kv.n_sink, W=kv.window, N_OUT=idx.shape[-1], KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
         **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], block_t), num_warps=warps,
     )
-    out = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device)
+    return _reduce(mo, lo, ao, splits)
+
+
+def _reduce(mo: torch.Tensor, lo: torch.Tensor, ao: torch.Tensor, splits: int) -> torch.Tensor:
+    B, HQ, _, D = ao.shape
+    out = torch.empty(B, HQ, D, dtype=torch.float32, device=ao.device)
     decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, splits, D=D)
     return out
 
@@ -89,7 +123,11 @@ def unpack_reference(kv: PackedKV, p: KeyParams, b: int) -> tuple[torch.Tensor, 
     ns, nc, nw = ref.region_sizes(n, kv.n_sink, kv.window)
     ks = [kv.sink_k[b, :, :ns].float()]
     vs = [kv.sink_v[b, :, :ns].float()]
-    if nc:
+    if nc and kv.per_token:
+        ks.append(ref.decode_rotated((kv.k_payload[b, :, :nc], kv.k_scale[b, :, :nc]), kv.key_bits, kv.key_group, True, kv.key_how))
+        v_parts = (kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc]) + (() if kv.value_symmetric else (kv.v_min[b, :, :nc],))
+        vs.append(ref.decode_rotated(v_parts, kv.value_bits, kv.group, kv.value_symmetric, kv.value_how))
+    elif nc:
         ks.append(ref.decode_keys(kv.k_payload[b, :, :nc], kv.k_outliers[b, :, :nc], p))
         vs.append(ref.decode_values(kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc], kv.v_min[b, :, :nc], kv.value_bits, kv.group))
     slots = [(pos - kv.n_sink) % kv.window for pos in range(ns + nc, n)] if kv.window else []

@@ -2,7 +2,10 @@
 
 Tiles (per kv format and head dim, fixed at compile time):
   * warps: 4 for head dim <= 64, else 8 (a [BLOCK_T, D] tile per iteration; 8 warps keep the
-    fp32 accumulator of G <= 16 query rows x 128 channels in registers without spills).
+    fp32 accumulator of G <= 16 query rows x 128 channels in registers without spills); the
+    per-token family (decode_split_rot_kernel) always 4: its Walsh-Hadamard butterfly on the
+    accumulator needs a stack frame at head dim 128 with 8 warps (ptxas), none with 4, and 4 warps x
+    127 registers still fit 4 CTAs (16 warps) per SM, as many warps as 2 CTAs of 8.
   * BLOCK_T: tokens per main-loop iteration, so that every thread's share of the narrowest packed
     payload row block (the values: BLOCK_T * D * value_bits / 8 bytes) is one 128-bit load:
     BLOCK_T = 16 B * threads / (D * value_bits / 8), at least 32 (tl.dot's minimum of 16, and
@@ -28,8 +31,8 @@ SM_COUNT = {"H100": 132, "H200": 132, "A100": 108}
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}  # bytes/s, published HBM peak
 
 
-def decode_warps(head_dim: int) -> int:
-    return 4 if head_dim <= 64 else 8
+def decode_warps(head_dim: int, per_token: bool = False) -> int:
+    return 4 if head_dim <= 64 or per_token else 8
 
 
 def block_t(head_dim: int, value_bits: int, warps: int | None = None) -> int:

@@ -13,6 +13,11 @@
   (64-bit for narrower rows) loads (kvcompress.kernels.audit checks the SASS). Sinks and the
   window are read as fp16 by the last split.
 * `decode_reduce_kernel`: combines the splits' (max, sum, acc), one split at a time.
+* `kv_append_rot_kernel` / `decode_split_rot_kernel`: the per-token family (kv=rot4): keys and
+  values Hadamard-rotated per head (a fast Walsh-Hadamard butterfly in registers, sums of +-x then
+  one scaling, as reference.rotate) and quantized per token, symmetric, with fp16 scales rounded up
+  (reference.encode_rotated); decode takes the query already rotated by the caller, multiplies the
+  scores by the per-token key scale, and rotates each split's value accumulator back once.
 No kernel writes fp16 K/V of the compressed region anywhere.
 """
 from __future__ import annotations
@@ -55,7 +60,6 @@ def _encode_token(
 ):
     """Encode one fp16 token (given as even/odd channel halves, float32) at compressed index c."""
     HALF: tl.constexpr = D // 2
-    NG: tl.constexpr = D // GROUP
     ie = 2 * tl.arange(0, HALF)
     io = ie + 1
     # ---- keys: q = clamp(rhe((k - z) / s), -Q, Q); outlier channels -> 0 and to the fp16 side store
@@ -75,14 +79,33 @@ def _encode_token(
             tl.where(io[:, None] == oidx[None, :], k_odd[:, None], 0.0), axis=0
         )
         tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
-    if KEY_BITS == 4:
-        byte = (qe + 8).to(tl.uint8) | ((qo + 8).to(tl.uint8) << 4)
-        tl.store(KP + (bh * CAP + c) * HALF + tl.arange(0, HALF), byte)
+    _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
+    _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
+                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
+
+
+@triton.jit
+def _store_signed(qe, qo, row, D: tl.constexpr, BITS: tl.constexpr):
+    """Signed codes (even/odd halves) -> one payload row: int8, or int4 offset-binary (q + 8) packed
+    with the even channel in the low nibble (reference.store_signed)."""
+    HALF: tl.constexpr = D // 2
+    ie = 2 * tl.arange(0, HALF)
+    if BITS == 4:
+        tl.store(row + tl.arange(0, HALF), (qe + 8).to(tl.uint8) | ((qo + 8).to(tl.uint8) << 4))
     else:
-        tl.store(KP + (bh * CAP + c) * D + ie, qe.to(tl.int8))
-        tl.store(KP + (bh * CAP + c) * D + io, qo.to(tl.int8))
-    # ---- values: per group min (rounded down), scale = (max - min) / levels (rounded up)
-    LEVELS: tl.constexpr = 2**VAL_BITS - 1
+        tl.store(row + ie, qe.to(tl.int8))
+        tl.store(row + ie + 1, qo.to(tl.int8))
+
+
+@triton.jit
+def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Values (reference.encode_values): per group min (fp16 rounded down), scale = (max - min) / levels
+    (fp16 rounded up), codes clamp(rhe((x - min) / scale), 0, levels) into payload row `row`."""
+    HALF: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
+    LEVELS: tl.constexpr = 2**BITS - 1
+    ie = 2 * tl.arange(0, HALF)
+    io = ie + 1
     ge = ie // GROUP
     go = io // GROUP
     se = tl.zeros([HALF], tl.float32)
@@ -90,24 +113,108 @@ def _encode_token(
     me = tl.zeros([HALF], tl.float32)
     mo = tl.zeros([HALF], tl.float32)
     for g in tl.static_range(NG):
-        gmin = tl.minimum(tl.min(tl.where(ge == g, v_even, float("inf"))), tl.min(tl.where(go == g, v_odd, float("inf"))))
-        gmax = tl.maximum(tl.max(tl.where(ge == g, v_even, float("-inf"))), tl.max(tl.where(go == g, v_odd, float("-inf"))))
+        gmin = tl.minimum(tl.min(tl.where(ge == g, x_even, float("inf"))), tl.min(tl.where(go == g, x_odd, float("inf"))))
+        gmax = tl.maximum(tl.max(tl.where(ge == g, x_even, float("-inf"))), tl.max(tl.where(go == g, x_odd, float("-inf"))))
         mn16 = _fp16_down(gmin)
         sc16 = _fp16_up((gmax - mn16.to(tl.float32)) / LEVELS)
-        tl.store(VS + (bh * CAP + c) * NG + g, sc16)
-        tl.store(VM + (bh * CAP + c) * NG + g, mn16)
+        tl.store(srow + g, sc16)
+        tl.store(mrow + g, mn16)
         sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
         se = tl.where(ge == g, sc, se)
         so = tl.where(go == g, sc, so)
         me = tl.where(ge == g, mn16.to(tl.float32), me)
         mo = tl.where(go == g, mn16.to(tl.float32), mo)
-    ce = tl.minimum(tl.maximum(_round_half_even((v_even - me) / se), 0.0), LEVELS)
-    co = tl.minimum(tl.maximum(_round_half_even((v_odd - mo) / so), 0.0), LEVELS)
-    if VAL_BITS == 4:
-        tl.store(VP + (bh * CAP + c) * HALF + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
+    ce = tl.minimum(tl.maximum(_round_half_even((x_even - me) / se), 0.0), LEVELS)
+    co = tl.minimum(tl.maximum(_round_half_even((x_odd - mo) / so), 0.0), LEVELS)
+    if BITS == 4:
+        tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
     else:
-        tl.store(VP + (bh * CAP + c) * D + ie, ce.to(tl.uint8))
-        tl.store(VP + (bh * CAP + c) * D + io, co.to(tl.uint8))
+        tl.store(row + ie, ce.to(tl.uint8))
+        tl.store(row + io, co.to(tl.uint8))
+
+
+@triton.jit
+def _encode_symmetric(x_even, x_odd, row, srow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Per-token symmetric codes (reference.quantize_token_symmetric): per group of GROUP channels,
+    scale = amax / Q (fp16 rounded up, so nothing clips), q = clamp(rhe(x / scale), -Q, Q)."""
+    HALF: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
+    QMAX: tl.constexpr = 2 ** (BITS - 1) - 1
+    ie = 2 * tl.arange(0, HALF)
+    ge = ie // GROUP
+    go = (ie + 1) // GROUP
+    se = tl.zeros([HALF], tl.float32)
+    so = tl.zeros([HALF], tl.float32)
+    for g in tl.static_range(NG):
+        amax = tl.maximum(tl.max(tl.where(ge == g, tl.abs(x_even), 0.0)), tl.max(tl.where(go == g, tl.abs(x_odd), 0.0)))
+        sc16 = _fp16_up(amax / QMAX)
+        tl.store(srow + g, sc16)
+        sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+        se = tl.where(ge == g, sc, se)
+        so = tl.where(go == g, sc, so)
+    qe = tl.minimum(tl.maximum(_round_half_even(x_even / se), -QMAX), QMAX)
+    qo = tl.minimum(tl.maximum(_round_half_even(x_odd / so), -QMAX), QMAX)
+    _store_signed(qe, qo, row, D, BITS)
+
+
+@triton.jit
+def _fwht(x, ROWS: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """x @ S for every row of x [ROWS, N], S the Sylvester-Hadamard signs (reference.hadamard_signs):
+    the fast Walsh-Hadamard butterfly, one (a + b, a - b) stage per index bit, in registers (no N x N
+    matrix is built)."""
+    for s in tl.static_range(LOG2N):
+        y = tl.permute(tl.reshape(x, (ROWS, N // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, N))
+    return x
+
+
+@triton.jit
+def _rotate_halves(x_even, x_odd, D: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """(x @ S) * D**-0.5 for one vector given as even/odd channel halves, returned the same way
+    (reference.rotate): the butterflies of the index bits above bit 0 run on each half, bit 0's
+    butterfly pairs the halves; sums of +-x, then one rounding by the scale."""
+    HALF: tl.constexpr = D // 2
+    e = tl.reshape(_fwht(tl.reshape(x_even, (1, HALF)), 1, HALF, LOG2D - 1), (HALF,))
+    o = tl.reshape(_fwht(tl.reshape(x_odd, (1, HALF)), 1, HALF, LOG2D - 1), (HALF,))
+    return (e + o) * INV_SQRT_D, (e - o) * INV_SQRT_D
+
+
+@triton.jit
+def _ring_step(KN, VN, SK, SV, WK, WV, bh, p, D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr):
+    """Store the new token at position p (rounded to fp16, its stored form) in its sink slot or the
+    window ring. Returns (encode?, compressed index, that token as float32 even/odd halves of k and v):
+    the token leaving the ring (position p - W), or with W = 0 the new token itself."""
+    HALF: tl.constexpr = D // 2
+    ie = 2 * tl.arange(0, HALF)
+    io = ie + 1
+    kn_e = tl.load(KN + bh * D + ie).to(tl.float16)
+    kn_o = tl.load(KN + bh * D + io).to(tl.float16)
+    vn_e = tl.load(VN + bh * D + ie).to(tl.float16)
+    vn_o = tl.load(VN + bh * D + io).to(tl.float16)
+    j = p - NS
+    enc = j >= W
+    k_e = kn_e.to(tl.float32)
+    k_o = kn_o.to(tl.float32)
+    v_e = vn_e.to(tl.float32)
+    v_o = vn_o.to(tl.float32)
+    if p < NS:
+        tl.store(SK + (bh * NS + p) * D + ie, kn_e)
+        tl.store(SK + (bh * NS + p) * D + io, kn_o)
+        tl.store(SV + (bh * NS + p) * D + ie, vn_e)
+        tl.store(SV + (bh * NS + p) * D + io, vn_o)
+    elif W > 0:
+        slot = j % W
+        if enc:  # read the leaving token before its slot is overwritten
+            k_e = tl.load(WK + (bh * W + slot) * D + ie).to(tl.float32)
+            k_o = tl.load(WK + (bh * W + slot) * D + io).to(tl.float32)
+            v_e = tl.load(WV + (bh * W + slot) * D + ie).to(tl.float32)
+            v_o = tl.load(WV + (bh * W + slot) * D + io).to(tl.float32)
+        tl.store(WK + (bh * W + slot) * D + ie, kn_e)
+        tl.store(WK + (bh * W + slot) * D + io, kn_o)
+        tl.store(WV + (bh * W + slot) * D + ie, vn_e)
+        tl.store(WV + (bh * W + slot) * D + io, vn_o)
+    return enc, j - W, k_e, k_o, v_e, v_o
 
 
 @triton.jit
@@ -123,38 +230,39 @@ def kv_append_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     bh = b * H + h
-    p = tl.load(LENS + b)
-    HALF: tl.constexpr = D // 2
-    ie = 2 * tl.arange(0, HALF)
-    io = ie + 1
-    # the new token, rounded to fp16 (its stored form)
-    kn_e = tl.load(KN + bh * D + ie).to(tl.float16)
-    kn_o = tl.load(KN + bh * D + io).to(tl.float16)
-    vn_e = tl.load(VN + bh * D + ie).to(tl.float16)
-    vn_o = tl.load(VN + bh * D + io).to(tl.float16)
-    if p < NS:
-        tl.store(SK + (bh * NS + p) * D + ie, kn_e)
-        tl.store(SK + (bh * NS + p) * D + io, kn_o)
-        tl.store(SV + (bh * NS + p) * D + ie, vn_e)
-        tl.store(SV + (bh * NS + p) * D + io, vn_o)
-    else:
-        j = p - NS
-        if W > 0:
-            slot = j % W
-            if j >= W:  # the token at this slot (position p - W) leaves the window: encode it
-                ok_e = tl.load(WK + (bh * W + slot) * D + ie).to(tl.float32)
-                ok_o = tl.load(WK + (bh * W + slot) * D + io).to(tl.float32)
-                ov_e = tl.load(WV + (bh * W + slot) * D + ie).to(tl.float32)
-                ov_o = tl.load(WV + (bh * W + slot) * D + io).to(tl.float32)
-                _encode_token(ok_e, ok_o, ov_e, ov_o, j - W, bh, KS, KZ, OIDX, KP, KO, VP, VS, VM, h,
-                              CAP, D, N_OUT, N_OUT_PAD, KEY_BITS, VAL_BITS, GROUP)
-            tl.store(WK + (bh * W + slot) * D + ie, kn_e)
-            tl.store(WK + (bh * W + slot) * D + io, kn_o)
-            tl.store(WV + (bh * W + slot) * D + ie, vn_e)
-            tl.store(WV + (bh * W + slot) * D + io, vn_o)
+    enc, c, k_e, k_o, v_e, v_o = _ring_step(KN, VN, SK, SV, WK, WV, bh, tl.load(LENS + b), D, NS, W)
+    if enc:
+        _encode_token(k_e, k_o, v_e, v_o, c, bh, KS, KZ, OIDX, KP, KO, VP, VS, VM, h, CAP, D, N_OUT, N_OUT_PAD, KEY_BITS, VAL_BITS, GROUP)
+
+
+@triton.jit
+def kv_append_rot_kernel(
+    KN, VN,  # [B, H, D] new tokens (any float dtype)
+    SK, SV, WK, WV,  # [B, H, NS, D], [B, H, W, D] fp16
+    KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16; VM unused if V_SYM
+    H, CAP,
+    D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr, KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr,
+    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
+):
+    """The per-token family (kv.key.granularity=token): keys (Hadamard-rotated if ROT_K) quantized
+    per token, symmetric, one fp16 scale per KGROUP channels; values symmetric (V_SYM) or asymmetric,
+    rotated if ROT_V. No static key parameters."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    bh = b * H + h
+    enc, c, k_e, k_o, v_e, v_o = _ring_step(KN, VN, SK, SV, WK, WV, bh, tl.load(LENS + b), D, NS, W)
+    if enc:
+        HALF: tl.constexpr = D // 2
+        if ROT_K:
+            k_e, k_o = _rotate_halves(k_e, k_o, D, LOG2D, INV_SQRT_D)
+        if ROT_V:
+            v_e, v_o = _rotate_halves(v_e, v_o, D, LOG2D, INV_SQRT_D)
+        _encode_symmetric(k_e, k_o, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), KSC + (bh * CAP + c) * (D // KGROUP), D, KEY_BITS, KGROUP)
+        vrow = VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D)
+        if V_SYM:
+            _encode_symmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
         else:
-            _encode_token(kn_e.to(tl.float32), kn_o.to(tl.float32), vn_e.to(tl.float32), vn_o.to(tl.float32), j, bh,
-                          KS, KZ, OIDX, KP, KO, VP, VS, VM, h, CAP, D, N_OUT, N_OUT_PAD, KEY_BITS, VAL_BITS, GROUP)
+            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
 
 
 @triton.jit
@@ -254,26 +362,104 @@ def decode_split_kernel(
         m_i = m_new
     # ---- fp16 sinks and window: the last split
     if split == SPLITS - 1:
-        q16 = q.to(tl.float16)
-        if NS > 0:
-            srow = tl.arange(0, NS_PAD)
-            smask = srow < n_sink
-            ks_ = tl.load(SK + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-            vs_ = tl.load(SV + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-            m_i, l_i, acc = _attend_fp16(q16, ks_, vs_, smask, m_i, l_i, acc, sm_scale)
-        if W > 0:
-            w_start = n_sink + n_comp
-            for t0 in range(w_start, n, BLOCK_T):
-                pos = t0 + tl.arange(0, BLOCK_T)
-                wmask = pos < n
-                slot = (pos - NS) % W
-                kw = tl.load(WK + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
-                vw = tl.load(WV + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
-                m_i, l_i, acc = _attend_fp16(q16, kw, vw, wmask, m_i, l_i, acc, sm_scale)
-    row = (b * H + h) * G + gi
+        m_i, l_i, acc = _attend_sinks_window(q.to(tl.float16), SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale, D, NS, NS_PAD, W, BLOCK_T)
+    _store_partials(MO, LO, AO, (b * H + h) * G + gi, gmask, split, SPLITS, m_i, l_i, acc, D)
+
+
+@triton.jit
+def _attend_sinks_window(q16, SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale,
+                         D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The fp16 sinks and the window ring (read by a sequence's last split)."""
+    d = tl.arange(0, D)
+    if NS > 0:
+        srow = tl.arange(0, NS_PAD)
+        smask = srow < n_sink
+        ks_ = tl.load(SK + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+        vs_ = tl.load(SV + (bh * NS + srow[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+        m_i, l_i, acc = _attend_fp16(q16, ks_, vs_, smask, m_i, l_i, acc, sm_scale)
+    if W > 0:
+        w_start = n_sink + n_comp
+        for t0 in range(w_start, n, BLOCK_T):
+            pos = t0 + tl.arange(0, BLOCK_T)
+            wmask = pos < n
+            slot = (pos - NS) % W
+            kw = tl.load(WK + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
+            vw = tl.load(WV + (bh * W + slot[:, None]) * D + d[None, :], mask=wmask[:, None], other=0.0)
+            m_i, l_i, acc = _attend_fp16(q16, kw, vw, wmask, m_i, l_i, acc, sm_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partials(MO, LO, AO, row, gmask, split, SPLITS, m_i, l_i, acc, D: tl.constexpr):
+    d = tl.arange(0, D)
     tl.store(MO + row * SPLITS + split, m_i, mask=gmask)
     tl.store(LO + row * SPLITS + split, l_i, mask=gmask)
     tl.store(AO + (row[:, None] * SPLITS + split) * D + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def decode_split_rot_kernel(
+    Q, QR,  # [B, HQ, D]: the query, and (ROT_K) the query rotated by the caller, q @ H (reference.rotate)
+    SK, SV, WK, WV, KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16
+    MO, LO, AO,  # [B, HQ, SPLITS] fp32, [B, HQ, SPLITS] fp32, [B, HQ, SPLITS, D] fp32
+    sm_scale, H, CAP, SPLITS,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
+    KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+    V_SYM: tl.constexpr, ROT_V: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """decode_split_kernel for the per-token family (kv_append_rot_kernel's layout). The caller
+    rotates the query once per step (ROT_K: QR = q @ H, so q.k needs no per-token rotation; done in
+    the kernel it cost 30 registers per thread); with one key scale per token
+    (KGROUP = D) it multiplies the scores, not the keys. Values are accumulated in the rotated basis
+    and the split's accumulator is rotated back once (ROT_V: acc @ H, fp32) before the fp16 sinks and
+    window, which are stored unrotated (a fast Walsh-Hadamard butterfly in registers)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    bh = b * H + h
+    n = tl.load(LENS + b)
+    n_sink = tl.minimum(n, NS)
+    n_comp = tl.maximum(n - NS - W, 0)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G_PAD)
+    gmask = gi < G
+    q = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    if ROT_K:
+        qr = tl.load(QR + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float16)
+    else:
+        qr = q.to(tl.float16)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
+    lo = split * per
+    hi = tl.minimum(lo + per, n_comp)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        tmask = rows < hi
+        kc = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
+        if KGROUP == D:  # one scale per token: scale the scores
+            s = tl.dot(qr, tl.trans(kc.to(tl.float16))) * tl.load(KSC + bh * CAP + rows, mask=tmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            k = kc * _load_group_meta(KSC, bh * CAP + rows, tmask, D, KGROUP, BLOCK_T)
+            s = tl.dot(qr, tl.trans(k.to(tl.float16)))
+        s = tl.where(tmask[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+        if V_SYM:
+            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
+        else:
+            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    if ROT_V:  # back to the values' own basis (fp32)
+        acc = _fwht(acc, G_PAD, D, LOG2D) * INV_SQRT_D
+    if split == SPLITS - 1:
+        m_i, l_i, acc = _attend_sinks_window(q.to(tl.float16), SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale, D, NS, NS_PAD, W, BLOCK_T)
+    _store_partials(MO, LO, AO, (b * H + h) * G + gi, gmask, split, SPLITS, m_i, l_i, acc, D)
 
 
 @triton.jit
