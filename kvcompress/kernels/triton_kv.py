@@ -291,16 +291,38 @@ def _load_group_meta(base, rows, mask, D: tl.constexpr, GROUP: tl.constexpr, BLO
 
 
 @triton.jit
-def _attend_fp16(q16, k, v, valid, m_i, l_i, acc, sm_scale):
-    """One online-softmax step over fp16 rows k, v [N, D] (valid: [N]) for queries q16 [G, D]."""
-    s = tl.dot(q16, tl.trans(k)) * sm_scale
+def _online_step(s, valid, v16, m_i, l_i, acc):
+    """One online-softmax step: scaled scores s [G, N] of rows valid [N] with values v16 [N, D] fp16."""
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v16)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_fp16(q16, k, v, valid, m_i, l_i, acc, sm_scale):
+    """One online-softmax step over fp16 rows k, v [N, D] (valid: [N]) for queries q16 [G, D]."""
+    return _online_step(tl.dot(q16, tl.trans(k)) * sm_scale, valid, v, m_i, l_i, acc)
+
+
+@triton.jit
+def _program(LENS, H, NS: tl.constexpr, W: tl.constexpr):
+    """A split program's (b, h, split, b * H + h, tokens, sinks held, compressed tokens)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(LENS + b)
+    return b, h, tl.program_id(2), b * H + h, n, tl.minimum(n, NS), tl.maximum(n - NS - W, 0)
+
+
+@triton.jit
+def _split_rows(n_comp, split, SPLITS, BLOCK_T: tl.constexpr):
+    """[lo, hi): this split's share of the compressed store, whole BLOCK_T blocks."""
+    per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
+    lo = split * per
+    return lo, tl.minimum(lo + per, n_comp)
 
 
 @triton.jit
@@ -314,13 +336,7 @@ def decode_split_kernel(
     N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    bh = b * H + h
-    n = tl.load(LENS + b)
-    n_sink = tl.minimum(n, NS)
-    n_comp = tl.maximum(n - NS - W, 0)
+    b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
     d = tl.arange(0, D)
     gi = tl.arange(0, G_PAD)
     gmask = gi < G
@@ -331,9 +347,7 @@ def decode_split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     # ---- the compressed store: this split's share
-    per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
-    lo = split * per
-    hi = tl.minimum(lo + per, n_comp)
+    lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     if N_OUT > 0:
         jo = tl.arange(0, N_OUT_PAD)
         oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=0)
@@ -348,18 +362,11 @@ def decode_split_kernel(
                 q_j = tl.sum(tl.where((jo == j)[None, :], q_out, 0.0), axis=1)
                 k_j = tl.load(KO + (bh * CAP + rows) * N_OUT + j, mask=tmask, other=0.0).to(tl.float32)
                 s += q_j[:, None] * k_j[None, :]
-        s = (s + qz[:, None]) * sm_scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0)
         vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         vmn = _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_step((s + qz[:, None]) * sm_scale, tmask, v, m_i, l_i, acc)
     # ---- fp16 sinks and window: the last split
     if split == SPLITS - 1:
         m_i, l_i, acc = _attend_sinks_window(q.to(tl.float16), SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale, D, NS, NS_PAD, W, BLOCK_T)
@@ -413,13 +420,7 @@ def decode_split_rot_kernel(
     (KGROUP = D) it multiplies the scores, not the keys. Values are accumulated in the rotated basis
     and the split's accumulator is rotated back once (ROT_V: acc @ H, fp32) before the fp16 sinks and
     window, which are stored unrotated (a fast Walsh-Hadamard butterfly in registers)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    bh = b * H + h
-    n = tl.load(LENS + b)
-    n_sink = tl.minimum(n, NS)
-    n_comp = tl.maximum(n - NS - W, 0)
+    b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
     d = tl.arange(0, D)
     gi = tl.arange(0, G_PAD)
     gmask = gi < G
@@ -431,9 +432,7 @@ def decode_split_rot_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    per = tl.cdiv(tl.cdiv(n_comp, SPLITS), BLOCK_T) * BLOCK_T
-    lo = split * per
-    hi = tl.minimum(lo + per, n_comp)
+    lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         tmask = rows < hi
@@ -443,18 +442,12 @@ def decode_split_rot_kernel(
         else:
             k = kc * _load_group_meta(KSC, bh * CAP + rows, tmask, D, KGROUP, BLOCK_T)
             s = tl.dot(qr, tl.trans(k.to(tl.float16)))
-        s = tl.where(tmask[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         if V_SYM:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
         else:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
+        m_i, l_i, acc = _online_step(s * sm_scale, tmask, v.to(tl.float16), m_i, l_i, acc)
     if ROT_V:  # back to the values' own basis (fp32)
         acc = _fwht(acc, G_PAD, D, LOG2D) * INV_SQRT_D
     if split == SPLITS - 1:
