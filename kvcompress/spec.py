@@ -149,8 +149,9 @@ class KVSpec(Frozen):
 
     @property
     def validate_only(self) -> str:
-        """Why the format is a comparison format (validated, not in the kernels or the export; KIVI-style
-        keys not in CompressedCache either), or "" when it ships."""
+        """Why the format is a comparison format (validated, not in the TensorRT plugins or the export;
+        per-token keys with symmetric/rotated values are in the Triton kernels, KIVI-style keys in neither
+        the kernels nor CompressedCache), or "" when it ships."""
         why = []
         if self.key.group_tokens:
             why.append(f"KIVI-style keys (kv.key.group_tokens={self.key.group_tokens})")
