@@ -139,7 +139,7 @@ class KVSpec(Frozen):
         if self.key.rotate != "none" and self.key.granularity != "token":
             raise ValueError(f"kv.key.rotate={self.key.rotate} needs kv.key.granularity=token (static per-channel scales follow RoPE pairs, not a rotated basis)")
         if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
-            raise ValueError(f"kv.key.granularity=token is symmetric per token: needs kv.key.symmetric=true, kv.key.group_tokens=0, kv.outlier_channels=0")
+            raise ValueError("kv.key.granularity=token is symmetric per token: needs kv.key.symmetric=true, kv.key.group_tokens=0, kv.outlier_channels=0")
         if self.validate_only and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import fitted_book, tiny_lm
+from conftest import fitted_book, rmsnorm_float64, tiny_lm
 from kvcompress.cache import CompressedCache
 from kvcompress.config import CalibConfig, EvalConfig, ModelConfig
 from kvcompress.data import load_texts, token_windows

@@ -85,7 +85,6 @@ def test_mse_clipping_beats_raw_range_on_the_sample(tiny_stats):
     spec_mse = KVSpec(name="m", key={"bits": 4, "clip": "mse"})
     spec_max = KVSpec(name="x", key={"bits": 4, "clip": "minmax"})
     b_mse, b_max = fit(tiny_stats, spec_mse), fit(tiny_stats, spec_max)
-    H = b_mse.geometry["n_kv_heads"]
     total_mse = total_max = 0.0
     for layer in range(b_mse.geometry["n_layers"]):
         k = tiny_stats["sample_k"][layer].transpose(0, 1)
