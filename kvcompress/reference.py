@@ -208,7 +208,7 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
 
 
-# ---------------------------------------------------------------- rotated, per-token formats (CompressedCache and validate; no kernels yet)
+# ---------------------------------------------------------------- rotated, per-token formats (CompressedCache, validate, the Triton kernels)
 def hadamard_signs(n: int, device=None) -> torch.Tensor:
     """The Sylvester-Hadamard sign matrix [n, n] (n a power of two), float32 entries
     (-1)**popcount(i & j): symmetric, S @ S = n I. The kernels build the same signs in registers."""

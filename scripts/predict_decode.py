@@ -34,7 +34,7 @@ GPUS = ("H200", "H100")
 
 def audit_formats(arch: str = "sm_90") -> dict[tuple[str, int], dict]:
     """{(format, gqa): main-loop audit of its compiled decode_split kernel} for the models' GQA ratios."""
-    from kvcompress.kernels.audit import audit_dir
+    from kvcompress.kernels.audit import SPLIT_KERNELS, audit_dir
 
     gqas = sorted({hq // h for _, hq, h, _ in MODELS.values()})
     variants = [Variant(f"d128_g{g}_{n}", 128, g, f.key_bits, f.value_bits, f.group, f.n_sink, f.window, f.n_out, **f.family())
@@ -44,7 +44,7 @@ def audit_formats(arch: str = "sm_90") -> dict[tuple[str, int], dict]:
         res = audit_dir(Path(tmp))
     out = {}
     for k in res["kernels"]:
-        if k["kernel"] not in ("decode_split", "decode_split_rot"):
+        if k["kernel"] not in SPLIT_KERNELS:
             continue
         v = next(x for x in variants if k["name"] == f"{k['kernel']}_{x.name}")
         ml = k["main_loop"]

@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from kvcompress.kernels import plan
 from kvcompress.kernels.audit import audit_dir, nvidia_tool
-from kvcompress.kernels.ops import decode_launch_params
+from kvcompress.kernels.ops import decode_launch_params, per_token_constants
 from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_kernel, kv_append_rot_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
@@ -107,8 +107,8 @@ def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
     vp = "*i8" if v.value_symmetric and v.value_bits == 8 else "*u8"
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KSC": "*fp16", "VP": vp, "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
-    common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, KEY_BITS=v.key_bits, KGROUP=v.key_group, ROT_K=int(v.key_rotate), VAL_BITS=v.value_bits,
-                  GROUP=v.group, V_SYM=int(v.value_symmetric), ROT_V=int(v.value_rotate), LOG2D=v.head_dim.bit_length() - 1, INV_SQRT_D=v.head_dim**-0.5)
+    common = dict(NS=v.n_sink, W=v.window, **per_token_constants(v.head_dim, v.key_bits, v.key_group, v.key_rotate, v.value_bits, v.group,
+                                                                  v.value_symmetric, v.value_rotate))
     append_sig = {"KN": "*fp16", "VN": "*fp16", **store, "H": "i32", "CAP": "i32"}
     split_sig = {"Q": "*fp16", "QR": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}

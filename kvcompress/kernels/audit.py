@@ -33,6 +33,8 @@ ARCH_LIMITS = {
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
+SPLIT_KERNELS = ("decode_split", "decode_split_rot")  # the kernels with a main loop over the compressed store
+
 def nvidia_tool(name: str) -> str:
     """Triton's bundled copy of an NVIDIA binary tool (cuobjdump, nvdisasm), else the CUDA toolkit's on PATH."""
     import shutil
@@ -113,7 +115,7 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
         "threads_per_block": threads, "occupancy": {a: occupancy(entry["registers"], threads, smem, a) for a in ARCH_LIMITS},
         "global_loads": {str(w): n for w, n in sorted(global_loads(instrs).items())}, "instructions": len(instrs),
     }
-    if entry["kernel"] in ("decode_split", "decode_split_rot"):
+    if entry["kernel"] in SPLIT_KERNELS:
         v = entry["variant"]
         lp = loops(instrs)
         if not lp:

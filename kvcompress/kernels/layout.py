@@ -54,7 +54,7 @@ class PackedKV:
     @property
     def per_token(self) -> bool:
         """The per-token family (kv_append_rot_kernel / decode_split_rot_kernel)."""
-        return bool(self.key_group or self.value_symmetric or self.value_rotate)
+        return bool(self.key_group)  # empty() refuses the value options without per-token keys
 
     @property
     def n_sink(self) -> int:

@@ -33,10 +33,16 @@ def kernel_key_params(p: KeyParams, device) -> tuple[torch.Tensor, torch.Tensor,
     return scale, zero, zm, idx
 
 
-def per_token_constants(kv: PackedKV, D: int) -> dict:
-    """The per-token family's constexprs (kv_append_rot_kernel, decode_split_rot_kernel)."""
-    return dict(KEY_BITS=kv.key_bits, KGROUP=kv.key_group, ROT_K=int(kv.key_rotate), VAL_BITS=kv.value_bits, GROUP=kv.group,
-                V_SYM=int(kv.value_symmetric), ROT_V=int(kv.value_rotate), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
+def per_token_constants(D: int, key_bits: int, key_group: int, key_rotate: bool, value_bits: int, group: int,
+                        value_symmetric: bool, value_rotate: bool) -> dict:
+    """The per-token family's constexprs (kv_append_rot_kernel, decode_split_rot_kernel), for the
+    launches here and the AOT build alike."""
+    return dict(D=D, KEY_BITS=key_bits, KGROUP=key_group, ROT_K=int(key_rotate), VAL_BITS=value_bits, GROUP=group,
+                V_SYM=int(value_symmetric), ROT_V=int(value_rotate), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
+
+
+def _packed_constants(kv: PackedKV, D: int) -> dict:
+    return per_token_constants(D, kv.key_bits, kv.key_group, kv.key_rotate, kv.value_bits, kv.group, kv.value_symmetric, kv.value_rotate)
 
 
 def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams) -> None:
@@ -47,7 +53,7 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
         kv_append_rot_kernel[(B, H)](
             k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, H, kv.k_payload.shape[2],
-            D=D, NS=kv.n_sink, W=kv.window, **per_token_constants(kv, D),
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D),
         )
         kv.lens += 1
         return
@@ -95,7 +101,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
         decode_split_rot_kernel[(B, H, splits)](
             q.contiguous(), qr, kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
             mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
-            D=D, NS=kv.n_sink, W=kv.window, **per_token_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
             num_warps=warps,
         )
         return _reduce(mo, lo, ao, splits)

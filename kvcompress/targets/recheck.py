@@ -23,8 +23,8 @@ from kvcompress.spec import native_spec
 from kvcompress.targets import trtllm_reader
 from kvcompress.targets.hf_ckpt import read_state
 
-SCORED = ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_se", "kl_p99", "top1_agree")
-KL_SE_Z = 3.0  # compare(): KLs this many standard errors apart are still "the same"  # what a re-measurement reports
+SCORED = ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_se", "kl_p99", "top1_agree")  # what a re-measurement reports
+KL_SE_Z = 3.0  # compare(): KLs this many standard errors apart are still "the same"
 
 
 @torch.no_grad()
