@@ -37,6 +37,8 @@ COMMANDS = {
     "long8k_auto": "python -m kvcompress kv=auto eval=long export=none",
     # kv=rot4 (4.44 bits/element, Hadamard-rotated per-token int4) beside KIVI-style int4 at 8K
     "long8k_rot4": "python -m kvcompress kv=rot4 eval=long export=none eval.compare=[kivi_int4]",
+    # kv=rot8k_int4v (Hadamard-rotated per-token int8 keys, rotated int4 values) beside int8k_int4v at 8K
+    "long8k_rot8": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.compare=[int8k_int4v]",
 }
 
 

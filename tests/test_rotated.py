@@ -81,6 +81,21 @@ def test_bytes_and_the_rot4_preset_fits_the_4_5_bit_budget():
     assert m.bits_per_element <= 4.5 and round(m.bits_per_element, 2) == 4.44, m  # the figure the README and rot4.yaml quote
 
 
+def test_the_rot8k_int4v_preset_costs_one_fp16_key_scale_per_token_more_than_int8k_int4v():
+    from kvcompress.config import kv_preset
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    rot, base = kv_preset("rot8k_int4v"), kv_preset("int8k_int4v")
+    assert rot.validate_only and not base.validate_only
+    assert (rot.key.bits, rot.key.granularity, rot.key.group_size, rot.key.rotate) == (8, "token", 0, "hadamard")
+    assert (rot.value.bits, rot.value.group_size, rot.value.symmetric, rot.value.rotate) == (4, 32, False, "hadamard")
+    b, b0 = ref.spec_cache_nbytes(rot, geo, 1000), ref.spec_cache_nbytes(base, geo, 1000)
+    n_quant = 30 * 3 * (1000 - 4 - 128)
+    assert b["key_meta"] - b0.get("key_meta", 0) == n_quant * 2 and b["value_meta"] == b0["value_meta"] and b["key_payload"] == b0["key_payload"]
+    m, m0 = memory_summary(rot, geo, 8192), memory_summary(base, geo, 8192)
+    assert (round(m.bits_per_element, 2), round(m0.bits_per_element, 2)) == (6.78, 6.65), (m, m0)  # the figures rot8k_int4v.yaml and the README quote
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ValidationError, match="kv.key.rotate=hadamard needs kv.key.granularity=token"):
         KVSpec(name="x", key={"rotate": "hadamard"})
@@ -104,6 +119,8 @@ ROT_SPECS = {
     "rot4": dict(value={"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}, **ROT),
     "k8tok_v4rot_asym": dict(key={"bits": 8, "granularity": "token", "group_size": 16, "rotate": "hadamard"},
                              value={"bits": 4, "group_size": 16, "rotate": "hadamard"}),
+    "rot8k_int4v": dict(key={"bits": 8, "granularity": "token", "group_size": 0, "rotate": "hadamard"},
+                        value={"bits": 4, "group_size": 16, "rotate": "hadamard"}),
     "v4sym_only": dict(value={"bits": 4, "group_size": 16, "symmetric": True}),
 }
 
