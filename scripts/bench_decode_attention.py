@@ -35,9 +35,9 @@ H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 def check_correctness(device: str) -> dict:
     """Kernels vs reference on the device (the same checks as tests/test_kernels.py), for the
-    static-scale family (int8k_int4v) and the per-token family (rot4)."""
+    static-scale family (int8k_int4v) and the per-token family (rot4, rot8k_int4v)."""
     out = {}
-    for name in ("int8k_int4v", "rot4"):
+    for name in ("int8k_int4v", "rot4", "rot8k_int4v"):
         fmt = FORMATS[name]
         g = torch.Generator().manual_seed(0)
         lens = [1, 127, 128, 129, 1170, 4099]

@@ -28,7 +28,7 @@ def audit_sm90(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def audit_per_token_sm90(tmp_path_factory):
-    """The per-token family (kv=rot4 at head dims 128 and 64), compiled for sm_90 and audited."""
+    """The per-token family (kv=rot4 at head dims 128 and 64, kv=rot8k_int4v at 128), compiled for sm_90 and audited."""
     out = tmp_path_factory.mktemp("aot90pt")
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--variants", "per_token", "--out", str(out)],
                        capture_output=True, text=True, env=_env(), timeout=600)
@@ -43,7 +43,7 @@ def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_toke
     bound: it takes every thread's 16-bit loads of the per-token scales as distinct bytes; the static
     int4 kernel is at 19% by the same count)."""
     kernels = {k["name"]: k for k in audit_per_token_sm90["kernels"]}
-    assert {f"{k}_{v}" for k in ("kv_append_rot", "decode_split_rot", "decode_reduce") for v in ("d128_g8_rot4", "d64_g3_rot4")} == set(kernels)
+    assert {f"{k}_{v}" for k in ("kv_append_rot", "decode_split_rot", "decode_reduce") for v in ("d128_g8_rot4", "d64_g3_rot4", "d128_g8_rot8k_int4v")} == set(kernels)
     for k in kernels.values():
         assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
         if k["kernel"] == "decode_split_rot":

@@ -38,7 +38,7 @@ class CacheFormat:
     n_out: int = 0
     key_group: int = 0  # > 0: per-token key scales (one fp16 per key_group channels), no static key parameters
     value_symmetric: bool = False  # symmetric values: a scale per group, no min
-    rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4)
+    rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4, kv=rot8k_int4v)
 
     def family(self) -> dict:
         """The per-token family's layout options (PackedKV.empty / aot.Variant keywords)."""
@@ -107,5 +107,6 @@ FORMATS = {
     "int8": CacheFormat("int8", 8, 8, 128, 4, 128, 0),
     "int4": CacheFormat("int4", 4, 4, 32, 4, 128, 2),
     "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
+    "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True),
 }
 ROW_COLUMNS = ("model", "gpu", "context", "batch", "format", "splits", "kvc_us", "fp16_us", "speedup")
