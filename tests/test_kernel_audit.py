@@ -117,6 +117,19 @@ def test_occupancy_follows_the_published_limits():
     assert occupancy(32, 128, 100_000, "sm_80")["limited_by"] == "shared memory"
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_bytes_models_formats_are_the_presets(fmt):
+    """FORMATS restates each custom preset at head dim 128 (kernel variants and predictions are built
+    from it): it must say what conf/kv/<name>.yaml says."""
+    from kvcompress.config import kv_preset
+
+    f, s, D = FORMATS[fmt], kv_preset(fmt), 128
+    assert (f.key_bits, f.value_bits, f.group, f.n_sink, f.window, f.n_out) == (
+        s.key.bits, s.value.bits, s.value.group_size or D, s.sink_tokens, s.window, s.outlier_channels)
+    assert f.key_group == ((s.key.group_size or D) if s.key.granularity == "token" else 0)
+    assert f.value_symmetric == s.value.symmetric and f.rotate == (s.key.rotate == "hadamard") == (s.value.rotate == "hadamard")
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("batch", [1, 8, 32])

@@ -119,6 +119,7 @@ ROT_SPECS = {
     "rot4": dict(value={"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}, **ROT),
     "k8tok_v4rot_asym": dict(key={"bits": 8, "granularity": "token", "group_size": 16, "rotate": "hadamard"},
                              value={"bits": 4, "group_size": 16, "rotate": "hadamard"}),
+    # kv=rot8k_int4v's structure at the tiny model's head dim 32 (values in two groups, as the preset's 32 at head dim 64)
     "rot8k_int4v": dict(key={"bits": 8, "granularity": "token", "group_size": 0, "rotate": "hadamard"},
                         value={"bits": 4, "group_size": 16, "rotate": "hadamard"}),
     "v4sym_only": dict(value={"bits": 4, "group_size": 16, "symmetric": True}),
