@@ -60,7 +60,7 @@ class CompressedLayer(CacheLayerMixin):
         else:
             (k_payload, k_out), k_scale = ref.encode_keys(k, self.p), None
         if self.spec.rotated_values:
-            v_parts = ref.encode_rotated(v, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate)
+            v_parts = ref.encode_rotated(v, sp.value.bits, self.group, sp.value.symmetric, sp.value.rotate, sp.coded_min)
             v_payload, v_scale, v_min = (*v_parts, None)[:3]
         else:
             v_payload, v_scale, v_min = ref.encode_values(v, sp.value.bits, self.group)

@@ -177,35 +177,69 @@ def value_meta(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, to
     return scale, vmin
 
 
-def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """v: [..., T, D] -> (codes uint8 [..., T, D] in [0, 2**bits-1], scale fp16, min fp16 [..., T, D//G])."""
-    scale, vmin = value_meta(v, bits, group)
+def min_code_step(bits: int) -> int:
+    """F of the coded min (kv.value.min=code): the min is -w * scale / F, w a uint8; F = 16 for 4-bit
+    values, 1 for 8-bit (the largest power of two with F * (levels - 1/F) <= 255)."""
+    return 16 if bits == 4 else 1
+
+
+def value_meta_coded(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values with a coded min (kv.value.min=code): per token, per group an fp16 scale and a uint8 w,
+    the group's min being -w * scale / F (min_code_step): 3 bytes per group instead of 4. The range
+    is widened to include 0 (so w >= 0 fits a byte) and the scale is (max - min) / (levels - 1/F),
+    fp16 rounded up, so the min rounded down to a multiple of scale / F still reaches the max.
+    v: [..., T, D] -> (scale fp16, w uint8), [..., T, D//G] each."""
+    F = min_code_step(bits)
+    vg = v.float().unflatten(-1, (-1, group))
+    lo, hi = vg.amin(-1).clamp(max=0.0), vg.amax(-1).clamp(min=0.0)
+    scale = _round_outward_fp16((hi - lo) / (value_levels(bits) - 1.0 / F), float("inf"))
+    s = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    w = torch.floor(-lo * float(F) / s).clamp_(0, 255)  # -w s / F <= lo: the min rounded down
+    w = torch.where(-w * s > lo * F, w + 1, w).clamp_(0, 255)  # guard the division's rounding
+    return scale, w.to(torch.uint8)
+
+
+def coded_min(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """A coded min, float32: -w * scale / F (exact: a byte times an fp16 times a power of two)."""
+    return -(w.float() * scale.float()) * (1.0 / min_code_step(bits))
+
+
+def _min_f32(vmin: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The min as float32: fp16 as stored, or a uint8 code (value_meta_coded)."""
+    return coded_min(vmin, scale, bits) if vmin.dtype == torch.uint8 else vmin.float()
+
+
+def quantize_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """v: [..., T, D] -> (codes uint8 [..., T, D] in [0, 2**bits-1], scale fp16, min [..., T, D//G]):
+    the min fp16 (value_meta), or with coded_min a uint8 code (value_meta_coded)."""
+    scale, vmin = (value_meta_coded if coded_min else value_meta)(v, bits, group)
     s = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
     vg = v.float().unflatten(-1, (-1, group))
-    q = round_half_even((vg - vmin.float().unsqueeze(-1)) / s).clamp_(0, value_levels(bits))
+    q = round_half_even((vg - _min_f32(vmin, scale, bits).unsqueeze(-1)) / s).clamp_(0, value_levels(bits))
     return q.flatten(-2).to(torch.uint8), scale, vmin
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int) -> torch.Tensor:
-    """codes uint8 [..., T, D], meta [..., T, D//G] -> float32 [..., T, D]:  q * scale + min."""
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
+    """codes uint8 [..., T, D], meta [..., T, D//G] -> float32 [..., T, D]:  q * scale + min
+    (a uint8 min is a code: value_meta_coded, which needs the value bits)."""
     q = codes.float().unflatten(-1, (-1, group))
-    return (q * scale.float().unsqueeze(-1) + vmin.float().unsqueeze(-1)).flatten(-2)
+    return (q * scale.float().unsqueeze(-1) + _min_f32(vmin, scale, bits).unsqueeze(-1)).flatten(-2)
 
 
-def encode_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Storage form of values: (payload uint8 [.., D] or packed [.., D/2], scale fp16, min fp16)."""
-    codes, scale, vmin = quantize_values(v, bits, group)
+def encode_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Storage form of values: (payload uint8 [.., D] or packed [.., D/2], scale fp16, min fp16 or uint8 code)."""
+    codes, scale, vmin = quantize_values(v, bits, group, coded_min)
     return (pack_int4(codes) if bits == 4 else codes), scale, vmin
 
 
 def decode_values(payload: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     codes = unpack_int4(payload) if bits == 4 else payload
-    return dequantize_values(codes, scale, vmin, group)
+    return dequantize_values(codes, scale, vmin, group, bits)
 
 
-def fake_quant_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def fake_quant_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = False) -> torch.Tensor:
     """decode(encode(v)) in v's dtype."""
-    return decode_values(*encode_values(v, bits, group), bits, group).to(v.dtype)
+    return decode_values(*encode_values(v, bits, group, coded_min), bits, group).to(v.dtype)
 
 
 # ---------------------------------------------------------------- rotated, per-token formats (CompressedCache, validate, the Triton kernels)
@@ -255,12 +289,13 @@ def dequantize_token_symmetric(codes: torch.Tensor, scale: torch.Tensor, group: 
     return (codes.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
-def encode_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> tuple[torch.Tensor, ...]:
+def encode_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str, coded_min: bool = False) -> tuple[torch.Tensor, ...]:
     """Storage form of a per-token format in a rotated basis: x [..., T, D] -> symmetric: (payload, scale);
-    asymmetric: (payload, scale, min). int4 payloads are packed (signed codes offset-binary, q + 8)."""
+    asymmetric: (payload, scale, min) (encode_values; coded_min: the min a uint8 code).
+    int4 payloads are packed (signed codes offset-binary, q + 8)."""
     xr = rotate(x, how)
     if not symmetric:
-        return encode_values(xr.float(), bits, group)
+        return encode_values(xr.float(), bits, group, coded_min)
     q, scale = quantize_token_symmetric(xr, bits, group)
     return store_signed(q, bits), scale
 
@@ -273,10 +308,10 @@ def decode_rotated(stored: tuple[torch.Tensor, ...], bits: int, group: int, symm
     return rotate(dequantize_token_symmetric(load_signed(payload, bits), scale, group), how)
 
 
-def fake_quant_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str) -> torch.Tensor:
+def fake_quant_rotated(x: torch.Tensor, bits: int, group: int, symmetric: bool, how: str, coded_min: bool = False) -> torch.Tensor:
     """A per-token format in a rotated basis: rotate, quantize per token and group (symmetric, or the
     asymmetric value quantizer), rotate back; in x's dtype. Keys: q.k_hat = (q H).(quantized k H)."""
-    return decode_rotated(encode_rotated(x, bits, group, symmetric, how), bits, group, symmetric, how).to(x.dtype)
+    return decode_rotated(encode_rotated(x, bits, group, symmetric, how, coded_min), bits, group, symmetric, how).to(x.dtype)
 
 
 # ---------------------------------------------------------------- TensorRT-LLM's native KV formats
@@ -392,6 +427,7 @@ def cache_nbytes(
     key_group_tokens: int = 0,
     key_token_group: int = 0,
     value_symmetric: bool = False,
+    value_coded_min: bool = False,
 ) -> dict[str, int]:
     """Exact bytes of every tensor a compressed cache holding n_tokens per sequence allocates.
 
@@ -403,7 +439,7 @@ def cache_nbytes(
     per layer-head.
     A 16-bit spec means the plain fp16 cache: every token is 2*D*2.
     Per-token keys (key_token_group=Gk): (D/Gk)*2 key scale per compressed token, no static scales;
-    symmetric values: (D/G)*2 (a scale, no min).
+    symmetric values: (D/G)*2 (a scale, no min); a coded min: (D/G)*(2+1) (fp16 scale, uint8 min code).
     """
     n_sink, n_comp, n_win = region_sizes(n_tokens, sink_tokens, window)
     lh = n_layers * n_kv_heads * batch
@@ -418,7 +454,7 @@ def cache_nbytes(
         "key_payload": lh * n_comp * head_dim * key_bits // 8,
         "key_outliers": lh * n_comp * outlier_channels * HP_BYTES,
         "value_payload": lh * n_comp * head_dim * value_bits // 8,
-        "value_meta": lh * n_comp * (head_dim // value_group) * (1 if value_symmetric else 2) * HP_BYTES,
+        "value_meta": lh * n_comp * (head_dim // value_group) * (HP_BYTES + 1 if value_coded_min else (1 if value_symmetric else 2) * HP_BYTES),
         "sinks": lh * n_sink * 2 * head_dim * HP_BYTES,
         "window": lh * n_win * 2 * head_dim * HP_BYTES,
         "static": n_layers * n_kv_heads * (head_dim * 2 * KEY_SCALE_BYTES + outlier_channels * OUTLIER_INDEX_BYTES),
@@ -461,6 +497,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         key_group_tokens=0 if spec.is_native else spec.key.group_tokens,
         key_token_group=spec.key_group(geometry.head_dim) if spec.token_keys else 0,
         value_symmetric=spec.value.symmetric and not spec.is_native,
+        value_coded_min=spec.coded_min,
     )
 
 

@@ -53,6 +53,9 @@ class ValueSpec(Frozen):
     # v @ H per head before quantizing, undone after attention)
     symmetric: bool = False
     rotate: Literal["none", "hadamard"] = "none"
+    # "code" (asymmetric values, per-token keys only): each group's min is a uint8 code, -w * scale / 16 for
+    # 4-bit values (reference.value_meta_coded): 3 bytes per group instead of 4
+    min: Literal["fp16", "code"] = "fp16"
 
 
 class LayerFormat(Frozen):
@@ -140,6 +143,9 @@ class KVSpec(Frozen):
             raise ValueError(f"kv.key.rotate={self.key.rotate} needs kv.key.granularity=token (static per-channel scales follow RoPE pairs, not a rotated basis)")
         if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
             raise ValueError("kv.key.granularity=token is symmetric per token: needs kv.key.symmetric=true, kv.key.group_tokens=0, kv.outlier_channels=0")
+        if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
+            raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
+                             f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
         if self.validate_only and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
@@ -158,7 +164,7 @@ class KVSpec(Frozen):
         if self.token_keys:
             why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
         if self.rotated_values:
-            why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate}")
+            why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate} min={self.value.min}")
         return ", ".join(why)
 
     @property
@@ -169,7 +175,12 @@ class KVSpec(Frozen):
     @property
     def rotated_values(self) -> bool:
         """Values through reference.encode_rotated (symmetric and/or rotated) instead of encode_values."""
-        return (self.value.symmetric or self.value.rotate != "none") and not self.is_native
+        return (self.value.symmetric or self.value.rotate != "none" or self.value.min == "code") and not self.is_native
+
+    @property
+    def coded_min(self) -> bool:
+        """Asymmetric values whose min is a uint8 code (kv.value.min=code, reference.value_meta_coded)."""
+        return self.value.min == "code" and not self.is_native
 
     def key_group(self, head_dim: int) -> int:
         return self.key.group_size or head_dim

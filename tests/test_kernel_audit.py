@@ -128,6 +128,7 @@ def test_the_bytes_models_formats_are_the_presets(fmt):
         s.key.bits, s.value.bits, s.value.group_size or D, s.sink_tokens, s.window, s.outlier_channels)
     assert f.key_group == ((s.key.group_size or D) if s.key.granularity == "token" else 0)
     assert f.value_symmetric == s.value.symmetric and f.rotate == (s.key.rotate == "hadamard") == (s.value.rotate == "hadamard")
+    assert f.coded_min == (s.value.min == "code")
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -127,7 +127,8 @@ PER_TOKEN_CASES = [
     ([300, 21], 1, 8, 128, 4, 4, 128, dict(ROT4, key_group=128), 4),  # kv=rot4 at Llama's head dim
     ([90, 33], 2, 1, 64, 8, 8, 32, dict(key_group=32, value_symmetric=True), 0),  # grouped key scales, int8, unrotated
     ([90], 1, 3, 64, 4, 4, 32, dict(key_group=64, key_rotate=False, value_rotate=True), 2),  # asymmetric rotated values
-    ([W + 2, 140], 1, 3, 64, 8, 4, 32, dict(key_group=64, key_rotate=True, value_rotate=True), 4),  # kv=rot8k_int4v
+    ([W + 2, 140], 1, 3, 64, 8, 4, 32, dict(key_group=64, key_rotate=True, value_rotate=True), 4),  # rotated per-token int8 keys, int4 values
+    ([W + 2, 140], 1, 3, 64, 8, 4, 16, dict(key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True), 4),  # kv=rot8k_int4v (coded min)
 ]
 
 
@@ -166,7 +167,9 @@ def test_per_token_decode_reads_the_rotated_store():
     (4, 4, 64, W, 4, ROT4),
     (8, 8, 32, 0, 2, dict(key_group=32, key_rotate=True, value_symmetric=True)),
     (4, 4, 32, 1, 0, dict(key_group=64, value_rotate=True)),
-    (8, 4, 32, W, 4, dict(key_group=64, key_rotate=True, value_rotate=True)),  # kv=rot8k_int4v
+    (8, 4, 32, W, 4, dict(key_group=64, key_rotate=True, value_rotate=True)),
+    (8, 4, 16, W, 4, dict(key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True)),  # kv=rot8k_int4v (coded min)
+    (4, 8, 32, 1, 0, dict(key_group=64, value_coded_min=True)),  # coded min of 8-bit values, unrotated
 ])
 def test_per_token_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, fam):
     """kv_append_rot_kernel: rotation as sums of +-x then one scaling (reference.rotate's order), fp16

@@ -105,7 +105,7 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
     else:
         k_hat = ref.fake_quant_keys(k_hp, book.key_params(layer))
     if spec.rotated_values:
-        v_hat = ref.fake_quant_rotated(v_hp, spec.value.bits, book.value_group(layer), spec.value.symmetric, spec.value.rotate)
+        v_hat = ref.fake_quant_rotated(v_hp, spec.value.bits, book.value_group(layer), spec.value.symmetric, spec.value.rotate, spec.coded_min)
     else:
         v_hat = ref.fake_quant_values(v_hp, spec.value.bits, book.value_group(layer))
     return k_hp, v_hp, k_hat, v_hat

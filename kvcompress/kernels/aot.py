@@ -53,6 +53,7 @@ class Variant:
     key_rotate: bool = False
     value_symmetric: bool = False
     value_rotate: bool = False
+    value_coded_min: bool = False
 
     @property
     def per_token(self) -> bool:
@@ -75,11 +76,11 @@ VARIANTS = {
         Variant("d64_g3_int8k_int4v", 64, 3, 8, 4, 32, 4, 128, 0),
     ],
     # kv=rot4 (Hadamard-rotated per-token int4 keys and values) and kv=rot8k_int4v (rotated per-token
-    # int8 keys, rotated asymmetric int4 values in groups of 32): kernels only; no plugin or export yet
+    # int8 keys, rotated asymmetric int4 values in groups of 32, the min a byte): kernels only; no plugin or export yet
     "per_token": [
         Variant("d128_g8_rot4", 128, 8, 4, 4, 128, 4, 128, 0, key_group=128, key_rotate=True, value_symmetric=True, value_rotate=True),
         Variant("d64_g3_rot4", 64, 3, 4, 4, 64, 4, 128, 0, key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True),
-        Variant("d128_g8_rot8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True),
+        Variant("d128_g8_rot8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True, value_coded_min=True),
     ],
 }
 
@@ -108,9 +109,10 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
 def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
     vp = "*i8" if v.value_symmetric and v.value_bits == 8 else "*u8"
-    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KSC": "*fp16", "VP": vp, "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
+    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KSC": "*fp16", "VP": vp, "VS": "*fp16",
+             "VM": "*u8" if v.value_coded_min else "*fp16", "LENS": "*i32"}
     common = dict(NS=v.n_sink, W=v.window, **per_token_constants(v.head_dim, v.key_bits, v.key_group, v.key_rotate, v.value_bits, v.group,
-                                                                  v.value_symmetric, v.value_rotate))
+                                                                  v.value_symmetric, v.value_rotate, v.value_coded_min))
     append_sig = {"KN": "*fp16", "VN": "*fp16", **store, "H": "i32", "CAP": "i32"}
     split_sig = {"Q": "*fp16", "QR": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}

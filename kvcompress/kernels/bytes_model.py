@@ -39,10 +39,12 @@ class CacheFormat:
     key_group: int = 0  # > 0: per-token key scales (one fp16 per key_group channels), no static key parameters
     value_symmetric: bool = False  # symmetric values: a scale per group, no min
     rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4, kv=rot8k_int4v)
+    coded_min: bool = False  # the values' min a uint8 code per group (kv.value.min=code): 3 bytes per group
 
     def family(self) -> dict:
         """The per-token family's layout options (PackedKV.empty / aot.Variant keywords)."""
-        return dict(key_group=self.key_group, key_rotate=self.rotate, value_symmetric=self.value_symmetric, value_rotate=self.rotate)
+        return dict(key_group=self.key_group, key_rotate=self.rotate, value_symmetric=self.value_symmetric, value_rotate=self.rotate,
+                    value_coded_min=self.coded_min)
 
     def token_bytes(self, head_dim: int) -> float:
         """Bytes of one compressed token of one kv head (payload + per-token metadata)."""
@@ -51,7 +53,9 @@ class CacheFormat:
     def meta_bytes(self, head_dim: int) -> float:
         """Per-token metadata of one kv head: fp16 outliers, value scale (and min), per-token key scales."""
         key_meta = (head_dim // self.key_group) * 2 if self.key_group else 0
-        return self.n_out * 2 + (head_dim // self.group) * 2 * (1 if self.value_symmetric else 2) + key_meta
+        n_groups = head_dim // self.group
+        value_meta = n_groups * (2 + 1) if self.coded_min else n_groups * 2 * (1 if self.value_symmetric else 2)
+        return self.n_out * 2 + value_meta + key_meta
 
 
 FP16 = CacheFormat("fp16", 16, 16, 1, 0, 0)
@@ -87,7 +91,7 @@ def format_bytes(shape: DecodeShape, fmt: CacheFormat) -> int:
     b = ref.cache_nbytes(n_layers=1, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim, key_bits=fmt.key_bits,
                          value_bits=fmt.value_bits, value_group=fmt.group, outlier_channels=fmt.n_out,
                          sink_tokens=fmt.n_sink, window=fmt.window, n_tokens=shape.context, batch=shape.batch,
-                         key_token_group=fmt.key_group, value_symmetric=fmt.value_symmetric)
+                         key_token_group=fmt.key_group, value_symmetric=fmt.value_symmetric, value_coded_min=fmt.coded_min)
     return sum(v for k, v in b.items() if k != "static")
 
 
@@ -107,6 +111,6 @@ FORMATS = {
     "int8": CacheFormat("int8", 8, 8, 128, 4, 128, 0),
     "int4": CacheFormat("int4", 4, 4, 32, 4, 128, 2),
     "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
-    "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True),
+    "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
 }
 ROW_COLUMNS = ("model", "gpu", "context", "batch", "format", "splits", "kvc_us", "fp16_us", "speedup")

@@ -16,7 +16,8 @@ The per-token family (key_group > 0: kv.key.granularity=token, e.g. kv=rot4) has
 parameters: k_payload holds signed codes of the (Hadamard-rotated if key_rotate) key, int8 or packed
 offset-binary int4 (q + 8), and k_scale [B, H, CAP, D/key_group] fp16 its per-token scales; with
 value_symmetric the values are signed codes the same way (v_payload int8 for 8 bits) and v_min is
-unused; value_rotate stores values in the rotated basis (reference.encode_rotated).
+unused; value_rotate stores values in the rotated basis (reference.encode_rotated); value_coded_min
+(kv.value.min=code) makes v_min uint8 codes (reference.value_meta_coded).
 `PackedKV.from_reference` builds one from plain K/V with the reference numerics, so tests
 compare kernels with the reference on identical bytes.
 """
@@ -50,6 +51,7 @@ class PackedKV:
     key_rotate: bool = False
     value_symmetric: bool = False
     value_rotate: bool = False
+    value_coded_min: bool = False
 
     @property
     def per_token(self) -> bool:
@@ -74,9 +76,11 @@ class PackedKV:
 
     @classmethod
     def empty(cls, B, H, D, cap, *, n_sink, window, n_out, key_bits, value_bits, group, device="cpu",
-              key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False) -> "PackedKV":
-        if (key_rotate or value_symmetric or value_rotate) and not key_group:
+              key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False) -> "PackedKV":
+        if (key_rotate or value_symmetric or value_rotate or value_coded_min) and not key_group:
             raise ValueError("the per-token kernels need per-token keys (key_group > 0)")
+        if value_coded_min and value_symmetric:
+            raise ValueError("a coded min is for asymmetric values (value_symmetric=False)")
         f16 = dict(dtype=torch.float16, device=device)
         kd = D // 2 if key_bits == 4 else D
         vd = D // 2 if value_bits == 4 else D
@@ -89,7 +93,7 @@ class PackedKV:
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
             v_payload=torch.zeros(B, H, cap, vd, dtype=torch.int8 if value_symmetric and value_bits == 8 else torch.uint8, device=device),
             v_scale=torch.zeros(B, H, cap, D // group, **f16),
-            v_min=torch.zeros(B, H, cap, D // group, **f16),
+            v_min=torch.zeros(B, H, cap, D // group, dtype=torch.uint8 if value_coded_min else torch.float16, device=device),
             lens=torch.zeros(B, dtype=torch.int32, device=device),
             key_bits=key_bits,
             value_bits=value_bits,
@@ -99,16 +103,17 @@ class PackedKV:
             key_rotate=key_rotate,
             value_symmetric=value_symmetric,
             value_rotate=value_rotate,
+            value_coded_min=value_coded_min,
         )
 
     @classmethod
     def from_reference(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], p: KeyParams, *, n_sink, window, value_bits, group, cap=None,
-                       key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False) -> "PackedKV":
+                       key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False) -> "PackedKV":
         """Sequences of different lengths (k: [H, n_b, D] each) -> buffers written by the reference.
         For the per-token family (key_group > 0) only p.bits is read."""
         B, (H, _, D) = len(ks), ks[0].shape
         cap = cap or max(1, max(k.shape[1] for k in ks))
-        fam = dict(key_group=key_group, key_rotate=key_rotate, value_symmetric=value_symmetric, value_rotate=value_rotate)
+        fam = dict(key_group=key_group, key_rotate=key_rotate, value_symmetric=value_symmetric, value_rotate=value_rotate, value_coded_min=value_coded_min)
         out = cls.empty(B, H, D, cap, n_sink=n_sink, window=window, n_out=p.outlier_idx.shape[-1], key_bits=p.bits, value_bits=value_bits, group=group,
                         device=ks[0].device, **fam)
         for b, (k, v) in enumerate(zip(ks, vs)):
@@ -120,7 +125,7 @@ class PackedKV:
                 kc, vc = kh[:, ns : ns + nc], vh[:, ns : ns + nc]
                 if out.per_token:
                     out.k_payload[b, :, :nc], out.k_scale[b, :, :nc] = ref.encode_rotated(kc, p.bits, key_group, True, out.key_how)
-                    v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how)
+                    v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how, value_coded_min)
                 else:
                     payload, outl = ref.encode_keys(kc, p)
                     out.k_payload[b, :, :nc], out.k_outliers[b, :, :nc] = payload, outl

@@ -34,15 +34,15 @@ def kernel_key_params(p: KeyParams, device) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def per_token_constants(D: int, key_bits: int, key_group: int, key_rotate: bool, value_bits: int, group: int,
-                        value_symmetric: bool, value_rotate: bool) -> dict:
+                        value_symmetric: bool, value_rotate: bool, value_coded_min: bool = False) -> dict:
     """The per-token family's constexprs (kv_append_rot_kernel, decode_split_rot_kernel), for the
     launches here and the AOT build alike."""
     return dict(D=D, KEY_BITS=key_bits, KGROUP=key_group, ROT_K=int(key_rotate), VAL_BITS=value_bits, GROUP=group,
-                V_SYM=int(value_symmetric), ROT_V=int(value_rotate), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
+                V_SYM=int(value_symmetric), ROT_V=int(value_rotate), V_CODE=int(value_coded_min), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
 
 
 def _packed_constants(kv: PackedKV, D: int) -> dict:
-    return per_token_constants(D, kv.key_bits, kv.key_group, kv.key_rotate, kv.value_bits, kv.group, kv.value_symmetric, kv.value_rotate)
+    return per_token_constants(D, kv.key_bits, kv.key_group, kv.key_rotate, kv.value_bits, kv.group, kv.value_symmetric, kv.value_rotate, kv.value_coded_min)
 
 
 def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams) -> None:
@@ -91,7 +91,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     if splits is None:
         n_comp = max(0, int(kv.lens.max()) - kv.n_sink - kv.window)
         tok = CacheFormat("", kv.key_bits, kv.value_bits, kv.group, kv.n_sink, kv.window, kv.k_outliers.shape[-1],
-                          kv.key_group, kv.value_symmetric).token_bytes(D)
+                          kv.key_group, kv.value_symmetric, coded_min=kv.value_coded_min).token_bytes(D)
         splits = plan.choose_splits(B, H, n_comp, HQ // H, D, tok, block_t)
     mo = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
     lo = torch.empty_like(mo)

@@ -134,6 +134,54 @@ def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _group_range(x_even, x_odd, ge, go, g):
+    """(min, max) of group g over a token's even and odd channels."""
+    gmin = tl.minimum(tl.min(tl.where(ge == g, x_even, float("inf"))), tl.min(tl.where(go == g, x_odd, float("inf"))))
+    gmax = tl.maximum(tl.max(tl.where(ge == g, x_even, float("-inf"))), tl.max(tl.where(go == g, x_odd, float("-inf"))))
+    return gmin, gmax
+
+
+@triton.jit
+def _encode_asymmetric_coded(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Values with a coded min (reference.value_meta_coded): per group the range widened to include 0,
+    scale = (max - min) / (levels - 1/F) (fp16 rounded up) at `srow`, the min as a uint8 w at `mrow`
+    (min = -w * scale / F, rounded down), codes from that min into payload row `row`."""
+    HALF: tl.constexpr = D // 2
+    NG: tl.constexpr = D // GROUP
+    LEVELS: tl.constexpr = 2**BITS - 1
+    F: tl.constexpr = 16 if BITS == 4 else 1
+    ie = 2 * tl.arange(0, HALF)
+    io = ie + 1
+    ge = ie // GROUP
+    go = io // GROUP
+    se = tl.zeros([HALF], tl.float32)
+    so = tl.zeros([HALF], tl.float32)
+    me = tl.zeros([HALF], tl.float32)
+    mo = tl.zeros([HALF], tl.float32)
+    for g in tl.static_range(NG):
+        gmin, gmax = _group_range(x_even, x_odd, ge, go, g)
+        lo = tl.minimum(gmin, 0.0)
+        sc16 = _fp16_up((tl.maximum(gmax, 0.0) - lo) / (LEVELS - 1.0 / F))
+        sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+        w = tl.minimum(tl.maximum(tl.floor(-lo * F / sc), 0.0), 255.0)
+        w = tl.minimum(tl.where(-w * sc > lo * F, w + 1.0, w), 255.0)
+        tl.store(srow + g, sc16)
+        tl.store(mrow + g, w.to(tl.uint8))
+        mn = -(w * sc16.to(tl.float32)) * (1.0 / F)
+        se = tl.where(ge == g, sc, se)
+        so = tl.where(go == g, sc, so)
+        me = tl.where(ge == g, mn, me)
+        mo = tl.where(go == g, mn, mo)
+    ce = tl.minimum(tl.maximum(_round_half_even((x_even - me) / se), 0.0), LEVELS)
+    co = tl.minimum(tl.maximum(_round_half_even((x_odd - mo) / so), 0.0), LEVELS)
+    if BITS == 4:
+        tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
+    else:
+        tl.store(row + ie, ce.to(tl.uint8))
+        tl.store(row + io, co.to(tl.uint8))
+
+
+@triton.jit
 def _encode_symmetric(x_even, x_odd, row, srow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     """Per-token symmetric codes (reference.quantize_token_symmetric): per group of GROUP channels,
     scale = amax / Q (fp16 rounded up, so nothing clips), q = clamp(rhe(x / scale), -Q, Q)."""
@@ -239,14 +287,16 @@ def kv_append_kernel(
 def kv_append_rot_kernel(
     KN, VN,  # [B, H, D] new tokens (any float dtype)
     SK, SV, WK, WV,  # [B, H, NS, D], [B, H, W, D] fp16
-    KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16; VM unused if V_SYM
+    KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16; VM unused if V_SYM, uint8 if V_CODE
     H, CAP,
     D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr, KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr,
-    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, LOG2D: tl.constexpr,
+    INV_SQRT_D: tl.constexpr,
 ):
     """The per-token family (kv.key.granularity=token): keys (Hadamard-rotated if ROT_K) quantized
     per token, symmetric, one fp16 scale per KGROUP channels; values symmetric (V_SYM) or asymmetric,
-    rotated if ROT_V. No static key parameters."""
+    rotated if ROT_V, with the min a uint8 code if V_CODE (reference.value_meta_coded). No static
+    key parameters."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     bh = b * H + h
@@ -261,6 +311,8 @@ def kv_append_rot_kernel(
         vrow = VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D)
         if V_SYM:
             _encode_symmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
+        elif V_CODE:
+            _encode_asymmetric_coded(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
         else:
             _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
 
@@ -412,7 +464,7 @@ def decode_split_rot_kernel(
     sm_scale, H, CAP, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
     KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
-    V_SYM: tl.constexpr, ROT_V: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """decode_split_kernel for the per-token family (kv_append_rot_kernel's layout). The caller
     rotates the query once per step (ROT_K: QR = q @ H, so q.k needs no per-token rotation; done in
@@ -445,6 +497,9 @@ def decode_split_rot_kernel(
         vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         if V_SYM:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
+        elif V_CODE:  # min = -w * scale / F, w a byte (reference.coded_min; exact in fp32)
+            mn = -(_load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / (16 if VAL_BITS == 4 else 1))
+            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + mn
         else:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
         m_i, l_i, acc = _online_step(s * sm_scale, tmask, v.to(tl.float16), m_i, l_i, acc)
