@@ -81,7 +81,7 @@ def _encode_token(
         tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
     _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
     _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
-                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
+                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False)
 
 
 @triton.jit
@@ -98,42 +98,6 @@ def _store_signed(qe, qo, row, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """Values (reference.encode_values): per group min (fp16 rounded down), scale = (max - min) / levels
-    (fp16 rounded up), codes clamp(rhe((x - min) / scale), 0, levels) into payload row `row`."""
-    HALF: tl.constexpr = D // 2
-    NG: tl.constexpr = D // GROUP
-    LEVELS: tl.constexpr = 2**BITS - 1
-    ie = 2 * tl.arange(0, HALF)
-    io = ie + 1
-    ge = ie // GROUP
-    go = io // GROUP
-    se = tl.zeros([HALF], tl.float32)
-    so = tl.zeros([HALF], tl.float32)
-    me = tl.zeros([HALF], tl.float32)
-    mo = tl.zeros([HALF], tl.float32)
-    for g in tl.static_range(NG):
-        gmin = tl.minimum(tl.min(tl.where(ge == g, x_even, float("inf"))), tl.min(tl.where(go == g, x_odd, float("inf"))))
-        gmax = tl.maximum(tl.max(tl.where(ge == g, x_even, float("-inf"))), tl.max(tl.where(go == g, x_odd, float("-inf"))))
-        mn16 = _fp16_down(gmin)
-        sc16 = _fp16_up((gmax - mn16.to(tl.float32)) / LEVELS)
-        tl.store(srow + g, sc16)
-        tl.store(mrow + g, mn16)
-        sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
-        se = tl.where(ge == g, sc, se)
-        so = tl.where(go == g, sc, so)
-        me = tl.where(ge == g, mn16.to(tl.float32), me)
-        mo = tl.where(go == g, mn16.to(tl.float32), mo)
-    ce = tl.minimum(tl.maximum(_round_half_even((x_even - me) / se), 0.0), LEVELS)
-    co = tl.minimum(tl.maximum(_round_half_even((x_odd - mo) / so), 0.0), LEVELS)
-    if BITS == 4:
-        tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
-    else:
-        tl.store(row + ie, ce.to(tl.uint8))
-        tl.store(row + io, co.to(tl.uint8))
-
-
-@triton.jit
 def _group_range(x_even, x_odd, ge, go, g):
     """(min, max) of group g over a token's even and odd channels."""
     gmin = tl.minimum(tl.min(tl.where(ge == g, x_even, float("inf"))), tl.min(tl.where(go == g, x_odd, float("inf"))))
@@ -142,10 +106,11 @@ def _group_range(x_even, x_odd, ge, go, g):
 
 
 @triton.jit
-def _encode_asymmetric_coded(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """Values with a coded min (reference.value_meta_coded): per group the range widened to include 0,
-    scale = (max - min) / (levels - 1/F) (fp16 rounded up) at `srow`, the min as a uint8 w at `mrow`
-    (min = -w * scale / F, rounded down), codes from that min into payload row `row`."""
+def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CODED: tl.constexpr):
+    """Values (reference.encode_values): per group min (fp16 rounded down), scale = (max - min) / levels
+    (fp16 rounded up), codes clamp(rhe((x - min) / scale), 0, levels) into payload row `row`.
+    CODED (reference.value_meta_coded): the range widened to include 0, scale = (max - min) / (levels - 1/F)
+    (fp16 rounded up), the min stored as a uint8 w (min = -w * scale / F, rounded down)."""
     HALF: tl.constexpr = D // 2
     NG: tl.constexpr = D // GROUP
     LEVELS: tl.constexpr = 2**BITS - 1
@@ -160,14 +125,21 @@ def _encode_asymmetric_coded(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BI
     mo = tl.zeros([HALF], tl.float32)
     for g in tl.static_range(NG):
         gmin, gmax = _group_range(x_even, x_odd, ge, go, g)
-        lo = tl.minimum(gmin, 0.0)
-        sc16 = _fp16_up((tl.maximum(gmax, 0.0) - lo) / (LEVELS - 1.0 / F))
-        sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
-        w = tl.minimum(tl.maximum(tl.floor(-lo * F / sc), 0.0), 255.0)
-        w = tl.minimum(tl.where(-w * sc > lo * F, w + 1.0, w), 255.0)
+        if CODED:
+            lo = tl.minimum(gmin, 0.0)
+            sc16 = _fp16_up((tl.maximum(gmax, 0.0) - lo) / (LEVELS - 1.0 / F))
+            sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+            w = tl.minimum(tl.maximum(tl.floor(-lo * F / sc), 0.0), 255.0)
+            w = tl.minimum(tl.where(-w * sc > lo * F, w + 1.0, w), 255.0)
+            tl.store(mrow + g, w.to(tl.uint8))
+            mn = -(w * sc16.to(tl.float32)) * (1.0 / F)
+        else:
+            mn16 = _fp16_down(gmin)
+            sc16 = _fp16_up((gmax - mn16.to(tl.float32)) / LEVELS)
+            sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+            tl.store(mrow + g, mn16)
+            mn = mn16.to(tl.float32)
         tl.store(srow + g, sc16)
-        tl.store(mrow + g, w.to(tl.uint8))
-        mn = -(w * sc16.to(tl.float32)) * (1.0 / F)
         se = tl.where(ge == g, sc, se)
         so = tl.where(go == g, sc, so)
         me = tl.where(ge == g, mn, me)
@@ -311,10 +283,8 @@ def kv_append_rot_kernel(
         vrow = VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D)
         if V_SYM:
             _encode_symmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
-        elif V_CODE:
-            _encode_asymmetric_coded(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
         else:
-            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
+            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, V_CODE)
 
 
 @triton.jit
