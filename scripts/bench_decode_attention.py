@@ -74,7 +74,7 @@ def random_cache(B: int, T: int, fmt, h: int, d: int, device: str) -> PackedKV:
     kv.k_payload.copy_(torch.randint(-127, 128, kv.k_payload.shape, dtype=torch.int8, device=device).to(kv.k_payload.dtype))
     kv.v_payload.copy_(torch.randint(0, 256, kv.v_payload.shape, dtype=torch.uint8, device=device))
     kv.v_scale.fill_(0.01)
-    kv.v_min.fill_(-0.08)
+    kv.v_min.fill_(-0.08 if kv.v_min.is_floating_point() else 8)  # a coded min (kv.value.min=code): -8 * 0.01 / 16
     for t in (kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_outliers):
         t.normal_()
     kv.lens.fill_(T)
