@@ -219,7 +219,7 @@ def quantize_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = Fa
     return q.flatten(-2).to(torch.uint8), scale, vmin
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group: int, bits: int) -> torch.Tensor:
     """codes uint8 [..., T, D], meta [..., T, D//G] -> float32 [..., T, D]:  q * scale + min
     (a uint8 min is a code: value_meta_coded, which needs the value bits)."""
     q = codes.float().unflatten(-1, (-1, group))

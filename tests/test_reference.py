@@ -52,7 +52,7 @@ def test_value_hand_values():
     assert vmin.item() == 0.0
     assert scale.item() >= 0.2 and scale.item() - 0.2 < 2e-4  # fp16 ulp at 0.2 is 1.2e-4
     assert codes.tolist() == [[0, 5, 10, 15]]
-    assert torch.allclose(ref.dequantize_values(codes, scale, vmin, 4), v, atol=scale.item() / 2)
+    assert torch.allclose(ref.dequantize_values(codes, scale, vmin, 4, 4), v, atol=scale.item() / 2)
 
 
 def test_constant_value_group_is_exact():
@@ -81,7 +81,7 @@ def test_value_round_trip_bound(T, D, G, bits):
     torch.manual_seed(T * D + bits)
     v = torch.randn(1, 3, T, D) * 3
     codes, scale, vmin = ref.quantize_values(v, bits, G)
-    deq = ref.dequantize_values(codes, scale, vmin, G)
+    deq = ref.dequantize_values(codes, scale, vmin, G, bits)
     bound = scale.float().repeat_interleave(G, dim=-1) / 2
     # outward-rounded fp16 meta keeps every value inside the grid: error <= scale/2 (+ fp32 rounding)
     assert bool(((v - deq).abs() <= bound * (1 + 1e-5) + 1e-6).all())

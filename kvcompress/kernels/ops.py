@@ -38,7 +38,8 @@ def per_token_constants(D: int, key_bits: int, key_group: int, key_rotate: bool,
     """The per-token family's constexprs (kv_append_rot_kernel, decode_split_rot_kernel), for the
     launches here and the AOT build alike."""
     return dict(D=D, KEY_BITS=key_bits, KGROUP=key_group, ROT_K=int(key_rotate), VAL_BITS=value_bits, GROUP=group,
-                V_SYM=int(value_symmetric), ROT_V=int(value_rotate), V_CODE=int(value_coded_min), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
+                V_SYM=int(value_symmetric), ROT_V=int(value_rotate), V_CODE=int(value_coded_min),
+                MIN_STEP=ref.min_code_step(value_bits), LOG2D=D.bit_length() - 1, INV_SQRT_D=D**-0.5)
 
 
 def _packed_constants(kv: PackedKV, D: int) -> dict:

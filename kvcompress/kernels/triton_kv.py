@@ -81,7 +81,7 @@ def _encode_token(
         tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
     _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
     _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
-                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False)
+                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False, 1)
 
 
 @triton.jit
@@ -106,15 +106,15 @@ def _group_range(x_even, x_odd, ge, go, g):
 
 
 @triton.jit
-def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CODED: tl.constexpr):
+def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CODED: tl.constexpr,
+                       F: tl.constexpr):
     """Values (reference.encode_values): per group min (fp16 rounded down), scale = (max - min) / levels
     (fp16 rounded up), codes clamp(rhe((x - min) / scale), 0, levels) into payload row `row`.
     CODED (reference.value_meta_coded): the range widened to include 0, scale = (max - min) / (levels - 1/F)
-    (fp16 rounded up), the min stored as a uint8 w (min = -w * scale / F, rounded down)."""
+    (fp16 rounded up), the min stored as a uint8 w (min = -w * scale / F, rounded down; F = reference.min_code_step)."""
     HALF: tl.constexpr = D // 2
     NG: tl.constexpr = D // GROUP
     LEVELS: tl.constexpr = 2**BITS - 1
-    F: tl.constexpr = 16 if BITS == 4 else 1
     ie = 2 * tl.arange(0, HALF)
     io = ie + 1
     ge = ie // GROUP
@@ -262,12 +262,13 @@ def kv_append_rot_kernel(
     KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16; VM unused if V_SYM, uint8 if V_CODE
     H, CAP,
     D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr, KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr,
-    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, LOG2D: tl.constexpr,
-    INV_SQRT_D: tl.constexpr,
+    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, MIN_STEP: tl.constexpr,
+    LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     """The per-token family (kv.key.granularity=token): keys (Hadamard-rotated if ROT_K) quantized
     per token, symmetric, one fp16 scale per KGROUP channels; values symmetric (V_SYM) or asymmetric,
-    rotated if ROT_V, with the min a uint8 code if V_CODE (reference.value_meta_coded). No static
+    rotated if ROT_V, with the min a uint8 code if V_CODE (reference.value_meta_coded; its step
+    MIN_STEP = reference.min_code_step, passed by the host). No static
     key parameters."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -284,7 +285,7 @@ def kv_append_rot_kernel(
         if V_SYM:
             _encode_symmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
         else:
-            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, V_CODE)
+            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, V_CODE, MIN_STEP)
 
 
 @triton.jit
@@ -434,7 +435,8 @@ def decode_split_rot_kernel(
     sm_scale, H, CAP, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
     KEY_BITS: tl.constexpr, KGROUP: tl.constexpr, ROT_K: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
-    V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, MIN_STEP: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """decode_split_kernel for the per-token family (kv_append_rot_kernel's layout). The caller
     rotates the query once per step (ROT_K: QR = q @ H, so q.k needs no per-token rotation; done in
@@ -468,7 +470,7 @@ def decode_split_rot_kernel(
         if V_SYM:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
         elif V_CODE:  # min = -w * scale / F, w a byte (reference.coded_min; exact in fp32)
-            mn = -(_load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / (16 if VAL_BITS == 4 else 1))
+            mn = -(_load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / MIN_STEP)
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + mn
         else:
             v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
