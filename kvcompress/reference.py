@@ -146,17 +146,91 @@ def fake_quant_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
     return decode_keys(*encode_keys(k, p), p).to(k.dtype)
 
 
-def fake_quant_keys_grouped(k: torch.Tensor, bits: int, group_tokens: int) -> torch.Tensor:
-    """KIVI-style keys (comparison format): per channel, asymmetric, scale and min (fp16, rounded
-    outward) over aligned groups of `group_tokens` positions [G*j, G*j + G), computed when written:
-    the value quantizer applied along tokens. k: [..., T, D]; a last partial group is quantized
-    over the tokens it has (in the one-pass evaluation it is always inside the fp16 window)."""
-    T = k.shape[-2]
+KEY_CHANNEL_BITS = (1, 8)  # kv.key.alloc=waterfill: the fewest and most bits one key channel gets
+
+
+def waterfill_bits(weight: torch.Tensor, mean_bits: int, lo: int = KEY_CHANNEL_BITS[0], hi: int = KEY_CHANNEL_BITS[1]) -> torch.Tensor:
+    """Bits per key channel (kv.key.alloc=waterfill): int64 [..., D] with the two channels of a RoPE pair
+    (d, d + D/2) equal, each in [lo, hi], mean exactly mean_bits.
+
+    weight [..., D]: the q.k score error each channel adds per unit of squared step, E[q_d^2] * E[range_d^2]
+    (calibration queries' second moment times the squared range of the channel's token groups). A channel
+    with b bits adds weight * 4**-b (its step halves per bit), so the greedy reverse water-filling below,
+    one bit at a time to the pair whose error it cuts most (ties: the lower index), minimises the sum."""
+    D = weight.shape[-1]
+    if D % 2 or not lo <= mean_bits <= hi:
+        raise ValueError(f"waterfill_bits: needs an even head dim and lo <= mean_bits <= hi; got D={D}, mean_bits={mean_bits}, [{lo}, {hi}]")
+    wp = (weight[..., : D // 2] + weight[..., D // 2 :]).double()
+    b = torch.full(wp.shape, lo, dtype=torch.int64)
+    for _ in range((mean_bits - lo) * (D // 2)):
+        gain = (wp * torch.pow(4.0, -b.double())).masked_fill(b >= hi, -1.0)
+        idx = gain.argmax(-1, keepdim=True)
+        b.scatter_add_(-1, idx, torch.ones_like(idx))
+    return torch.cat([b, b], -1)
+
+
+def quantize_keys_grouped(k: torch.Tensor, bits, group_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys per channel over groups of `group_tokens` tokens (kv.key.group_tokens), asymmetric, the group's
+    fp16 scale and min rounded outward (nothing clips): the value quantizer applied along tokens.
+    k [..., T, D] with T a multiple of G; bits an int or int tensor broadcastable to [..., 1, D] (per channel).
+    -> (codes uint8 [..., T, D] in [0, 2**bits - 1], scale fp16 [..., T/G, D], min fp16 [..., T/G, D])."""
+    levels = (2 ** torch.as_tensor(bits, device=k.device) - 1).float()  # [..., 1, D] or scalar
+    kg = k.float().unflatten(-2, (-1, group_tokens))  # [..., n, G, D]
+    vmin = _round_outward_fp16(kg.amin(-2), float("-inf"))
+    scale = _round_outward_fp16((kg.amax(-2) - vmin.float()) / levels, float("inf"))
+    s = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    q = round_half_even((kg - vmin.float().unsqueeze(-2)) / s.unsqueeze(-2)).clamp_(min=0).minimum(levels.unsqueeze(-2) if levels.dim() else levels)
+    return q.flatten(-3, -2).to(torch.uint8), scale, vmin
+
+
+def dequantize_keys_grouped(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, group_tokens: int) -> torch.Tensor:
+    """codes uint8 [..., T, D], scale/min [..., T/G, D] -> float32 [..., T, D]: q * scale + min."""
+    q = codes.float().unflatten(-2, (-1, group_tokens))
+    return (q * scale.float().unsqueeze(-2) + vmin.float().unsqueeze(-2)).flatten(-3, -2)
+
+
+def fake_quant_keys_grouped(k: torch.Tensor, bits, group_tokens: int, start: int = 0) -> torch.Tensor:
+    """Token-grouped keys as the cache hands them back, in k's dtype: groups of `group_tokens` positions
+    aligned at `start` (the first compressed position: sink_tokens), [start + G*j, start + G*j + G), each
+    quantized when written (quantize_keys_grouped); positions before `start` come back unchanged (fp16
+    sinks). k: [..., T, D]; a last partial group is quantized over the tokens it has (in the one-pass
+    evaluation it is always inside the fp16 window, so its values are never read)."""
+    head, body = k[..., :start, :], k[..., start:, :]
+    T = body.shape[-2]
     pad = (-T) % group_tokens
-    kt = k.transpose(-1, -2)  # [..., D, T]
     if pad:
-        kt = torch.cat([kt, kt[..., -1:].expand(*kt.shape[:-1], pad)], -1)  # repeat the last token: no effect on min/max
-    return fake_quant_values(kt, bits, group_tokens)[..., :T].transpose(-1, -2).to(k.dtype)
+        body = torch.cat([body, body[..., -1:, :].expand(*body.shape[:-2], pad, body.shape[-1])], -2)  # repeat the last token: no effect on min/max
+    out = dequantize_keys_grouped(*quantize_keys_grouped(body, bits, group_tokens), group_tokens)[..., :T, :]
+    return torch.cat([head, out.to(k.dtype)], -2)
+
+
+def _bit_layout(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(channel, bit) of every bit of a packed row, LSB first: channel d holds bits [off_d, off_d + bits_d) of
+    the row, off the exclusive prefix sum of bits; and the row's byte count."""
+    b = [int(x) for x in bits.tolist()]
+    ch = torch.tensor([d for d, n in enumerate(b) for _ in range(n)], dtype=torch.int64)
+    bit = torch.tensor([j for n in b for j in range(n)], dtype=torch.int64)
+    return ch, bit, -(-sum(b) // 8)
+
+
+def pack_bits(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Codes of varying width per channel into a bitstream per row: codes uint8 [..., D], bits int [D]
+    (channel d's code < 2**bits[d]) -> uint8 [..., ceil(sum(bits) / 8)]. Channel d occupies bits
+    [off_d, off_d + bits_d) of the row, off = the exclusive prefix sum of bits; bit i of the row is bit
+    i % 8 of byte i // 8 (LSB first). A code may straddle two bytes. Unused tail bits are 0."""
+    ch, bit, nbytes = _bit_layout(bits)
+    stream = (codes[..., ch].to(torch.int64) >> bit) & 1  # [..., total bits]
+    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - stream.shape[-1]))
+    return (stream.unflatten(-1, (nbytes, 8)) << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """pack_bits' inverse: uint8 [..., nbytes] -> uint8 codes [..., D]."""
+    ch, bit, _ = _bit_layout(bits)
+    stream = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)[..., : ch.numel()]
+    out = torch.zeros(*packed.shape[:-1], bits.numel(), dtype=torch.int64)
+    out.index_add_(-1, ch, stream << bit)
+    return out.to(torch.uint8)
 
 
 # ---------------------------------------------------------------- values

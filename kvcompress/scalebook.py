@@ -7,6 +7,7 @@ Tensors:
                  per-layer formats, the largest layer count: layer i uses its first n_i entries)
     k_clip       [L, H] float32     clipping ratio chosen by the fit (1 = raw range)
     k_range      [L, H, D] float32  the half-range the scales were fitted to (before clipping)
+    k_bits       [L, H, D] int64    bits of each key channel (kv.key.alloc=waterfill only; token-grouped keys)
 Values have no static parameters: their scales are per token, computed at write time.
 A spec with per-layer formats (kv.layers) is stored in the header like any spec; version 2 of the
 file format is the one that may carry it (version 1 files load unchanged).
@@ -49,6 +50,10 @@ class ScaleBook:
             zero=self.tensors["k_zero"][layer],
             outlier_idx=self.tensors["k_outliers"][layer][..., : s.outlier_channels],
         )
+
+    def key_bits(self, layer: int) -> int | torch.Tensor:
+        """Bits of the layer's key codes: an int, or per channel [H, D] int64 (kv.key.alloc=waterfill)."""
+        return self.tensors["k_bits"][layer] if "k_bits" in self.tensors else self.layer_spec(layer).key.bits
 
     def value_group(self, layer: int) -> int:
         return self.layer_spec(layer).value_group(self.geometry["head_dim"])

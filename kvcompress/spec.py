@@ -10,6 +10,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+GROUP_RANGE_TOKENS = (32, 64, 128)  # token-group sizes whose per-channel key ranges profile records (kv.key.alloc=waterfill)
+
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -34,10 +36,14 @@ class KeySpec(Frozen):
     clip_percentile: float = Field(99.99, gt=50.0, le=100.0)
     # scale[d] == scale[d + D/2]: commutes with RoPE (needed for the exact export fold)
     tie_rope_pairs: bool = True
-    # 0: the static per-channel scales above. G > 0: KIVI-style keys for comparison (Liu et al. 2024):
-    # per-channel asymmetric scales computed at write time over aligned groups of G tokens (fp16
-    # scale and min per channel and group); simulated in validate only (no CompressedCache, kernels, export)
+    # 0: the static per-channel scales above. G > 0: token-grouped keys (as KIVI, Liu et al. 2024): per-channel
+    # asymmetric scales computed at write time over groups of G tokens aligned at the first compressed position
+    # (fp16 scale and min per channel and group); in validate and CompressedCache (no kernels or export yet)
     group_tokens: int = Field(0, ge=0)
+    # token-grouped keys only: "uniform" gives every channel `bits`; "waterfill" spends bits * D bits per token
+    # unevenly, channel by channel (reference.waterfill_bits: RoPE pairs alike, 1..8 bits each), where the
+    # calibration queries' energy times the channel's group range says the q.k score error is largest
+    alloc: Literal["uniform", "waterfill"] = "uniform"
 
 
 class ValueSpec(Frozen):
@@ -126,7 +132,7 @@ class KVSpec(Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> "KVSpec":
         if self.layers is not None and (self.is_native or self.key.group_tokens):
-            raise ValueError(f"kv.layers (per-layer formats) needs format=kvcompress without KIVI-style keys; got format={self.format}, "
+            raise ValueError(f"kv.layers (per-layer formats) needs format=kvcompress without token-grouped keys; got format={self.format}, "
                              f"key.group_tokens={self.key.group_tokens}")
         if (self.key.bits == 16) != (self.value.bits == 16):
             raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
@@ -135,8 +141,11 @@ class KVSpec(Frozen):
         if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
             raise ValueError("kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8) only")
         if self.key.group_tokens and (self.is_native or self.outlier_channels or self.window < self.key.group_tokens):
-            raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (KIVI-style keys) needs the kvcompress format, no outlier channels "
+            raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (token-grouped keys) needs the kvcompress format, no outlier channels "
                              f"and kv.window >= group_tokens (a group is quantized once all its tokens left the window); got window={self.window}")
+        if self.key.alloc == "waterfill" and (self.key.group_tokens not in GROUP_RANGE_TOKENS or self.key.bits not in (4,)):
+            raise ValueError(f"kv.key.alloc=waterfill needs token-grouped keys, kv.key.group_tokens in {list(GROUP_RANGE_TOKENS)} (the group "
+                             f"sizes profile records ranges for), and kv.key.bits=4 (the mean); got group_tokens={self.key.group_tokens}, bits={self.key.bits}")
         if self.headroom != "auto" and not self.headroom >= 1.0:
             raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
         if self.key.rotate != "none" and self.key.granularity != "token":
@@ -156,11 +165,11 @@ class KVSpec(Frozen):
     @property
     def validate_only(self) -> str:
         """Why the format is a comparison format (validated, not in the TensorRT plugins or the export;
-        per-token keys with symmetric/rotated values are in the Triton kernels, KIVI-style keys in neither
+        per-token keys with symmetric/rotated values are in the Triton kernels, token-grouped keys in CompressedCache only
         the kernels nor CompressedCache), or "" when it ships."""
         why = []
         if self.key.group_tokens:
-            why.append(f"KIVI-style keys (kv.key.group_tokens={self.key.group_tokens})")
+            why.append(f"token-grouped keys (kv.key.group_tokens={self.key.group_tokens}, alloc={self.key.alloc})")
         if self.token_keys:
             why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
         if self.rotated_values:

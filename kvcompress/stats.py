@@ -6,8 +6,11 @@ the post-RoPE queries per kv-head group (q_gram = sum of q q^T over every calibr
 query head of the group: all the fit's q.k score-error objective needs of the queries, [L, H_kv,
 D, D] whatever the number of query heads); per RoPE pair (d, d + D/2) the largest norm
 sqrt(k_d^2 + k_{d+D/2}^2) of the post-RoPE keys (k_pairmax [L, H, D/2]: RoPE rotates each pair, so
-this norm is the same at every position and bounds either channel at any position); and a small
-bounded sample of raw (k, v) rows per layer and kv head. Never all activations.
+this norm is the same at every position and bounds either channel at any position); per key channel
+the mean squared range (max - min) over aligned groups of G tokens of each window, G in
+spec.GROUP_RANGE_TOKENS (k_grange_sq [L, n_G, H, D] summed, k_grange_n [L, n_G] groups: what
+kv.key.alloc=waterfill weighs channels by); and a small bounded sample of raw (k, v) rows per layer
+and kv head. Never all activations.
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ from pathlib import Path
 import torch
 
 from kvcompress.artifacts import load_artifact, save_artifact
-from kvcompress.errors import ArtifactError
+from kvcompress.errors import ArtifactError, UserError
+from kvcompress.spec import GROUP_RANGE_TOKENS
 
-FORMAT_VERSION = 4  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos
+FORMAT_VERSION = 5  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -55,6 +59,16 @@ class KVStats:
     def q_second_moment(self, layer: int) -> torch.Tensor:
         """E[q q^T] per kv-head group of one layer: [H, D, D] float64 (queries of every head of the group)."""
         return self["q_gram"][layer] / self["q_count"][layer].clamp(min=1)
+
+    def group_range_sq(self, layer: int, group_tokens: int) -> torch.Tensor:
+        """E[(max - min)^2] of each key channel over aligned groups of group_tokens calibration tokens: [H, D]
+        float64. A clear error when no calibration window held a whole group."""
+        i = GROUP_RANGE_TOKENS.index(group_tokens)
+        n = int(self["k_grange_n"][layer, i])
+        if not n:
+            raise UserError(f"kv.key.group_tokens={group_tokens}: no calibration window holds a whole group of {group_tokens} tokens "
+                            f"(calib.seq_len={self.header.get('provenance', {}).get('calib', {}).get('seq_len', '?')}); use calib.seq_len >= {group_tokens}")
+        return self["k_grange_sq"][layer, i] / n
 
     def quantile_abs(self, which: str, q: float) -> torch.Tensor:
         """Upper bound of the q-th percentile (0..100) of |x| per [L, H, D], from the histogram."""
@@ -93,6 +107,8 @@ class StatsAccumulator:
             self.t[f"{w}_norm_hist"] = torch.zeros(L, H, N_NORM_BINS, dtype=torch.int64)
         self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
         self.t["k_pairmax"] = torch.zeros(L, H, D // 2)
+        self.t["k_grange_sq"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), H, D, dtype=torch.float64)
+        self.t["k_grange_n"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), dtype=torch.int64)
         self.t["q_gram"] = torch.zeros(L, H, D, D, dtype=torch.float64)
         self.t["q_count"] = torch.zeros(L, dtype=torch.float64)
         self.t["sample_k"] = torch.zeros(L, sample_capacity, H, D)
@@ -143,6 +159,12 @@ class StatsAccumulator:
         D = k.shape[-1]
         pair = (k[..., : D // 2].square() + k[..., D // 2 :].square()).sqrt().amax(dim=(0, 2)).cpu()  # [H, D/2]
         self.t["k_pairmax"][layer] = torch.maximum(self.t["k_pairmax"][layer], pair)
+        for i, G in enumerate(GROUP_RANGE_TOKENS):  # aligned groups of G tokens of each window (a partial tail is left out)
+            n = k.shape[2] // G
+            if n:
+                kg = k[:, :, : n * G].unflatten(2, (n, G))  # [B, H, n, G, D]
+                self.t["k_grange_sq"][layer, i] += (kg.amax(3) - kg.amin(3)).double().square().sum(dim=(0, 2)).cpu()
+                self.t["k_grange_n"][layer, i] += k.shape[0] * n
         self._channel("k", layer, k)
         self._channel("v", layer, v)
         self.t["count"][layer] += k.shape[0] * k.shape[2]

@@ -39,6 +39,8 @@ COMMANDS = {
     "long8k_rot4": "python -m kvcompress kv=rot4 eval=long export=none eval.compare=[kivi_int4]",
     # kv=rot8k_int4v (Hadamard-rotated per-token int8 keys, rotated int4 values) beside int8k_int4v at 8K
     "long8k_rot8": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.compare=[int8k_int4v]",
+    # kv=wf4 (4.44 bits/element, water-filled token-grouped int4 keys, rotated int4 values) beside KIVI-style int4 and NVFP4 at 8K
+    "long8k_wf4": "python -m kvcompress kv=wf4 eval=long export=none eval.compare=[kivi_int4,native_nvfp4]",
 }
 
 

@@ -99,7 +99,9 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
         return k_hp, v_hp, k_hp.to(key.dtype), v_hp.to(value.dtype)
     g, D = spec.key.group_tokens, k_hp.shape[-1]
     if g:
-        k_hat = ref.fake_quant_keys_grouped(k_hp, spec.key.bits, g)
+        bits = book.key_bits(layer)
+        bits = bits.to(k_hp.device).unsqueeze(-2) if torch.is_tensor(bits) else bits  # [H, 1, D]: per channel
+        k_hat = ref.fake_quant_keys_grouped(k_hp, bits, g, spec.sink_tokens)
     elif spec.token_keys:
         k_hat = ref.fake_quant_rotated(k_hp, spec.key.bits, spec.key_group(D), True, spec.key.rotate)
     else:

@@ -9,7 +9,7 @@ from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pa
 from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
-from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant
+from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant, waterfill_bits
 from kvcompress.scalebook import ScaleBook
 from kvcompress.errors import UserError
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
@@ -109,6 +109,17 @@ def _headroom(stats: KVStats, spec: KVSpec, sk, sv, scale, n: int, info: dict) -
     return out
 
 
+def waterfill_tensors(stats: KVStats, spec: KVSpec) -> tuple[torch.Tensor, str]:
+    """kv.key.alloc=waterfill: bits per key channel [L, H, D] int64 (reference.waterfill_bits), weighing each
+    channel by E[q_d^2] (the calibration queries of its kv-head group) times E[range_d^2] over the calibration
+    windows' aligned groups of kv.key.group_tokens tokens: the q.k score error its quantization step adds."""
+    L = stats["k_absmax"].shape[0]
+    w = torch.stack([torch.diagonal(stats.q_second_moment(i), dim1=-2, dim2=-1) * stats.group_range_sq(i, spec.key.group_tokens) for i in range(L)])
+    bits = waterfill_bits(w, spec.key.bits)
+    hist = torch.bincount(bits.flatten(), minlength=9).tolist()
+    return bits, f"waterfill: mean {spec.key.bits} bits per key channel; channels with 1..8 bits: {hist[1:]}"
+
+
 def assemble(spec: KVSpec, uniform: dict[LayerFormat, ScaleBook]) -> ScaleBook:
     """The ScaleBook of a per-layer spec from uniform books of its layer formats: layer i takes
     its tensors from the book of its own format (the fit of a layer depends on that layer only)."""
@@ -165,5 +176,7 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
         clip, info = OBSERVERS.get(spec.key.clip)(stats, spec, ranges, outliers)
         half = (ranges.half * clip.unsqueeze(-1)).clamp(min=1e-8)
         tensors |= {"k_scale": (half / key_qmax(spec.key.bits)).float(), "k_zero": ranges.center.float(), "k_clip": clip.float()}
+    if spec.key.alloc == "waterfill":
+        tensors["k_bits"], info["key_bits"] = waterfill_tensors(stats, spec)
     provenance = {**base_provenance(), "stats": stats.header.get("provenance", {})}
     return ScaleBook(spec, geom, tensors, provenance, info)
