@@ -3,7 +3,10 @@
 Per layer and sequence it holds: fp16 sink tokens, an fp16 window of the most recent tokens,
 and the compressed store (packed int8/int4 key payload, fp16 outlier key channels, packed
 value payload, fp16 per-token value scale and min). A token is encoded, with the reference
-numerics and from its fp16 form, when it leaves the window. `update` hands attention the dequantized view.
+numerics and from its fp16 form, when it leaves the window. Token-grouped keys (kv.key.group_tokens
+= G) are encoded a group at a time, when the group's first token leaves the window (all G tokens are
+in it then, since window >= G): the key store runs up to G - 1 tokens ahead of the value store, and
+those tokens are read from the window until they leave it. `update` hands attention the dequantized view.
 
 Semantics, as serving engines run them (two named modes, one reference each in
 `kvcompress.reference`):
@@ -28,7 +31,7 @@ from kvcompress import reference as ref
 from kvcompress.errors import UserError
 from kvcompress.scalebook import ScaleBook
 
-_STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "k_scale")
+_STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "k_scale", "k_gscale", "k_gmin")
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -43,7 +46,9 @@ class CompressedLayer(CacheLayerMixin):
         self.p = book.key_params(layer_idx)
         self.spec = book.layer_spec(layer_idx)
         self.group = book.value_group(layer_idx)
+        self.key_bits = book.key_bits(layer_idx)  # int, or per channel [H, D] (kv.key.alloc=waterfill)
         self.n_tokens = 0
+        self.n_spilled = 0  # tokens that left the window (the value store's length)
         self.sink_k = self.sink_v = self.win_k = self.win_v = None
         self.store: dict[str, torch.Tensor | None] = dict.fromkeys(_STORE)
 
@@ -51,10 +56,40 @@ class CompressedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    def _encode_key_groups(self, spill: int) -> None:
+        """Token-grouped keys: encode every group holding one of the `spill` oldest window tokens that is not
+        encoded yet, from the window (which holds the whole group)."""
+        G, s = self.spec.key.group_tokens, self.store
+        n_enc = 0 if s["k_payload"] is None else s["k_payload"].shape[-2]
+        while n_enc < self.n_spilled + spill:
+            a = n_enc - self.n_spilled  # the group's first token, as a window index
+            codes, scale, vmin = ref.quantize_keys_grouped(self.win_k[..., a : a + G, :], self._bits_bcast(), G)
+            for name, t in (("k_payload", self._pack_keys(codes)), ("k_gscale", scale), ("k_gmin", vmin)):
+                s[name] = _cat(s[name], t)
+            n_enc += G
+
+    def _bits_bcast(self):
+        return self.key_bits.unsqueeze(-2) if torch.is_tensor(self.key_bits) else self.key_bits  # [H, 1, D]
+
+    def _pack_keys(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [B, H, n, D] -> the stored payload: per-channel widths as one bitstream per head's row
+        (reference.pack_bits), 4-bit codes two per byte, 8-bit codes as bytes."""
+        if torch.is_tensor(self.key_bits):
+            return torch.stack([ref.pack_bits(codes[:, h], self.key_bits[h]) for h in range(codes.shape[1])], 1)
+        return ref.pack_int4(codes) if self.key_bits == 4 else codes
+
+    def _unpack_keys(self, payload: torch.Tensor) -> torch.Tensor:
+        if torch.is_tensor(self.key_bits):
+            return torch.stack([ref.unpack_bits(payload[:, h], self.key_bits[h]) for h in range(payload.shape[1])], 1)
+        return ref.unpack_int4(payload) if self.key_bits == 4 else payload
+
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H, n, D] tokens leaving the window
         sp, D = self.spec, k.shape[-1]
-        if self.spec.token_keys:  # per-token symmetric keys in a rotated basis: payload + fp16 scale
+        k_payload = k_out = k_scale = None
+        if self.spec.key.group_tokens:  # keys: encoded a group at a time (_encode_key_groups)
+            pass
+        elif self.spec.token_keys:  # per-token symmetric keys in a rotated basis: payload + fp16 scale
             k_payload, k_scale = ref.encode_rotated(k, sp.key.bits, sp.key_group(D), True, sp.key.rotate)
             k_out = None
         else:
@@ -84,8 +119,11 @@ class CompressedLayer(CacheLayerMixin):
             self.win_v = _cat(self.win_v, v.to(ref.HP_DTYPE))
             spill = self.win_k.shape[-2] - self.spec.window
             if spill > 0:  # the oldest tokens leave the window: encode them from their fp16 form
+                if self.spec.key.group_tokens:
+                    self._encode_key_groups(spill)
                 self._encode(self.win_k[..., :spill, :], self.win_v[..., :spill, :])
                 self.win_k, self.win_v = self.win_k[..., spill:, :], self.win_v[..., spill:, :]
+                self.n_spilled += spill
         self.n_tokens += key_states.shape[-2]
         k_view, v_view = self._view()
         C = key_states.shape[-2]
@@ -100,9 +138,12 @@ class CompressedLayer(CacheLayerMixin):
         if self.sink_k is not None:
             ks.append(self.sink_k.to(self.dtype))
             vs.append(self.sink_v.to(self.dtype))
-        if self.store["k_payload"] is not None:
+        if self.store["v_payload"] is not None:
             s, sp, D = self.store, self.spec, self.p.scale.shape[-1]
-            if self.spec.token_keys:
+            if sp.key.group_tokens:  # whole groups are stored: the first n_spilled tokens are read compressed
+                G = sp.key.group_tokens
+                ks.append(ref.dequantize_keys_grouped(self._unpack_keys(s["k_payload"]), s["k_gscale"], s["k_gmin"], G)[..., : self.n_spilled, :].to(self.dtype))
+            elif self.spec.token_keys:
                 ks.append(ref.decode_rotated((s["k_payload"], s["k_scale"]), sp.key.bits, sp.key_group(D), True, sp.key.rotate).to(self.dtype))
             else:
                 ks.append(ref.decode_keys(s["k_payload"], s["k_outliers"], self.p).to(self.dtype))
@@ -132,6 +173,8 @@ class CompressedLayer(CacheLayerMixin):
         }
         if self.spec.token_keys:  # no static key scales: a scale per token, stored with it
             out |= {"key_meta": nb(s["k_scale"]), "static": 0}
+        if self.spec.key.group_tokens:  # an fp16 scale and min per channel per group of tokens; the bits per channel are static
+            out |= {"key_meta": nb(s["k_gscale"]) + nb(s["k_gmin"]), "static": self.key_bits.numel() if torch.is_tensor(self.key_bits) else 0}  # uint8 each
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -175,9 +218,6 @@ class CompressedCache(Cache):
                 f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "
                 "validate simulates it exactly, CompressedCache holds the kvcompress format only"
             )
-        if book.spec.key.group_tokens:
-            raise UserError(f"kv.key.group_tokens={book.spec.key.group_tokens} (KIVI-style keys) is a comparison format simulated in validate only; "
-                            "CompressedCache holds the kvcompress format")
         n = book.geometry["n_layers"]
         # per-layer formats: an fp16 layer holds every token in fp16
         if book.spec.is_baseline:

@@ -502,6 +502,7 @@ def cache_nbytes(
     key_token_group: int = 0,
     value_symmetric: bool = False,
     value_coded_min: bool = False,
+    key_channel_bits: bool = False,
 ) -> dict[str, int]:
     """Exact bytes of every tensor a compressed cache holding n_tokens per sequence allocates.
 
@@ -513,6 +514,8 @@ def cache_nbytes(
     per layer-head.
     A 16-bit spec means the plain fp16 cache: every token is 2*D*2.
     Per-token keys (key_token_group=Gk): (D/Gk)*2 key scale per compressed token, no static scales;
+    token-grouped keys (key_group_tokens=G): whole groups of key payload, D*2*2 scale+min per group, static
+    D bytes of per-channel bits per layer-head when key_channel_bits (kv.key.alloc=waterfill);
     symmetric values: (D/G)*2 (a scale, no min); a coded min: (D/G)*(2+1) (fp16 scale, uint8 min code).
     """
     n_sink, n_comp, n_win = region_sizes(n_tokens, sink_tokens, window)
@@ -533,9 +536,11 @@ def cache_nbytes(
         "window": lh * n_win * 2 * head_dim * HP_BYTES,
         "static": n_layers * n_kv_heads * (head_dim * 2 * KEY_SCALE_BYTES + outlier_channels * OUTLIER_INDEX_BYTES),
     }
-    if key_group_tokens:  # KIVI-style keys: fp16 scale + min per channel per group of tokens, no static scales
-        out["key_meta"] = lh * (-(-n_comp // key_group_tokens)) * head_dim * 2 * HP_BYTES
-        out["static"] = 0
+    if key_group_tokens:  # token-grouped keys: fp16 scale + min per channel per group of tokens, no static scales; a group is
+        n_groups = -(-n_comp // key_group_tokens)  # written whole (when its first token leaves the window), so the payload holds whole groups
+        out["key_payload"] = lh * n_groups * key_group_tokens * head_dim * key_bits // 8
+        out["key_meta"] = lh * n_groups * head_dim * 2 * HP_BYTES
+        out["static"] = n_layers * n_kv_heads * head_dim if key_channel_bits else 0  # the bits of each channel (uint8), kv.key.alloc=waterfill
     if key_token_group:  # per-token keys: an fp16 scale per token per group of channels, no static scales
         out["key_meta"] = lh * n_comp * (head_dim // key_token_group) * HP_BYTES
         out["static"] = 0
@@ -572,6 +577,7 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
         key_token_group=spec.key_group(geometry.head_dim) if spec.token_keys else 0,
         value_symmetric=spec.value.symmetric and not spec.is_native,
         value_coded_min=spec.coded_min,
+        key_channel_bits=spec.key.alloc == "waterfill" and not spec.is_native,
     )
 
 

@@ -61,7 +61,7 @@ class MemoryBreakdown(_M):
     window: float = 0
     fp16_tokens: float = 0
     block_scales: float = 0  # NVFP4: one FP8 scale per 16 elements of K and of V
-    key_meta: float = 0  # KIVI-style keys: fp16 scale + min per channel per group of tokens
+    key_meta: float = 0  # token-grouped keys: fp16 scale + min per channel per group of tokens; per-token keys: a scale per token
 
 
 class Memory(_M):

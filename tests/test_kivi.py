@@ -3,9 +3,7 @@ computed when written), validated beside the project's formats, never shipped.""
 import pytest
 import torch
 
-from conftest import fitted_book
 from kvcompress import reference as ref
-from kvcompress.errors import UserError
 
 
 def test_grouped_keys_quantize_each_channel_over_aligned_token_groups():
@@ -25,8 +23,7 @@ def test_grouped_keys_quantize_each_channel_over_aligned_token_groups():
     assert torch.equal(kq[..., :64, :], expect)
 
 
-def test_grouped_key_bytes_and_the_compressed_cache_refuses(tiny_llama):
-    from kvcompress.cache import CompressedCache
+def test_grouped_key_bytes(tiny_llama):
     from kvcompress.models.base import Geometry
 
     geo = Geometry(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64, hidden_size=128, vocab_size=10, max_position=64, rope_theta=1e4, architecture="x")
@@ -35,9 +32,9 @@ def test_grouped_key_bytes_and_the_compressed_cache_refuses(tiny_llama):
     spec = KVSpec(name="kivi", key={"bits": 4, "symmetric": False, "group_tokens": 32}, value={"bits": 4, "group_size": 32}, window=128, sink_tokens=0)
     b = ref.spec_cache_nbytes(spec, geo, 128 + 320)
     assert b["key_meta"] == 10 * 64 * 2 * 2 and b["static"] == 0  # 10 groups of 32 compressed tokens x D channels x (scale, min) fp16
-    book = fitted_book(tiny_llama, name="kivi", key={"bits": 4, "symmetric": False, "group_tokens": 32}, value={"bits": 4, "group_size": 32}, window=32, sink_tokens=0)
-    with pytest.raises(UserError, match="comparison format"):
-        CompressedCache(book)
+    assert b["key_payload"] == 10 * 32 * 64 // 2  # whole groups (a group is written when its first token leaves the window)
+    b = ref.spec_cache_nbytes(spec, geo, 128 + 300)  # 300 compressed tokens: the 10th group is written, 20 of its tokens still in the window
+    assert b["key_payload"] == 10 * 32 * 64 // 2 and b["value_payload"] == 300 * 64 // 2
 
 
 def test_group_tokens_needs_a_window_at_least_one_group():

@@ -168,7 +168,7 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
     rows = []
     checked = defaultdict(int)
     streamed = lm.streamer is not None  # the greedy cross-check decodes token by token: in memory only
-    greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not b.spec.key.group_tokens and not streamed}  # [agree, checked]
+    greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not streamed}  # [agree, checked]
     scores = score_samples_streamed(lm, samples, books, progress) if streamed else None
     for j, s in enumerate(tqdm(samples, desc="tasks", unit="sample", disable=not progress or streamed)):
         sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books)

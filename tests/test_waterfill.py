@@ -1,0 +1,162 @@
+"""Token-grouped keys (kv.key.group_tokens) with water-filled bits per channel (kv.key.alloc=waterfill, kv=wf4):
+the allocation, the variable-width packing, the grouped quantizer, the fit, and the one-pass evaluation against
+decoding through the real CompressedCache."""
+import itertools
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from conftest import fitted_book, run_cli
+from kvcompress import reference as ref
+from kvcompress.cache import CompressedCache
+from kvcompress.errors import UserError
+from kvcompress.eval.attention import compressed_attention
+from kvcompress.models.base import Geometry
+from kvcompress.spec import KVSpec
+
+WF = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 32, "alloc": "waterfill"},
+      "value": {"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}}
+UNIFORM = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 32}, "value": {"bits": 4, "group_size": 16}}
+
+
+def _cost(w: torch.Tensor, b: torch.Tensor) -> float:
+    return float((w * torch.pow(4.0, -b.double())).sum())
+
+
+def test_waterfill_bits_is_the_exact_optimum_with_rope_pairs_alike():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        w = torch.rand(8, generator=g).double() ** 6 * 100  # weights over orders of magnitude: 4 RoPE pairs
+        b = ref.waterfill_bits(w, 3)
+        assert torch.equal(b[:4], b[4:]) and b.float().mean() == 3 and int(b.min()) >= 1 and int(b.max()) <= 8
+        wp = w[:4] + w[4:]
+        best = min((c for c in itertools.product(range(1, 9), repeat=4) if sum(c) == 12), key=lambda c: _cost(wp, torch.tensor(c)))
+        assert _cost(wp, b[:4]) == pytest.approx(_cost(wp, torch.tensor(best)), rel=1e-12)  # greedy == brute force
+    # the pair that matters most never gets fewer bits than one that matters less; equal weights share within a bit
+    w = torch.tensor([1e4, 1.0, 1e-4, 1.0] * 2).double()
+    b = ref.waterfill_bits(w, 4)
+    assert b[0] >= max(b[1], b[3]) and min(b[1], b[3]) >= b[2] and b[0] > b[2] and abs(int(b[1] - b[3])) <= 1
+    assert torch.equal(ref.waterfill_bits(torch.ones(2, 16), 4), torch.full((2, 16), 4))
+    with pytest.raises(ValueError, match="mean_bits"):
+        ref.waterfill_bits(torch.ones(8), 9)
+
+
+def test_pack_bits_round_trips_codes_that_straddle_bytes():
+    g = torch.Generator().manual_seed(1)
+    bits = torch.tensor([3, 5, 8, 1, 7, 2, 6, 4] * 2)  # 72 bits: most codes straddle a byte boundary
+    codes = (torch.randint(0, 256, (5, 9, 16), generator=g) % (2**bits)).to(torch.uint8)
+    packed = ref.pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 9, 9)
+    assert torch.equal(ref.unpack_bits(packed, bits), codes)
+    # the layout, by hand: channel 0 holds bits 0-2 of byte 0, channel 1 bits 3-7 of byte 0, channel 2 byte 1
+    one = torch.zeros(16, dtype=torch.uint8)
+    one[0], one[1], one[2] = 0b101, 0b10011, 0xA5
+    p = ref.pack_bits(one, bits)
+    assert int(p[0]) == 0b101 | (0b10011 << 3) and int(p[1]) == 0xA5 and int(p[2:].sum()) == 0
+
+
+def test_grouped_keys_with_per_channel_bits_never_clip_and_groups_start_after_the_sinks():
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 70, 8, generator=g) * torch.linspace(0.1, 10, 8)  # [H, T, D]
+    bits = torch.tensor([[1, 8, 4, 3] * 2, [2, 6, 5, 3] * 2])  # [H, D]
+    kq = ref.fake_quant_keys_grouped(k, bits.unsqueeze(-2), 32, start=3)
+    assert torch.equal(kq[:, :3], k[:, :3])  # sinks unchanged
+    for lo in (3, 35):  # groups [3, 35), [35, 67)
+        src, blk = k[:, lo : lo + 32], kq[:, lo : lo + 32]
+        step = (src.amax(1) - src.amin(1)) / (2.0**bits - 1)  # [H, D]
+        assert ((blk - src).abs() <= step.unsqueeze(1) * 0.5 * (1 + 1e-2) + 1e-6).all()  # at most half a step: nothing clips
+        for h, d in itertools.product(range(2), range(8)):
+            assert blk[h, :, d].unique().numel() <= 2 ** int(bits[h, d])
+    codes, scale, vmin = ref.quantize_keys_grouped(k[:, 3:67], bits.unsqueeze(-2), 32)
+    assert codes.dtype == torch.uint8 and bool((codes.long() < 2 ** bits.unsqueeze(-2)).all()) and scale.dtype == vmin.dtype == torch.float16
+
+
+def test_spec_refuses_waterfill_without_token_groups_it_can_weigh():
+    with pytest.raises(ValidationError, match="alloc=waterfill needs token-grouped keys"):
+        KVSpec(name="x", key={"bits": 4, "symmetric": False, "alloc": "waterfill"})
+    with pytest.raises(ValidationError, match=r"group_tokens in \[32, 64, 128\]"):
+        KVSpec(name="x", key={"bits": 4, "symmetric": False, "group_tokens": 96, "alloc": "waterfill"}, window=128)
+    with pytest.raises(ValidationError, match="bits=8"):
+        KVSpec(name="x", key={"bits": 8, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"})
+
+
+def test_fit_gives_more_bits_where_queries_and_ranges_are_large(tiny_llama, tiny_stats):
+    from kvcompress.stages.fit import fit
+
+    book = fit(tiny_stats, KVSpec(name="wf", window=32, **WF))
+    bits = book.tensors["k_bits"]  # [L, H, D]
+    L, H, D = bits.shape
+    assert bits.dtype == torch.int64 and torch.equal(bits.float().mean(-1), torch.full((L, H), 4.0))
+    assert torch.equal(bits[..., : D // 2], bits[..., D // 2 :]) and "waterfill" in book.fit_info["key_bits"]
+    assert int(bits.max()) > 4 and int(bits.min()) < 4  # the tiny model's channels are not all alike
+    q2 = torch.stack([torch.diagonal(tiny_stats.q_second_moment(i), dim1=-2, dim2=-1) for i in range(L)])
+    w = q2 * torch.stack([tiny_stats.group_range_sq(i, 32) for i in range(L)])
+    wp = w[..., : D // 2] + w[..., D // 2 :]
+    top, low = wp.argmax(-1, keepdim=True), wp.argmin(-1, keepdim=True)
+    assert (bits.gather(-1, top) >= bits.gather(-1, low)).all() and (bits.gather(-1, top) > bits.gather(-1, low)).any()
+    assert book.key_bits(0).shape == (H, D)
+
+
+def test_a_group_longer_than_the_calibration_windows_is_a_clear_error(tiny_stats, tmp_path):
+    from kvcompress.stages.fit import fit
+
+    with pytest.raises(UserError, match=r"no calibration window holds a whole group of 128 tokens \(calib.seq_len=64\)"):
+        fit(tiny_stats, KVSpec(name="wf", window=128, **{**WF, "key": {**WF["key"], "group_tokens": 128}}))
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=wf4", "export=none", cache_dir=tmp_path / "c")
+    assert r.returncode != 0 and "calib.seq_len >= 128" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM)])
+def test_onepass_equals_decoding_through_the_compressed_cache(name, kw):
+    """Token-grouped keys in the real cache (a group encoded whole when its first token leaves the window,
+    variable-width codes in one bitstream per row) give the validation path's logits, sinks before the
+    groups; float64 as tests/test_rotated.py (a flipped code would exceed the tolerance)."""
+    from conftest import rmsnorm_float64, tiny_lm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, name=name, window=32, sink_tokens=3, **kw)
+    lm.model.double()
+    T = 110  # 110 - 3 - 32 = 75 compressed tokens: two whole groups of 32 and a third written ahead of its last tokens
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LlamaRMSNorm, "forward", rmsnorm_float64)
+        cache = CompressedCache(book)
+        dec = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(T)], 1)
+        with compressed_attention(lm.model, book) as kw_:
+            one = lm.model(input_ids=ids, use_cache=False, **kw_).logits
+        plain = lm.model(input_ids=ids).logits
+    torch.testing.assert_close(one, dec, atol=1e-9, rtol=0)
+    assert (one - plain).abs().max() > 1e-3  # something was quantized
+    assert cache.nbytes_breakdown() == ref.spec_cache_nbytes(book.spec, Geometry(**book.geometry), T, batch=2)
+    st, D = cache.layers[0].store, book.geometry["head_dim"]
+    assert st["k_payload"].dtype == torch.uint8 and st["k_payload"].shape[-2:] == (96, D * 4 // 8)  # 3 groups, 4 bits per element on average
+    assert st["k_gscale"].shape[-2:] == (3, D) and st["k_gscale"].dtype == st["k_gmin"].dtype == torch.float16
+
+
+def test_a_prefill_chunk_stores_the_same_groups_as_token_by_token_decoding(tiny_llama):
+    book = fitted_book(tiny_llama, name="wf", window=32, sink_tokens=3, **WF)
+    k, v = torch.randn(2, 2, 100, 32, generator=torch.Generator().manual_seed(3)).unbind(0)
+    k, v = k.unsqueeze(0), v.unsqueeze(0)  # [1, H, T, D]
+    a, b = CompressedCache(book), CompressedCache(book)
+    a.layers[0].update(k, v)
+    for t in range(100):
+        b.layers[0].update(k[..., t : t + 1, :], v[..., t : t + 1, :])
+    for name in ("k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale"):
+        assert torch.equal(a.layers[0].store[name], b.layers[0].store[name]), name
+    kv_a, kv_b = a.layers[0]._view(), b.layers[0]._view()
+    assert torch.equal(kv_a[0], kv_b[0]) and torch.equal(kv_a[1], kv_b[1])
+
+
+@pytest.mark.slow
+def test_wf4_validates_end_to_end_with_the_groups_the_calibration_holds(tmp_path):
+    import json
+
+    run_dir = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=wf4", "kv.key.group_tokens=32", "kv.window=32", "export=none",
+                f"hydra.run.dir={run_dir}", cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert rep["kv"]["key"]["alloc"] == "waterfill" and rep["quality"]["key_clip_rate"] == 0 and rep["quality"]["kl_mean"] > 0
+    assert rep["memory"]["breakdown_per_token"]["key_meta"] > 0
