@@ -25,8 +25,9 @@ from triton.compiler import ASTSource
 
 from kvcompress.kernels import plan
 from kvcompress.kernels.audit import audit_dir, nvidia_tool
-from kvcompress.kernels.ops import decode_launch_params, per_token_constants
-from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_kernel, kv_append_rot_kernel
+from kvcompress.kernels.ops import decode_launch_params, grouped_constants, per_token_constants
+from kvcompress.kernels.triton_kv import (decode_reduce_kernel, decode_split_grp_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_grp_kernel,
+                                         kv_append_kernel, kv_append_rot_kernel)
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic shared memory per block
@@ -54,16 +55,25 @@ class Variant:
     value_symmetric: bool = False
     value_rotate: bool = False
     value_coded_min: bool = False
+    # the grouped family (kv.key.group_tokens, e.g. kv=wf4): kv_append_grp / decode_split_grp; key_bits is the mean width
+    # (the per-channel widths are a runtime table, so one build serves every water-filled allocation)
+    key_group_tokens: int = 0
 
     @property
     def per_token(self) -> bool:
         return bool(self.key_group)
 
+    @property
+    def grouped(self) -> bool:
+        return bool(self.key_group_tokens)
+
     def __post_init__(self):
         if not self.decode_warps:
-            object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim, self.per_token))
+            object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim, self.per_token or self.grouped))
         if not self.block_t:
             object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps))
+        if self.grouped:  # a decode tile lies in one key group
+            object.__setattr__(self, "block_t", min(self.block_t, self.key_group_tokens))
 
 
 VARIANTS = {
@@ -82,6 +92,12 @@ VARIANTS = {
         Variant("d64_g3_rot4", 64, 3, 4, 4, 64, 4, 128, 0, key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True),
         Variant("d128_g8_rot8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True, value_coded_min=True),
     ],
+    # kv=wf4 (token-grouped keys of water-filled widths, mean 4 bits, groups of 128 tokens; rotated symmetric int4 values):
+    # kernels only; no plugin or export yet
+    "grouped": [
+        Variant("d128_g8_wf4", 128, 8, 4, 4, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+        Variant("d64_g3_wf4", 64, 3, 4, 4, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+    ],
 }
 
 PTR = {"kp8": "*i8", "kp4": "*u8"}
@@ -91,6 +107,8 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     """(kernel name, jit fn, signature, constexprs, num_warps) for the three kernels of a variant."""
     if v.per_token:
         return _per_token_specs(v)
+    if v.grouped:
+        return _grouped_specs(v)
     kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*u8", "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
     common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
@@ -119,6 +137,22 @@ def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     return [
         ("kv_append_rot", kv_append_rot_kernel, append_sig, common, 2),
         ("decode_split_rot", decode_split_rot_kernel, split_sig, {**common, **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
+    ]
+
+
+def _grouped_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
+    vp = "*i8" if v.value_symmetric and v.value_bits == 8 else "*u8"
+    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": "*u8", "KB": "*i32", "KOFF": "*i32", "KGS": "*fp16", "KGM": "*fp16",
+             "VP": vp, "VS": "*fp16", "VM": "*u8" if v.value_coded_min else "*fp16", "LENS": "*i32"}
+    common = dict(NS=v.n_sink, W=v.window, **grouped_constants(v.head_dim, v.key_group_tokens, v.key_bits, v.value_bits, v.group, v.value_symmetric,
+                                                                v.value_rotate, v.value_coded_min))
+    append_sig = {"KN": "*fp16", "VN": "*fp16", **store, "H": "i32", "CAP": "i32", "CAPG": "i32"}
+    split_sig = {"Q": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "CAPG": "i32", "SPLITS": "i32"}
+    reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
+    return [
+        ("kv_append_grp", kv_append_grp_kernel, append_sig, common, 4),
+        ("decode_split_grp", decode_split_grp_kernel, split_sig, {**common, **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
         ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
     ]
 

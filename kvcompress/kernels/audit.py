@@ -33,7 +33,7 @@ ARCH_LIMITS = {
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
 
-SPLIT_KERNELS = ("decode_split", "decode_split_rot")  # the kernels with a main loop over the compressed store
+SPLIT_KERNELS = ("decode_split", "decode_split_rot", "decode_split_grp")  # the kernels with a main loop over the compressed store
 
 def nvidia_tool(name: str) -> str:
     """Triton's bundled copy of an NVIDIA binary tool (cuobjdump, nvdisasm), else the CUDA toolkit's on PATH."""

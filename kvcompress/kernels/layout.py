@@ -18,6 +18,13 @@ offset-binary int4 (q + 8), and k_scale [B, H, CAP, D/key_group] fp16 its per-to
 value_symmetric the values are signed codes the same way (v_payload int8 for 8 bits) and v_min is
 unused; value_rotate stores values in the rotated basis (reference.encode_rotated); value_coded_min
 (kv.value.min=code) makes v_min uint8 codes (reference.value_meta_coded).
+The grouped family (key_group_tokens = GT > 0: kv.key.group_tokens, e.g. kv=wf4 and kv=kivi_int4) stores
+keys per channel over groups of GT compressed tokens (group j: compressed indices [GT*j, GT*j + GT)):
+k_payload [B, H, CAPG*GT, D*key_bits/8] uint8 holds each token's codes as one bitstream of varying
+widths, key_bits_table [H, D] (reference.pack_bits; a uniform table of 4 is pack_int4's layout), and
+k_gscale, k_gmin [B, H, CAPG, D] fp16 each group's scale and min. A group is written whole when its
+first token leaves the ring (all GT tokens are in it then: window >= GT); its later tokens stay readable
+in fp16 from the ring until they leave it. Its values follow the per-token family's value options.
 `PackedKV.from_reference` builds one from plain K/V with the reference numerics, so tests
 compare kernels with the reference on identical bytes.
 """
@@ -52,6 +59,21 @@ class PackedKV:
     value_symmetric: bool = False
     value_rotate: bool = False
     value_coded_min: bool = False
+    key_group_tokens: int = 0  # > 0: the grouped family (token-grouped keys)
+    key_bits_table: torch.Tensor | None = None  # [H, D] int32 bits of each key channel (grouped family)
+    k_gscale: torch.Tensor | None = None  # [B, H, CAPG, D] fp16 (grouped family)
+    k_gmin: torch.Tensor | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """The grouped family (kv_append_grp_kernel / decode_split_grp_kernel)."""
+        return bool(self.key_group_tokens)
+
+    @property
+    def key_bit_offsets(self) -> torch.Tensor:
+        """[H, D] int32: where each key channel's code starts in a row's bitstream (reference.pack_bits)."""
+        t = self.key_bits_table
+        return (t.cumsum(-1) - t).to(torch.int32)
 
     @property
     def per_token(self) -> bool:
@@ -76,20 +98,30 @@ class PackedKV:
 
     @classmethod
     def empty(cls, B, H, D, cap, *, n_sink, window, n_out, key_bits, value_bits, group, device="cpu",
-              key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False) -> "PackedKV":
-        if (key_rotate or value_symmetric or value_rotate or value_coded_min) and not key_group:
+              key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False,
+              key_group_tokens=0, key_bits_table=None) -> "PackedKV":
+        if (key_rotate or value_symmetric or value_rotate or value_coded_min) and not (key_group or key_group_tokens):
             raise ValueError("the per-token kernels need per-token keys (key_group > 0)")
+        if key_group_tokens:
+            if key_group or key_rotate or not window >= key_group_tokens:
+                raise ValueError(f"token-grouped keys (key_group_tokens={key_group_tokens}) are unrotated, per channel, with window >= key_group_tokens; "
+                                 f"got key_group={key_group}, key_rotate={key_rotate}, window={window}")
+            key_bits_table = (torch.full((H, D), key_bits) if key_bits_table is None else key_bits_table).to(torch.int32).to(device)
+            if int(key_bits_table.sum(-1).min()) != int(key_bits_table.sum(-1).max()) or int(key_bits_table[0].sum()) != key_bits * D:
+                raise ValueError(f"key_bits_table: every head's row must spend key_bits * D = {key_bits * D} bits")
         if value_coded_min and value_symmetric:
             raise ValueError("a coded min is for asymmetric values (value_symmetric=False)")
         f16 = dict(dtype=torch.float16, device=device)
         kd = D // 2 if key_bits == 4 else D
         vd = D // 2 if value_bits == 4 else D
+        capg = -(-cap // key_group_tokens) if key_group_tokens else 0
+        cap = capg * key_group_tokens or cap  # the grouped family: every store holds whole groups of rows (one CAP for keys and values)
         return cls(
             sink_k=torch.zeros(B, H, n_sink, D, **f16),
             sink_v=torch.zeros(B, H, n_sink, D, **f16),
             win_k=torch.zeros(B, H, window, D, **f16),
             win_v=torch.zeros(B, H, window, D, **f16),
-            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.uint8 if key_bits == 4 else torch.int8, device=device),
+            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.uint8 if key_bits == 4 or key_group_tokens else torch.int8, device=device),
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
             v_payload=torch.zeros(B, H, cap, vd, dtype=torch.int8 if value_symmetric and value_bits == 8 else torch.uint8, device=device),
             v_scale=torch.zeros(B, H, cap, D // group, **f16),
@@ -104,16 +136,22 @@ class PackedKV:
             value_symmetric=value_symmetric,
             value_rotate=value_rotate,
             value_coded_min=value_coded_min,
+            key_group_tokens=key_group_tokens,
+            key_bits_table=key_bits_table,
+            k_gscale=torch.zeros(B, H, capg, D, **f16),
+            k_gmin=torch.zeros(B, H, capg, D, **f16),
         )
 
     @classmethod
     def from_reference(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], p: KeyParams, *, n_sink, window, value_bits, group, cap=None,
-                       key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False) -> "PackedKV":
+                       key_group=0, key_rotate=False, value_symmetric=False, value_rotate=False, value_coded_min=False,
+                       key_group_tokens=0, key_bits_table=None) -> "PackedKV":
         """Sequences of different lengths (k: [H, n_b, D] each) -> buffers written by the reference.
-        For the per-token family (key_group > 0) only p.bits is read."""
+        For the per-token and grouped families (key_group > 0, key_group_tokens > 0) only p.bits is read."""
         B, (H, _, D) = len(ks), ks[0].shape
         cap = cap or max(1, max(k.shape[1] for k in ks))
-        fam = dict(key_group=key_group, key_rotate=key_rotate, value_symmetric=value_symmetric, value_rotate=value_rotate, value_coded_min=value_coded_min)
+        fam = dict(key_group=key_group, key_rotate=key_rotate, value_symmetric=value_symmetric, value_rotate=value_rotate, value_coded_min=value_coded_min,
+                   key_group_tokens=key_group_tokens, key_bits_table=key_bits_table)
         out = cls.empty(B, H, D, cap, n_sink=n_sink, window=window, n_out=p.outlier_idx.shape[-1], key_bits=p.bits, value_bits=value_bits, group=group,
                         device=ks[0].device, **fam)
         for b, (k, v) in enumerate(zip(ks, vs)):
@@ -123,7 +161,14 @@ class PackedKV:
             out.sink_k[b, :, :ns], out.sink_v[b, :, :ns] = kh[:, :ns], vh[:, :ns]
             if nc:
                 kc, vc = kh[:, ns : ns + nc], vh[:, ns : ns + nc]
-                if out.per_token:
+                if out.grouped:  # whole groups, from tokens still in the window for the last one
+                    GT, bits = key_group_tokens, out.key_bits_table.long()
+                    ng = -(-nc // GT)
+                    codes, gs, gm = ref.quantize_keys_grouped(kh[:, ns : ns + ng * GT], bits.unsqueeze(-2), GT)
+                    out.k_payload[b, :, : ng * GT] = torch.stack([ref.pack_bits(codes[h], bits[h]) for h in range(H)])
+                    out.k_gscale[b, :, :ng], out.k_gmin[b, :, :ng] = gs, gm
+                    v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how, value_coded_min)
+                elif out.per_token:
                     out.k_payload[b, :, :nc], out.k_scale[b, :, :nc] = ref.encode_rotated(kc, p.bits, key_group, True, out.key_how)
                     v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how, value_coded_min)
                 else:

@@ -12,7 +12,8 @@ from kvcompress import reference as ref
 from kvcompress.kernels import plan
 from kvcompress.kernels.bytes_model import CacheFormat
 from kvcompress.kernels.layout import PackedKV
-from kvcompress.kernels.triton_kv import decode_reduce_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_kernel, kv_append_rot_kernel
+from kvcompress.kernels.triton_kv import (decode_reduce_kernel, decode_split_grp_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_grp_kernel,
+                                         kv_append_kernel, kv_append_rot_kernel)
 from kvcompress.reference import KeyParams
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on tensor cores
@@ -43,13 +44,37 @@ def per_token_constants(D: int, key_bits: int, key_group: int, key_rotate: bool,
 
 
 def _packed_constants(kv: PackedKV, D: int) -> dict:
+    if kv.grouped:
+        return grouped_constants(D, kv.key_group_tokens, kv.key_bits, kv.value_bits, kv.group, kv.value_symmetric, kv.value_rotate, kv.value_coded_min)
     return per_token_constants(D, kv.key_bits, kv.key_group, kv.key_rotate, kv.value_bits, kv.group, kv.value_symmetric, kv.value_rotate, kv.value_coded_min)
+
+
+def grouped_constants(D: int, group_tokens: int, key_bits: int, value_bits: int, group: int, value_symmetric: bool, value_rotate: bool,
+                      value_coded_min: bool = False) -> dict:
+    """The grouped family's constexprs (kv_append_grp_kernel, decode_split_grp_kernel): key_bits is the
+    mean width (a row is D * key_bits / 8 bytes)."""
+    out = per_token_constants(D, key_bits, D, False, value_bits, group, value_symmetric, value_rotate, value_coded_min)
+    for k in ("KEY_BITS", "KGROUP", "ROT_K"):
+        del out[k]
+    return dict(out, GT=group_tokens, KROW=D * key_bits // 8)
+
+
+def _grouped_tables(kv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv.key_bits_table.to(torch.int32).contiguous(), kv.key_bit_offsets.contiguous()
 
 
 def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams) -> None:
     """Append one token per sequence (k_new, v_new: [B, H, D]) in place; lens += 1.
     The per-token family (kv.key_group > 0) reads no static key parameters (p may be None)."""
     B, H, D = k_new.shape
+    if kv.grouped:
+        kv_append_grp_kernel[(B, H)](
+            k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
+            kv.v_payload, kv.v_scale, kv.v_min, kv.lens, H, kv.k_payload.shape[2], kv.k_gscale.shape[2],
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D),
+        )
+        kv.lens += 1
+        return
     if kv.per_token:
         kv_append_rot_kernel[(B, H)](
             k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale,
@@ -87,8 +112,12 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     """
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
-    warps = num_warps or plan.decode_warps(D, kv.per_token)
+    warps = num_warps or plan.decode_warps(D, kv.per_token or kv.grouped)
     block_t = block_t or plan.block_t(D, kv.value_bits, warps)
+    if kv.grouped:  # a tile must lie in one key group
+        block_t = min(block_t, kv.key_group_tokens)
+        if kv.key_group_tokens % block_t:
+            raise ValueError(f"block_t={block_t} must divide the key group ({kv.key_group_tokens} tokens)")
     if splits is None:
         n_comp = max(0, int(kv.lens.max()) - kv.n_sink - kv.window)
         tok = CacheFormat("", kv.key_bits, kv.value_bits, kv.group, kv.n_sink, kv.window, kv.k_outliers.shape[-1],
@@ -97,6 +126,14 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     mo = torch.empty(B, HQ, splits, dtype=torch.float32, device=q.device)
     lo = torch.empty_like(mo)
     ao = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
+    if kv.grouped:
+        decode_split_grp_kernel[(B, H, splits)](
+            q.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
+            kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
+            num_warps=warps,
+        )
+        return _reduce(mo, lo, ao, splits)
     if kv.per_token:
         qr = ref.rotate(q, kv.key_how).contiguous()  # the query in the keys' basis, once per step
         decode_split_rot_kernel[(B, H, splits)](
@@ -130,7 +167,14 @@ def unpack_reference(kv: PackedKV, p: KeyParams, b: int) -> tuple[torch.Tensor, 
     ns, nc, nw = ref.region_sizes(n, kv.n_sink, kv.window)
     ks = [kv.sink_k[b, :, :ns].float()]
     vs = [kv.sink_v[b, :, :ns].float()]
-    if nc and kv.per_token:
+    if nc and kv.grouped:
+        bits, GT = kv.key_bits_table.long().cpu(), kv.key_group_tokens
+        ng = -(-nc // GT)
+        codes = torch.stack([ref.unpack_bits(kv.k_payload[b, h, : ng * GT].cpu(), bits[h]) for h in range(bits.shape[0])]).to(kv.k_payload.device)
+        ks.append(ref.dequantize_keys_grouped(codes, kv.k_gscale[b, :, :ng], kv.k_gmin[b, :, :ng], GT)[:, :nc])
+        v_parts = (kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc]) + (() if kv.value_symmetric else (kv.v_min[b, :, :nc],))
+        vs.append(ref.decode_rotated(v_parts, kv.value_bits, kv.group, kv.value_symmetric, kv.value_how))
+    elif nc and kv.per_token:
         ks.append(ref.decode_rotated((kv.k_payload[b, :, :nc], kv.k_scale[b, :, :nc]), kv.key_bits, kv.key_group, True, kv.key_how))
         v_parts = (kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc]) + (() if kv.value_symmetric else (kv.v_min[b, :, :nc],))
         vs.append(ref.decode_rotated(v_parts, kv.value_bits, kv.group, kv.value_symmetric, kv.value_how))

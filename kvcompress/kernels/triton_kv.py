@@ -18,6 +18,11 @@
   one scaling, as reference.rotate) and quantized per token, symmetric, with fp16 scales rounded up
   (reference.encode_rotated); decode takes the query already rotated by the caller, multiplies the
   scores by the per-token key scale, and rotates each split's value accumulator back once.
+* `kv_append_grp_kernel` / `decode_split_grp_kernel`: the grouped family (kv.key.group_tokens, kv=wf4):
+  keys per channel over groups of GT compressed tokens, a group encoded whole from the ring when its
+  first token leaves it, each row's codes one bitstream of per-channel widths (reference.pack_bits);
+  decode folds a tile's group scale into the query and its min into a per-query constant. Values as
+  the per-token family's.
 No kernel writes fp16 K/V of the compressed region anywhere.
 """
 from __future__ import annotations
@@ -281,11 +286,87 @@ def kv_append_rot_kernel(
         if ROT_V:
             v_e, v_o = _rotate_halves(v_e, v_o, D, LOG2D, INV_SQRT_D)
         _encode_symmetric(k_e, k_o, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), KSC + (bh * CAP + c) * (D // KGROUP), D, KEY_BITS, KGROUP)
-        vrow = VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D)
-        if V_SYM:
-            _encode_symmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP)
-        else:
-            _encode_asymmetric(v_e, v_o, vrow, VS + (bh * CAP + c) * (D // GROUP), VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, V_CODE, MIN_STEP)
+        _encode_value_token(v_e, v_o, bh * CAP + c, VP, VS, VM, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP)
+
+
+@triton.jit
+def _encode_value_token(v_e, v_o, r, VP, VS, VM, D: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr,
+                        V_CODE: tl.constexpr, MIN_STEP: tl.constexpr):
+    """A value (already rotated if the format rotates values) into store row r: symmetric (V_SYM) or
+    asymmetric, the min an fp16 or (V_CODE) a uint8 code."""
+    HALF: tl.constexpr = D // 2
+    vrow = VP + r * (HALF if VAL_BITS == 4 else D)
+    if V_SYM:
+        _encode_symmetric(v_e, v_o, vrow, VS + r * (D // GROUP), D, VAL_BITS, GROUP)
+    else:
+        _encode_asymmetric(v_e, v_o, vrow, VS + r * (D // GROUP), VM + r * (D // GROUP), D, VAL_BITS, GROUP, V_CODE, MIN_STEP)
+
+
+@triton.jit
+def _encode_key_group(WK, KP, KB, KOFF, KGS, KGM, bh, h, c, CAP, CAPG, D: tl.constexpr, W: tl.constexpr, GT: tl.constexpr, KROW: tl.constexpr,
+                      RB: tl.constexpr):
+    """Token-grouped keys (reference.quantize_keys_grouped + pack_bits): the group of compressed rows [c, c + GT),
+    read from the ring (slots (c + t) % W), per channel min (fp16 rounded down) and scale = (max - min) /
+    (2**bits - 1) (fp16 rounded up), codes clamp(rhe((x - min) / scale), 0, 2**bits - 1), each row's codes
+    packed LSB first at the channel's bit offset (a code may straddle two bytes). Two passes over the group
+    in chunks of RB rows (range, then codes), so no [GT, D] tile is live."""
+    d = tl.arange(0, D)
+    r = tl.arange(0, RB)
+    mn = tl.full([D], float("inf"), tl.float32)
+    mx = tl.full([D], float("-inf"), tl.float32)
+    for r0 in range(0, GT, RB):
+        x = tl.load(WK + (bh * W + (c + r0 + r[:, None]) % W) * D + d[None, :]).to(tl.float32)  # [RB, D]
+        mn = tl.minimum(mn, tl.min(x, axis=0))
+        mx = tl.maximum(mx, tl.max(x, axis=0))
+    bits = tl.load(KB + h * D + d)
+    off = tl.load(KOFF + h * D + d)
+    levels = ((1 << bits) - 1).to(tl.float32)
+    mn16 = _fp16_down(mn)
+    sc16 = _fp16_up((mx - mn16.to(tl.float32)) / levels)
+    g = bh * CAPG + c // GT
+    tl.store(KGS + g * D + d, sc16)
+    tl.store(KGM + g * D + d, mn16)
+    sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
+    bo = (off // 8)[None, :]
+    for r0 in range(0, GT, RB):
+        x = tl.load(WK + (bh * W + (c + r0 + r[:, None]) % W) * D + d[None, :]).to(tl.float32)
+        code = tl.minimum(tl.maximum(_round_half_even((x - mn16.to(tl.float32)[None, :]) / sc[None, :]), 0.0), levels[None, :]).to(tl.int32)
+        v = code << (off % 8)[None, :]  # at most 15 bits: the low byte goes to byte off // 8, the rest to the next
+        lo = v & 0xFF
+        hi = v >> 8
+        row = KP + (bh * CAP + c + r0 + r) * KROW
+        for j in tl.static_range(KROW):
+            byte = tl.sum(tl.where(bo == j, lo, 0) + tl.where(bo + 1 == j, hi, 0), axis=1)  # bits never overlap: the sum is an OR
+            tl.store(row + j, byte.to(tl.uint8))
+
+
+@triton.jit
+def kv_append_grp_kernel(
+    KN, VN,  # [B, H, D] new tokens (any float dtype)
+    SK, SV, WK, WV,  # [B, H, NS, D], [B, H, W, D] fp16
+    KP, KB, KOFF, KGS, KGM,  # KP [B, H, CAPG * GT, KROW] uint8; KB, KOFF [H, D] int32 bits and bit offsets; KGS, KGM [B, H, CAPG, D] fp16
+    VP, VS, VM, LENS,
+    H, CAP, CAPG,
+    D: tl.constexpr, NS: tl.constexpr, W: tl.constexpr, GT: tl.constexpr, KROW: tl.constexpr,
+    VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, MIN_STEP: tl.constexpr,
+    LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
+):
+    """The grouped family (kv.key.group_tokens, kv=wf4): before the ring step, when the token leaving the ring
+    starts a group (compressed index c a multiple of GT), the whole group is encoded from the ring; the
+    leaving token's value is encoded as in the per-token family."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    bh = b * H + h
+    p = tl.load(LENS + b)
+    c = p - NS - W
+    if (p >= NS) & (c >= 0):
+        if c % GT == 0:
+            _encode_key_group(WK, KP, KB, KOFF, KGS, KGM, bh, h, c, CAP, CAPG, D, W, GT, KROW, 8)
+    enc, cc, k_e, k_o, v_e, v_o = _ring_step(KN, VN, SK, SV, WK, WV, bh, p, D, NS, W)
+    if enc:
+        if ROT_V:
+            v_e, v_o = _rotate_halves(v_e, v_o, D, LOG2D, INV_SQRT_D)
+        _encode_value_token(v_e, v_o, bh * CAP + cc, VP, VS, VM, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP)
 
 
 @triton.jit
@@ -428,6 +509,21 @@ def _store_partials(MO, LO, AO, row, gmask, split, SPLITS, m_i, l_i, acc, D: tl.
 
 
 @triton.jit
+def _load_values(VP, VS, VM, r, tmask, D: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr, V_SYM: tl.constexpr, V_CODE: tl.constexpr,
+                 MIN_STEP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Dequantized values [BLOCK_T, D] float32 of store rows r: symmetric codes * scale, or codes * scale + min
+    (V_CODE: the min a byte w, -w * scale / F, reference.coded_min; exact in fp32)."""
+    vsc = _load_group_meta(VS, r, tmask, D, GROUP, BLOCK_T)
+    if V_SYM:
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
+    elif V_CODE:
+        mn = -(_load_group_meta(VM, r, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / MIN_STEP)
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + mn
+    else:
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, r, tmask, D, GROUP, BLOCK_T)
+
+
+@triton.jit
 def decode_split_rot_kernel(
     Q, QR,  # [B, HQ, D]: the query, and (ROT_K) the query rotated by the caller, q @ H (reference.rotate)
     SK, SV, WK, WV, KP, KSC, VP, VS, VM, LENS,  # KSC: per-token key scales [B, H, CAP, D / KGROUP] fp16
@@ -466,15 +562,58 @@ def decode_split_rot_kernel(
         else:
             k = kc * _load_group_meta(KSC, bh * CAP + rows, tmask, D, KGROUP, BLOCK_T)
             s = tl.dot(qr, tl.trans(k.to(tl.float16)))
-        vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
-        if V_SYM:
-            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
-        elif V_CODE:  # min = -w * scale / F, w a byte (reference.coded_min; exact in fp32)
-            mn = -(_load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / MIN_STEP)
-            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + mn
-        else:
-            v = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+        v = _load_values(VP, VS, VM, bh * CAP + rows, tmask, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP, BLOCK_T)
         m_i, l_i, acc = _online_step(s * sm_scale, tmask, v.to(tl.float16), m_i, l_i, acc)
+    if ROT_V:  # back to the values' own basis (fp32)
+        acc = _fwht(acc, G_PAD, D, LOG2D) * INV_SQRT_D
+    if split == SPLITS - 1:
+        m_i, l_i, acc = _attend_sinks_window(q.to(tl.float16), SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale, D, NS, NS_PAD, W, BLOCK_T)
+    _store_partials(MO, LO, AO, (b * H + h) * G + gi, gmask, split, SPLITS, m_i, l_i, acc, D)
+
+
+@triton.jit
+def decode_split_grp_kernel(
+    Q,  # [B, HQ, D]
+    SK, SV, WK, WV, KP, KB, KOFF, KGS, KGM, VP, VS, VM, LENS,  # kv_append_grp_kernel's layout
+    MO, LO, AO,  # [B, HQ, SPLITS] fp32, [B, HQ, SPLITS] fp32, [B, HQ, SPLITS, D] fp32
+    sm_scale, H, CAP, CAPG, SPLITS,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
+    GT: tl.constexpr, KROW: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+    V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, MIN_STEP: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """decode_split_kernel for the grouped family. BLOCK_T divides GT, so a tile lies in one key group: its
+    per-channel scale is folded into the query (q * s) and its min into one constant per query (q . min), as
+    the static family folds its scales. Each channel's code is cut from the two bytes at its bit offset
+    (widths 1..8, per channel, static per layer)."""
+    b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G_PAD)
+    gmask = gi < G
+    q = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    bits = tl.load(KB + h * D + d)
+    off = tl.load(KOFF + h * D + d)
+    bo = off // 8
+    bo1 = tl.minimum(bo + 1, KROW - 1)  # a code ending at the row's last byte never reads past it
+    sh = off % 8
+    cmask = (1 << bits) - 1
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        tmask = rows < hi
+        gidx = (bh * CAPG + t0 // GT) * D + d
+        qs = (q * tl.load(KGS + gidx).to(tl.float32)[None, :]).to(tl.float16)  # the group's scale folded into the query
+        qz = tl.sum(q * tl.load(KGM + gidx).to(tl.float32)[None, :], axis=1)  # its min: one constant per query
+        base = KP + (bh * CAP + rows[:, None]) * KROW
+        b0 = tl.load(base + bo[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        b1 = tl.load(base + bo1[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        code = ((b0 | (b1 << 8)) >> sh[None, :]) & cmask[None, :]
+        s = tl.dot(qs, tl.trans(code.to(tl.float16)))
+        v = _load_values(VP, VS, VM, bh * CAP + rows, tmask, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP, BLOCK_T)
+        m_i, l_i, acc = _online_step((s + qz[:, None]) * sm_scale, tmask, v.to(tl.float16), m_i, l_i, acc)
     if ROT_V:  # back to the values' own basis (fp32)
         acc = _fwht(acc, G_PAD, D, LOG2D) * INV_SQRT_D
     if split == SPLITS - 1:
