@@ -38,7 +38,7 @@ class KeySpec(Frozen):
     tie_rope_pairs: bool = True
     # 0: the static per-channel scales above. G > 0: token-grouped keys (as KIVI, Liu et al. 2024): per-channel
     # asymmetric scales computed at write time over groups of G tokens aligned at the first compressed position
-    # (fp16 scale and min per channel and group); in validate and CompressedCache (no kernels or export yet)
+    # (fp16 scale and min per channel and group); in validate, CompressedCache and the Triton kernels (no plugin or export yet)
     group_tokens: int = Field(0, ge=0)
     # token-grouped keys only: "uniform" gives every channel `bits`; "waterfill" spends bits * D bits per token
     # unevenly, channel by channel (reference.waterfill_bits: RoPE pairs alike, 1..8 bits each), where the
@@ -165,7 +165,7 @@ class KVSpec(Frozen):
     @property
     def validate_only(self) -> str:
         """Why the format is a comparison format (validated, not in the TensorRT plugins or the export;
-        per-token keys with symmetric/rotated values are in the Triton kernels, token-grouped keys in CompressedCache only
+        per-token keys with symmetric/rotated values and token-grouped keys are in the Triton kernels
         the kernels nor CompressedCache), or "" when it ships."""
         why = []
         if self.key.group_tokens:

@@ -26,26 +26,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompress.kernels import ops, plan  # noqa: E402
-from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, MODELS, ROW_COLUMNS  # noqa: E402
+from kvcompress import reference as ref  # noqa: E402
+from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, MODELS, ROW_COLUMNS, CacheFormat  # noqa: E402
 from kvcompress.kernels.layout import PackedKV  # noqa: E402
 from kvcompress.reference import KeyParams  # noqa: E402
 
 H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 
+# the grouped family (kv=wf4: token-grouped keys of water-filled widths in groups of 128, rotated symmetric int4 values);
+# correctness only (not yet a row of the speed table: the bytes model has no grouped format)
+WF4 = CacheFormat("wf4", 4, 4, 128, 4, 128, 0, value_symmetric=True)
+
+
+def _layout(name: str, fmt) -> dict:
+    """PackedKV keywords of a format; wf4's key widths are a water-filled table as kv.key.alloc=waterfill fits one."""
+    lay = dict(n_sink=fmt.n_sink, window=fmt.window, value_bits=fmt.value_bits, group=fmt.group, **fmt.family())
+    if name == "wf4":
+        w = torch.rand(H, D, generator=torch.Generator().manual_seed(1)) ** 8 * 1e4
+        lay.update(value_rotate=True, key_group_tokens=128, key_bits_table=ref.waterfill_bits(w, 4))
+    return lay
+
+
 def check_correctness(device: str) -> dict:
     """Kernels vs reference on the device (the same checks as tests/test_kernels.py), for the
-    static-scale family (int8k_int4v) and the per-token family (rot4, rot8k_int4v)."""
+    static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4)."""
     out = {}
-    for name in ("int8k_int4v", "rot4", "rot8k_int4v"):
-        fmt = FORMATS[name]
+    for name in ("int8k_int4v", "rot4", "rot8k_int4v", "wf4"):
+        fmt = WF4 if name == "wf4" else FORMATS[name]
         g = torch.Generator().manual_seed(0)
         lens = [1, 127, 128, 129, 1170, 4099]
         ks = [torch.randn(H, n, D, generator=g) for n in lens]
         vs = [torch.randn(H, n, D, generator=g) for n in lens]
         scale = torch.stack([k.abs().amax(1) for k in ks]).amax(0) / 127
         p = KeyParams(fmt.key_bits, scale, torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long))
-        lay = dict(n_sink=fmt.n_sink, window=fmt.window, value_bits=fmt.value_bits, group=fmt.group, **fmt.family())
+        lay = _layout(name, fmt)
         kv = PackedKV.from_reference(ks, vs, p, **lay)
         kv = PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
         pd = KeyParams(fmt.key_bits, p.scale.to(device), p.zero.to(device), p.outlier_idx.to(device))
@@ -60,7 +75,7 @@ def check_correctness(device: str) -> dict:
         for t in range(T):
             ops.append(app, kk[:, :, t].to(device), vv[:, :, t].to(device), pd)
         expect = PackedKV.from_reference(list(kk), list(vv), p, cap=T, **lay)
-        names = ("k_payload", "k_scale", "v_payload", "v_scale", "v_min", "win_k", "sink_k")
+        names = ("k_payload", "k_scale", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min", "win_k", "sink_k")
         exact = all(torch.equal(getattr(app, n).cpu(), getattr(expect, n)) for n in names)
         out[name] = {"decode_max_abs_err": err, "decode_tol": 3e-3, "decode_ok": err <= 3e-3, "append_bit_exact": exact}
     return out
