@@ -26,14 +26,18 @@ def audit_sm90(tmp_path_factory):
     return json.loads((out / "audit.json").read_text())
 
 
+def _aot_audit(tmp_path_factory, variants: str) -> dict:
+    out = tmp_path_factory.mktemp(f"aot90{variants}")
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--variants", variants, "--out", str(out)],
+                       capture_output=True, text=True, env=_env(), timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads((out / "audit.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def audit_per_token_sm90(tmp_path_factory):
     """The per-token family (kv=rot4 at head dims 128 and 64, kv=rot8k_int4v at 128), compiled for sm_90 and audited."""
-    out = tmp_path_factory.mktemp("aot90pt")
-    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--variants", "per_token", "--out", str(out)],
-                       capture_output=True, text=True, env=_env(), timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads((out / "audit.json").read_text())
+    return _aot_audit(tmp_path_factory, "per_token")
 
 
 def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_token_sm90):
@@ -56,11 +60,7 @@ def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_toke
 @pytest.fixture(scope="module")
 def audit_grouped_sm90(tmp_path_factory):
     """The grouped family (kv=wf4 at head dims 128 and 64), compiled for sm_90 and audited."""
-    out = tmp_path_factory.mktemp("aot90grp")
-    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--variants", "grouped", "--out", str(out)],
-                       capture_output=True, text=True, env=_env(), timeout=900)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads((out / "audit.json").read_text())
+    return _aot_audit(tmp_path_factory, "grouped")
 
 
 def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):

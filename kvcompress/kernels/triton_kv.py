@@ -413,6 +413,12 @@ def _attend_fp16(q16, k, v, valid, m_i, l_i, acc, sm_scale):
 
 
 @triton.jit
+def _softmax_state(G_PAD: tl.constexpr, D: tl.constexpr):
+    """An empty online-softmax state (running max, sum, accumulator) for G_PAD query rows."""
+    return tl.full([G_PAD], float("-inf"), tl.float32), tl.zeros([G_PAD], tl.float32), tl.zeros([G_PAD, D], tl.float32)
+
+
+@triton.jit
 def _program(LENS, H, NS: tl.constexpr, W: tl.constexpr):
     """A split program's (b, h, split, b * H + h, tokens, sinks held, compressed tokens)."""
     b = tl.program_id(0)
@@ -447,9 +453,7 @@ def decode_split_kernel(
     q = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     qs = (q * tl.load(KS + h * D + d)[None, :]).to(tl.float16)  # key scale folded into the query
     qz = tl.sum(q * tl.load(KZM + h * D + d)[None, :], axis=1)  # zero point: one constant per query
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    m_i, l_i, acc = _softmax_state(G_PAD, D)
     # ---- the compressed store: this split's share
     lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     if N_OUT > 0:
@@ -549,9 +553,7 @@ def decode_split_rot_kernel(
         qr = tl.load(QR + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float16)
     else:
         qr = q.to(tl.float16)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    m_i, l_i, acc = _softmax_state(G_PAD, D)
     lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
@@ -597,9 +599,7 @@ def decode_split_grp_kernel(
     bo1 = tl.minimum(bo + 1, KROW - 1)  # a code ending at the row's last byte never reads past it
     sh = off % 8
     cmask = (1 << bits) - 1
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    m_i, l_i, acc = _softmax_state(G_PAD, D)
     lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
