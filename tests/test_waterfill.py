@@ -160,3 +160,30 @@ def test_wf4_validates_end_to_end_with_the_groups_the_calibration_holds(tmp_path
     rep = json.loads((run_dir / "report.json").read_text())
     assert rep["kv"]["key"]["alloc"] == "waterfill" and rep["quality"]["key_clip_rate"] == 0 and rep["quality"]["kl_mean"] > 0
     assert rep["memory"]["breakdown_per_token"]["key_meta"] > 0
+
+
+def test_profile_records_each_key_channels_mean_squared_group_range():
+    from kvcompress.spec import GROUP_RANGE_TOKENS
+    from kvcompress.stats import StatsAccumulator
+
+    acc = StatsAccumulator(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, sample_capacity=0)
+    acc.set_sample_positions(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    g = torch.Generator().manual_seed(4)
+    ks = [torch.randn(2, 1, 140, 4, generator=g), torch.randn(3, 1, 70, 4, generator=g)]  # two batches of windows [B, H, T, D]
+    for k in ks:
+        acc.observe_kv(0, k, k)
+    st = acc.finish({})
+    for i, G in enumerate(GROUP_RANGE_TOKENS):
+        want, n = torch.zeros(1, 4, dtype=torch.float64), 0
+        for k in ks:
+            for b in range(k.shape[0]):
+                for j in range(k.shape[2] // G):  # aligned whole groups of each window; a partial tail is left out
+                    blk = k[b, :, j * G : (j + 1) * G]
+                    want += (blk.amax(1) - blk.amin(1)).double() ** 2
+                    n += 1
+        assert int(st["k_grange_n"][0, i]) == n
+        if n:
+            torch.testing.assert_close(st.group_range_sq(0, G), want / n)
+        else:
+            with pytest.raises(UserError, match=f"no calibration window holds a whole group of {G} tokens"):
+                st.group_range_sq(0, G)
