@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
+import functools
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,8 +21,10 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def git_sha() -> str | None:
-    """The commit of the kvcompress checkout (with '-dirty' when it has local changes), if any."""
+    """The commit of the kvcompress checkout (with '-dirty' when it has local changes), if any; read once per
+    process, so a run records the code it started with even if the checkout moves while it runs."""
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)

@@ -117,3 +117,12 @@ def test_sweep_and_summary(tmp_path):
     assert best(rows)["kv"] == "int4"  # fewer bytes, and the (loose) gate passes
     out = subprocess.run([__import__("sys").executable, "-m", "kvcompress.summary", str(sweep)], capture_output=True, text=True)
     assert out.returncode == 0 and "most aggressive config passing every gate: int4" in out.stdout
+
+
+def test_a_run_records_the_commit_it_started_with():
+    """git_sha is read once per process: a checkout that moves during a long run does not relabel its results."""
+    from kvcompress import provenance
+
+    provenance.git_sha.cache_clear()
+    first = provenance.git_sha()
+    assert provenance.git_sha() == first and provenance.git_sha.cache_info().hits >= 1
