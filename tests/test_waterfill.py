@@ -187,3 +187,20 @@ def test_profile_records_each_key_channels_mean_squared_group_range():
         else:
             with pytest.raises(UserError, match=f"no calibration window holds a whole group of {G} tokens"):
                 st.group_range_sq(0, G)
+
+
+def test_the_wf4_preset_fits_the_4_5_bit_budget_with_every_byte_counted():
+    """4.44 bits per element at 8K on SmolLM2's geometry (the figure the README and wf4.yaml quote): whole groups of
+    key payload, an fp16 scale and min per channel per group, the values' fp16 scale per token, sinks and window."""
+    from kvcompress.config import kv_preset
+    from kvcompress.stages.validate import memory_summary
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    spec = kv_preset("wf4")
+    assert spec.validate_only and spec.key.alloc == "waterfill"
+    b = ref.spec_cache_nbytes(spec, geo, 8192)
+    lh, n_comp = 30 * 3, 8192 - 4 - 128
+    assert b["key_payload"] == lh * 63 * 128 * 64 // 2 and b["key_meta"] == lh * 63 * 64 * 4 and b["static"] == lh * 64  # 63 groups of 128 cover 8060 tokens
+    assert b["value_payload"] == lh * n_comp * 32 and b["value_meta"] == lh * n_comp * 2
+    m = memory_summary(spec, geo, 8192)
+    assert m.bits_per_element <= 4.5 and round(m.bits_per_element, 2) == 4.44, m
