@@ -64,24 +64,12 @@ class CompressedLayer(CacheLayerMixin):
         while n_enc < self.n_spilled + spill:
             a = n_enc - self.n_spilled  # the group's first token, as a window index
             codes, scale, vmin = ref.quantize_keys_grouped(self.win_k[..., a : a + G, :], self._bits_bcast(), G)
-            for name, t in (("k_payload", self._pack_keys(codes)), ("k_gscale", scale), ("k_gmin", vmin)):
+            for name, t in (("k_payload", ref.pack_key_codes(codes, self.key_bits)), ("k_gscale", scale), ("k_gmin", vmin)):
                 s[name] = _cat(s[name], t)
             n_enc += G
 
     def _bits_bcast(self):
         return self.key_bits.unsqueeze(-2) if torch.is_tensor(self.key_bits) else self.key_bits  # [H, 1, D]
-
-    def _pack_keys(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 codes [B, H, n, D] -> the stored payload: per-channel widths as one bitstream per head's row
-        (reference.pack_bits), 4-bit codes two per byte, 8-bit codes as bytes."""
-        if torch.is_tensor(self.key_bits):
-            return torch.stack([ref.pack_bits(codes[:, h], self.key_bits[h]) for h in range(codes.shape[1])], 1)
-        return ref.pack_int4(codes) if self.key_bits == 4 else codes
-
-    def _unpack_keys(self, payload: torch.Tensor) -> torch.Tensor:
-        if torch.is_tensor(self.key_bits):
-            return torch.stack([ref.unpack_bits(payload[:, h], self.key_bits[h]) for h in range(payload.shape[1])], 1)
-        return ref.unpack_int4(payload) if self.key_bits == 4 else payload
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H, n, D] tokens leaving the window
@@ -142,7 +130,7 @@ class CompressedLayer(CacheLayerMixin):
             s, sp, D = self.store, self.spec, self.p.scale.shape[-1]
             if sp.key.group_tokens:  # whole groups are stored: the first n_spilled tokens are read compressed
                 G = sp.key.group_tokens
-                ks.append(ref.dequantize_keys_grouped(self._unpack_keys(s["k_payload"]), s["k_gscale"], s["k_gmin"], G)[..., : self.n_spilled, :].to(self.dtype))
+                ks.append(ref.dequantize_keys_grouped(ref.unpack_key_codes(s["k_payload"], self.key_bits), s["k_gscale"], s["k_gmin"], G)[..., : self.n_spilled, :].to(self.dtype))
             elif self.spec.token_keys:
                 ks.append(ref.decode_rotated((s["k_payload"], s["k_scale"]), sp.key.bits, sp.key_group(D), True, sp.key.rotate).to(self.dtype))
             else:

@@ -204,6 +204,11 @@ def fake_quant_keys_grouped(k: torch.Tensor, bits, group_tokens: int, start: int
     return torch.cat([head, out.to(k.dtype)], -2)
 
 
+def bit_offsets(bits: torch.Tensor) -> torch.Tensor:
+    """Where each channel's code starts in a packed row (pack_bits): the exclusive prefix sum of the widths [..., D]."""
+    return bits.cumsum(-1) - bits
+
+
 def _bit_layout(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(channel, bit) of every bit of a packed row, LSB first: channel d holds bits [off_d, off_d + bits_d) of
     the row, off the exclusive prefix sum of bits; and the row's byte count."""
@@ -231,6 +236,21 @@ def unpack_bits(packed: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(*packed.shape[:-1], bits.numel(), dtype=torch.int64)
     out.index_add_(-1, ch, stream << bit)
     return out.to(torch.uint8)
+
+
+def pack_key_codes(codes: torch.Tensor, bits) -> torch.Tensor:
+    """Token-grouped key codes uint8 [..., H, n, D] as stored: with per-channel widths bits [H, D] one bitstream
+    per row and head (pack_bits), with an int width 4-bit codes two per byte (pack_int4), 8-bit codes as bytes."""
+    if torch.is_tensor(bits):
+        return torch.stack([pack_bits(codes[..., h, :, :].cpu(), bits[h].cpu()) for h in range(bits.shape[0])], -3).to(codes.device)
+    return pack_int4(codes) if bits == 4 else codes
+
+
+def unpack_key_codes(payload: torch.Tensor, bits) -> torch.Tensor:
+    """pack_key_codes' inverse: the stored payload [..., H, n, bytes] -> uint8 codes [..., H, n, D]."""
+    if torch.is_tensor(bits):
+        return torch.stack([unpack_bits(payload[..., h, :, :].cpu(), bits[h].cpu()) for h in range(bits.shape[0])], -3).to(payload.device)
+    return unpack_int4(payload) if bits == 4 else payload
 
 
 # ---------------------------------------------------------------- values

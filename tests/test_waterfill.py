@@ -54,6 +54,10 @@ def test_pack_bits_round_trips_codes_that_straddle_bytes():
     one[0], one[1], one[2] = 0b101, 0b10011, 0xA5
     p = ref.pack_bits(one, bits)
     assert int(p[0]) == 0b101 | (0b10011 << 3) and int(p[1]) == 0xA5 and int(p[2:].sum()) == 0
+    # a uniform width of 4 is pack_int4's layout, so the kernels' bitstream and the cache's int4 payload agree
+    c4 = torch.randint(0, 16, (2, 3, 5, 16), generator=g).to(torch.uint8)  # [B, H, n, D]
+    t4 = torch.full((3, 16), 4)
+    assert torch.equal(ref.pack_key_codes(c4, t4), ref.pack_key_codes(c4, 4)) and torch.equal(ref.unpack_key_codes(ref.pack_key_codes(c4, t4), t4), c4)
 
 
 def test_grouped_keys_with_per_channel_bits_never_clip_and_groups_start_after_the_sinks():

@@ -72,8 +72,7 @@ class PackedKV:
     @property
     def key_bit_offsets(self) -> torch.Tensor:
         """[H, D] int32: where each key channel's code starts in a row's bitstream (reference.pack_bits)."""
-        t = self.key_bits_table
-        return (t.cumsum(-1) - t).to(torch.int32)
+        return ref.bit_offsets(self.key_bits_table).to(torch.int32)
 
     @property
     def per_token(self) -> bool:
@@ -165,7 +164,7 @@ class PackedKV:
                     GT, bits = key_group_tokens, out.key_bits_table.long()
                     ng = -(-nc // GT)
                     codes, gs, gm = ref.quantize_keys_grouped(kh[:, ns : ns + ng * GT], bits.unsqueeze(-2), GT)
-                    out.k_payload[b, :, : ng * GT] = torch.stack([ref.pack_bits(codes[h], bits[h]) for h in range(H)])
+                    out.k_payload[b, :, : ng * GT] = ref.pack_key_codes(codes, bits)
                     out.k_gscale[b, :, :ng], out.k_gmin[b, :, :ng] = gs, gm
                     v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how, value_coded_min)
                 elif out.per_token:

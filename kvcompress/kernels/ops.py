@@ -170,7 +170,7 @@ def unpack_reference(kv: PackedKV, p: KeyParams, b: int) -> tuple[torch.Tensor, 
     if nc and kv.grouped:
         bits, GT = kv.key_bits_table.long().cpu(), kv.key_group_tokens
         ng = -(-nc // GT)
-        codes = torch.stack([ref.unpack_bits(kv.k_payload[b, h, : ng * GT].cpu(), bits[h]) for h in range(bits.shape[0])]).to(kv.k_payload.device)
+        codes = ref.unpack_key_codes(kv.k_payload[b, :, : ng * GT], bits)
         ks.append(ref.dequantize_keys_grouped(codes, kv.k_gscale[b, :, :ng], kv.k_gmin[b, :, :ng], GT)[:, :nc])
         v_parts = (kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc]) + (() if kv.value_symmetric else (kv.v_min[b, :, :nc],))
         vs.append(ref.decode_rotated(v_parts, kv.value_bits, kv.group, kv.value_symmetric, kv.value_how))
