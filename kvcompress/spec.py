@@ -155,7 +155,7 @@ class KVSpec(Frozen):
         if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
             raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
                              f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
-        if self.validate_only and (self.is_native or self.layers is not None):
+        if (self.validate_only or self.key.group_tokens) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
@@ -164,15 +164,14 @@ class KVSpec(Frozen):
 
     @property
     def validate_only(self) -> str:
-        """Why the format is a comparison format (validated, not in the TensorRT plugins or the export;
-        per-token keys with symmetric/rotated values and token-grouped keys are in the Triton kernels
-        the kernels nor CompressedCache), or "" when it ships."""
+        """Why the format is a comparison format (validated, in CompressedCache and the Triton kernels, but
+        not in the TensorRT plugins or the export), or "" when it ships. The grouped family (token-grouped
+        keys, e.g. kv=wf4, with the per-token family's value options) ships; per-token keys, and rotated or
+        symmetric values beside static keys, do not yet."""
         why = []
-        if self.key.group_tokens:
-            why.append(f"token-grouped keys (kv.key.group_tokens={self.key.group_tokens}, alloc={self.key.alloc})")
         if self.token_keys:
             why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
-        if self.rotated_values:
+        if self.rotated_values and not self.key.group_tokens:
             why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate} min={self.value.min}")
         return ", ".join(why)
 

@@ -12,9 +12,11 @@ from kvcompress.targets.plugin_lib import build, defined_symbols, undefined_symb
 TRT = os.environ.get("TENSORRT_INCLUDE_DIR")
 needs_trt = pytest.mark.skipif(not TRT, reason="TENSORRT_INCLUDE_DIR not set: point it at include/ of NVIDIA/TensorRT v10.13.3 "
                                                 "(the TensorRT of TensorRT-LLM 1.2.1; see plugins/README.md)")
-VARIANTS = {"d128_g8_int8k_int4v": (128, 8, 8, 4, 32, 4, 128, 0), "d64_g3_int8k_int4v": (64, 3, 8, 4, 32, 4, 128, 0),
-            "d128_g8_int4": (128, 8, 4, 4, 32, 4, 128, 2)}
 FIELDS = ("head_dim", "gqa", "key_bits", "value_bits", "group", "n_sink", "window", "n_out")
+VARIANTS = {"d128_g8_int8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0))), "d64_g3_int8k_int4v": dict(zip(FIELDS, (64, 3, 8, 4, 32, 4, 128, 0))),
+            "d128_g8_int4": dict(zip(FIELDS, (128, 8, 4, 4, 32, 4, 128, 2))),
+            # the grouped family (kv=wf4): token-grouped keys of water-filled widths, rotated symmetric int4 values
+            "d64_g3_wf4": dict(zip(FIELDS, (64, 3, 4, 4, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128)}
 
 
 def _kernels(tmp_path: Path, name: str) -> Path:
@@ -22,7 +24,7 @@ def _kernels(tmp_path: Path, name: str) -> Path:
 
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    v = json.dumps({"name": name, **dict(zip(FIELDS, VARIANTS[name]))})
+    v = json.dumps({"name": name, **VARIANTS[name]})
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(out), "--variant-json", v],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -41,7 +43,8 @@ def test_plugin_library_compiles_against_tensorrt_headers_without_warnings(tmp_p
     assert ours <= {"getPluginRegistry", "getLogger", "cuLaunchKernel", "cuModuleGetFunction", "cuModuleLoadData", "cuFuncSetAttribute"}, ours
     assert {"getPluginRegistry", "cuLaunchKernel"} <= ours
     defined = set(defined_symbols(lib))
-    assert {f"kvc_decode_split_{variant}_launch", f"kvc_decode_reduce_{variant}_launch", f"kvc_kv_append_{variant}_launch"} <= defined  # C linkage
+    fam = "_grp" if "key_group_tokens" in VARIANTS[variant] else ""
+    assert {f"kvc_decode_split{fam}_{variant}_launch", f"kvc_decode_reduce_{variant}_launch", f"kvc_kv_append{fam}_{variant}_launch"} <= defined  # C linkage
     # both plugins' static registrars are in the library
     text = subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout
     assert "KvcDecodeAttention" in text and "KvcAppend" in text
@@ -55,7 +58,7 @@ def test_one_library_holds_several_variants_each_in_its_own_namespace(tmp_path):
 
     names = ["d64_g3_int8k_int4v", "d128_g8_int4"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    vs = json.dumps([{"name": n, **dict(zip(FIELDS, VARIANTS[n]))} for n in names])
+    vs = json.dumps([{"name": n, **VARIANTS[n]} for n in names])
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(tmp_path / "k"), "--variant-json", vs],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -173,7 +176,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
 
 
 @needs_trt
-@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4"])
+@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4"])
 def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     """plugins/test/plugin_harness.cpp: the plugin sources linked with stand-ins for TensorRT's registry and
     logger and the CUDA driver; creators registered, fields round-trip, shapes checked against the variant."""
@@ -184,5 +187,88 @@ def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
-    assert len(lines) == 13 and all(ln.startswith("OK ") for ln in lines), p.stdout
-    assert "dim 2 is 130" in p.stdout  # the logged reason names the input, the dim and the compiled value
+    grouped = "key_group_tokens" in VARIANTS[variant]
+    assert len(lines) == 15 + grouped and all(ln.startswith("OK ") for ln in lines), p.stdout
+    assert f"dim 2 is {VARIANTS[variant]['head_dim'] + 2}" in p.stdout  # the logged reason names the input, the dim and the compiled value
+    if grouped:
+        assert "aliases its 10 cache outputs to inputs 4..13" in p.stdout and "whole number of key groups of 128 tokens" in p.stdout
+
+
+def _grouped_kit(tmp_path):
+    """A kit of the grouped family (kv=wf4's variant at head dim 64) with uneven water-filled widths."""
+    import torch
+
+    from kvcompress.kernels.aot import Variant
+    from kvcompress.reference import KeyParams
+    from kvcompress.targets.acceptance import write_kit
+
+    H, D = 2, 64
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(400, H, D, generator=g) * torch.linspace(0.5, 1.5, D), torch.randn(400, H, D, generator=g)
+    bits = torch.full((H, D), 4)
+    bits[:, :8] = torch.tensor([8, 1, 6, 2, 7, 3, 1, 4])  # widths 1..8 that spend what eight 4s do
+    bits[1] = bits[1].flip(0)
+    assert int(bits.sum(-1).max()) == int(bits.sum(-1).min()) == 4 * D
+    variant = {**Variant("t", D, 3, 4, 4, D, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128).__dict__}
+    write_kit(tmp_path, variant, KeyParams(4, torch.ones(H, D), torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long)), k, v, key_bits_table=bits)
+    return tmp_path
+
+
+def test_grouped_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path):
+    """kv=wf4's plugins: 14 decode inputs (k_bits, k_offsets instead of the static key parameters), KvcAppend's
+    10 aliased cache outputs; a case writes a whole key group (the evicted token starts one)."""
+    import json
+
+    import numpy as np
+
+    from kvcompress.targets.acceptance import INPUTS_GROUPED, OP, check_kit
+
+    kit = _grouped_kit(tmp_path)
+    meta = json.loads((kit / "cases.json").read_text())
+    assert meta["variant"]["key_group_tokens"] == 128 and len(meta["cases"]) == 12
+    node = onnx.load(str(kit / f"{meta['cases'][0]['name']}.onnx")).graph.node[0]
+    assert node.op_type == OP and list(node.input) == list(INPUTS_GROUPED)
+    app = [c for c in meta["cases"] if c["op"] == "KvcAppend"]
+    assert all(len(c["outputs"]) == 10 for c in app)
+    # the last case appends position 260 = 4 sinks + 128 window + 128: compressed index 128 starts the second key group
+    last = dict(np.load(kit / f"{app[-1]['name']}.npz"))
+    assert 260 in last["lens"].tolist()
+    before, after = last["k_gscale"], last["expected_k_gscale_out"]
+    b = last["lens"].tolist().index(260)
+    assert not np.array_equal(before[b, :, 1], after[b, :, 1]) and np.array_equal(before[b, :, 0], after[b, :, 0])
+    assert all(check_kit(kit).values())
+    data = dict(np.load(kit / f"{app[-1]['name']}.npz"))
+    data["expected_k_payload_out"] = data["expected_k_payload_out"].copy()
+    data["expected_k_payload_out"][b, 0, 128 + 5, 3] ^= 4  # one bit of a code in the new group
+    np.savez(kit / f"{app[-1]['name']}.npz", **data)
+    res = check_kit(kit)
+    assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
+
+
+def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
+    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from kvcompress.kernels import ops
+    from kvcompress.targets.acceptance import append_outputs, packed_from_inputs
+
+    kit = _grouped_kit(tmp_path)
+    meta = json.loads((kit / "cases.json").read_text())
+    variant = meta["variant"]
+    for c in meta["cases"]:
+        data = dict(np.load(kit / f"{c['name']}.npz"))
+        if c["op"] == "KvcAppend":
+            t = {k: torch.from_numpy(v) for k, v in data.items()}
+            q = torch.zeros(t["k_new"].shape[0], 3 * t["k_new"].shape[1], t["k_new"].shape[-1], dtype=torch.float16)
+            _, kv, _ = packed_from_inputs({"q": q.numpy(), **{k: v.copy() for k, v in data.items() if not k.startswith("expected_")}}, variant)
+            ops.append(kv, t["k_new"], t["v_new"], None)
+            for k in append_outputs(variant):
+                assert torch.equal(getattr(kv, k), t[f"expected_{k}_out"]), (c["name"], k)
+            continue
+        expected = torch.from_numpy(data.pop("expected"))
+        q, kv, _ = packed_from_inputs(data, variant)
+        got = ops.decode_attention(q, kv, None, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])
+        torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)

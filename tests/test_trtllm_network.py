@@ -139,3 +139,57 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
     W, P = tn.load_hf_weights(hf, net), tn.load_plugin_params(tmp_path / "bundle")
     tn.decoder_step(g, net, W, P, torch.tensor([5], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), no.empty_past(net, 1, 16), 16, 1, 32)
     assert [ns for _, ns in g.seen] == [layers[0]["namespace"]] * 2 + [layers[1]["namespace"]] * 2
+
+
+WF = dict(key={"bits": 4, "granularity": "channel", "symmetric": False, "clip": "minmax", "tie_rope_pairs": True, "group_tokens": 32, "alloc": "waterfill"},
+          value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=32, sink_tokens=2)
+
+
+def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path):
+    """kv=wf4's family in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
+    and bit offsets (plugin_params k_bits, k_offsets), 10 cache buffers per layer, a key group written whole when
+    its first token leaves the window; decodes like CompressedCache on tokens that cross into the store."""
+    from kvcompress.stages.export import bundle_variants
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, name="wf", **WF)
+    bits = book.tensors["k_bits"]
+    assert int(bits.min()) < 4 < int(bits.max())  # uneven widths, as kv=wf4
+    variants, _ = bundle_variants(book, lm.geometry)
+    v = variants[0].__dict__
+    assert v["key_group_tokens"] == 32 and v["value_rotate"] and v["value_symmetric"]
+    hf = tmp_path / "hf"
+    lm.model.save_pretrained(str(hf), safe_serialization=True)
+    spec = no.network_spec(book, v, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2)
+    params = no.plugin_params(book)
+    assert set(params) == {"k_bits", "k_offsets"} and params["k_bits"].dtype == np.int32 and (params["k_bits"].sum(-1) == 4 * lm.geometry.head_dim).all()
+    no.write_network_files(tmp_path / "bundle", spec, params)
+    assert tn.cache_names(tn.load_spec(tmp_path / "bundle")["variant"]) == tn.CACHE_GROUPED
+    prompt = lm.tokenizer.encode(" ".join(["The plugin owns its cache and writes whole key groups."] * 8))[:44]
+    assert len(prompt) == 44
+    res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["tokens"] == 51  # 2 sinks + 32 window + 17 compressed: the first group written
+    assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    # negative: plugin constants that are not the validated allocation (widths 1 and 7 alternating, same bits per row) are caught
+    from kvcompress import reference as ref
+
+    wrong = torch.tensor([1, 7]).repeat(lm.geometry.head_dim // 2).expand(*params["k_bits"].shape).contiguous()
+    bad = {"k_bits": wrong.to(torch.int32).numpy(), "k_offsets": ref.bit_offsets(wrong).to(torch.int32).numpy()}
+    no.write_network_files(tmp_path / "bad", spec, bad)
+    worse = no.check_network(tmp_path / "bad", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert worse["kl_mean"] > 5 * res["kl_mean"], (res, worse)  # ~9x on this nearly flat random model
+
+
+def test_grouped_cache_tails_are_the_kernel_layout():
+    v = {"key_bits": 4, "value_bits": 4, "group": 64, "n_sink": 4, "window": 128, "n_out": 0, "key_group_tokens": 128,
+         "value_symmetric": True, "value_rotate": True, "value_coded_min": False}
+    bits = torch.full((3, 64), 4)
+    bits[:, 0], bits[:, 1] = 7, 1
+    kv = PackedKV.empty(2, 3, 64, 256, n_sink=4, window=128, n_out=0, key_bits=4, value_bits=4, group=64, key_group_tokens=128,
+                        key_bits_table=bits, value_symmetric=True, value_rotate=True)
+    tails = tn.cache_tails(v, 3, 64, 256)
+    assert tuple(tails) == tn.CACHE_GROUPED
+    for name, (tail, dtype) in tails.items():
+        t = getattr(kv, name)
+        assert tuple(t.shape[1:]) == tail and str(t.dtype).removeprefix("torch.") == dtype, name
+    assert tn.store_capacity({"variant": v}, 4 + 128 + 129) == 256  # whole key groups

@@ -92,7 +92,9 @@ def bundle_variants(book: ScaleBook, geom) -> tuple[list[Variant], list[str]]:
     for i in range(geom.n_layers):
         s = book.layer_spec(i)
         name = f"d{D}_g{G}_{book.spec.name}" + (f"_{book.spec.layers[i].label}" if book.spec.is_mixed else "")
-        variants.setdefault(name, Variant(name, D, G, s.key.bits, s.value.bits, s.value_group(D), s.sink_tokens, s.window, s.outlier_channels))
+        fam = dict(key_group_tokens=s.key.group_tokens, value_symmetric=s.value.symmetric, value_rotate=s.value.rotate != "none",
+                   value_coded_min=s.coded_min) if s.key.group_tokens else {}  # the grouped family (kv=wf4)
+        variants.setdefault(name, Variant(name, D, G, s.key.bits, s.value.bits, s.value_group(D), s.sink_tokens, s.window, s.outlier_channels, **fam))
         per_layer.append(name)
     return list(variants.values()), per_layer
 
@@ -138,7 +140,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
         # a variant whose decode kernel needs a stack frame on some arch (a ptxas choice for that tile):
         # compile it again with half the token tile, the same tile on every arch (the plugin and kit read it)
         spilled = {k["variant"]["name"] for arch in archs for k in json.loads((out / "kernels" / arch / "kernels.json").read_text())["kernels"]
-                   if k["spills"] and k["kernel"] == "decode_split"}
+                   if k["spills"] and k["kernel"].startswith("decode_split")}
         redo = [v for v in variants if v.name in spilled and v.block_t > 16]
         if not redo:
             break
@@ -190,12 +192,11 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     enough to cross the window into the compressed store, then greedy tokens."""
     from kvcompress.kernels import plan
     from kvcompress.targets import network_oracle as no
+    from kvcompress.targets import trtllm_network as tn
 
     lm, cfg = run.lm, run.cfg
     g = lm.geometry
-    kd = g.head_dim // 2 if variant["key_bits"] == 4 else g.head_dim
-    vd = g.head_dim // 2 if variant["value_bits"] == 4 else g.head_dim
-    token_bytes = kd + vd + 4 * (g.head_dim // variant["group"]) + 2 * variant["n_out"]
+    token_bytes = tn.token_bytes(variant, g.head_dim)
     n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
     splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
     spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits, layers)

@@ -34,10 +34,36 @@ INPUTS = ("q", "k_scale", "k_zero_masked", "outlier_idx", "sink_k", "sink_v", "w
 TOLERANCE = {"atol": 3e-3, "rtol": 3e-3}  # fp16 dot inputs, fp32 accumulation (tests/test_kernels.py DECODE_TOL)
 
 
-def packed_from_inputs(x: dict[str, np.ndarray]) -> tuple[torch.Tensor, PackedKV, KeyParams]:
-    """The op's 14 inputs -> (q, PackedKV, KeyParams) for the reference."""
+# the grouped family (kv=wf4): the key widths and bit offsets replace the static key parameters
+INPUTS_GROUPED = ("q", "k_bits", "k_offsets", "sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin",
+                  "v_payload", "v_scale", "v_min", "lens")
+
+
+def is_grouped(variant: dict | None) -> bool:
+    return bool((variant or {}).get("key_group_tokens"))
+
+
+def decode_inputs(variant: dict | None = None) -> tuple[str, ...]:
+    return INPUTS_GROUPED if is_grouped(variant) else INPUTS
+
+
+def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> PackedKV:
+    """PackedKV of the grouped family from the op's buffers (the value options come from the variant)."""
+    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    return PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], torch.zeros(*t["k_payload"].shape[:3], 0, dtype=torch.float16),
+                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], t["k_payload"].shape[-1] * 8 // D, value_bits, D // t["v_scale"].shape[-1],
+                    value_symmetric=bool(variant["value_symmetric"]), value_rotate=bool(variant["value_rotate"]),
+                    value_coded_min=bool(variant["value_coded_min"]), key_group_tokens=int(variant["key_group_tokens"]),
+                    key_bits_table=t["k_bits"], k_gscale=t["k_gscale"], k_gmin=t["k_gmin"])
+
+
+def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) -> tuple[torch.Tensor, PackedKV, KeyParams | None]:
+    """The op's 14 inputs -> (q, PackedKV, KeyParams) for the reference. The static family's format is read
+    from the buffers' shapes and dtypes; the grouped family's value options from `variant`."""
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in x.items()}
     D = t["q"].shape[-1]
+    if is_grouped(variant):
+        return t["q"], _grouped_packed(t, D, variant), None
     key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
     value_bits = 8 if t["v_payload"].shape[-1] == D else 4
     kv = PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], t["k_outliers"], t["v_payload"], t["v_scale"], t["v_min"],
@@ -50,20 +76,37 @@ APPEND_OP = "KvcAppend"
 APPEND_INPUTS = ("k_new", "v_new", "k_scale", "k_zero", "outlier_idx", "sink_k", "sink_v", "win_k", "win_v",
                  "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens")
 APPEND_OUTPUTS = APPEND_INPUTS[5:14]  # aliased to their inputs in the plugin
+APPEND_INPUTS_GROUPED = ("k_new", "v_new", "k_bits", "k_offsets", *INPUTS_GROUPED[3:])
+APPEND_OUTPUTS_GROUPED = APPEND_INPUTS_GROUPED[4:14]
 
 
-def reference_append(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def append_inputs(variant: dict | None = None) -> tuple[str, ...]:
+    return APPEND_INPUTS_GROUPED if is_grouped(variant) else APPEND_INPUTS
+
+
+def append_outputs(variant: dict | None = None) -> tuple[str, ...]:
+    return APPEND_OUTPUTS_GROUPED if is_grouped(variant) else APPEND_OUTPUTS
+
+
+def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> dict[str, np.ndarray]:
     """KvcAppend with the reference numerics: the new token goes to its sink slot or the fp16 ring; the
-    token it evicts from the ring is encoded (reference encoders) into the compressed store (layout.py)."""
+    token it evicts from the ring is encoded (reference encoders) into the compressed store (layout.py).
+    The grouped family (`variant` key_group_tokens = GT): when the evicted token starts a key group, the
+    whole group (it and its GT - 1 successors, all still in the ring) is encoded at once."""
     from kvcompress import reference as ref
 
     t = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in x.items()}
     NS, W = t["sink_k"].shape[2], t["win_k"].shape[2]
     D = t["k_new"].shape[-1]
-    key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
     value_bits = 8 if t["v_payload"].shape[-1] == D else 4
     group = D // t["v_scale"].shape[-1]
-    p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
+    grp = is_grouped(variant)
+    if grp:
+        GT, bits = int(variant["key_group_tokens"]), t["k_bits"].long()
+        how = "hadamard" if variant["value_rotate"] else "none"
+    else:
+        key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
+        p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
     kn, vn = t["k_new"].half(), t["v_new"].half()
     for b, pos in enumerate(t["lens"].tolist()):
         if pos < NS:
@@ -72,17 +115,26 @@ def reference_append(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         j = pos - NS
         if W == 0 or j >= W:  # a token leaves the window (or there is none): encode it at compressed index c
             c, ko, vo = (j, kn[b], vn[b]) if W == 0 else (j - W, t["win_k"][b, :, j % W], t["win_v"][b, :, j % W])
-            kp, kout = ref.encode_keys(ko.float().unsqueeze(1), p)
-            vp, vs, vm = ref.encode_values(vo.float().unsqueeze(1), value_bits, group)
-            t["k_payload"][b, :, c], t["k_outliers"][b, :, c] = kp[:, 0], kout[:, 0]
-            t["v_payload"][b, :, c], t["v_scale"][b, :, c], t["v_min"][b, :, c] = vp[:, 0], vs[:, 0], vm[:, 0]
+            if grp:
+                if c % GT == 0:
+                    codes, gs, gm = ref.quantize_keys_grouped(t["win_k"][b][:, [(c + i) % W for i in range(GT)]], bits.unsqueeze(-2), GT)
+                    t["k_payload"][b, :, c : c + GT] = ref.pack_key_codes(codes, bits)
+                    t["k_gscale"][b, :, c // GT], t["k_gmin"][b, :, c // GT] = gs[:, 0], gm[:, 0]
+                parts = ref.encode_rotated(vo.unsqueeze(1), value_bits, group, bool(variant["value_symmetric"]), how, bool(variant["value_coded_min"]))
+                for name, part in zip(("v_payload", "v_scale", "v_min"), parts):
+                    t[name][b, :, c] = part[:, 0]
+            else:
+                kp, kout = ref.encode_keys(ko.float().unsqueeze(1), p)
+                vp, vs, vm = ref.encode_values(vo.float().unsqueeze(1), value_bits, group)
+                t["k_payload"][b, :, c], t["k_outliers"][b, :, c] = kp[:, 0], kout[:, 0]
+                t["v_payload"][b, :, c], t["v_scale"][b, :, c], t["v_min"][b, :, c] = vp[:, 0], vs[:, 0], vm[:, 0]
         if W:
             t["win_k"][b, :, j % W], t["win_v"][b, :, j % W] = kn[b], vn[b]
-    return {k: t[k].numpy() for k in APPEND_OUTPUTS}
+    return {k: t[k].numpy() for k in append_outputs(variant)}
 
 
-def reference_output(x: dict[str, np.ndarray], sm_scale: float) -> np.ndarray:
-    q, kv, p = packed_from_inputs(x)
+def reference_output(x: dict[str, np.ndarray], sm_scale: float, variant: dict | None = None) -> np.ndarray:
+    q, kv, p = packed_from_inputs(x, variant)
     return ops.decode_attention_reference(q, kv, p, sm_scale).numpy()
 
 
@@ -99,36 +151,54 @@ def make_model(op: str, x: dict[str, np.ndarray], inputs, outputs: dict[str, np.
                              producer_name="kvcompress")
 
 
-def case_lengths(n_sink: int, window: int, block: int) -> list[list[int]]:
+def case_lengths(n_sink: int, window: int, block: int, group_tokens: int = 0) -> list[list[int]]:
+    """Sequence lengths of the cases; with token-grouped keys also past the end of the first key group
+    (a second group written, the next about to be)."""
     first = n_sink + window
-    return [[max(1, n_sink - 1)], [first], [first + 1], [first + 3 * block + 5], [first + 2 * block - 1, 7]]
+    out = [[max(1, n_sink - 1)], [first], [first + 1], [first + 3 * block + 5], [first + 2 * block - 1, 7]]
+    if group_tokens:
+        out.append([first + group_tokens, first + 2 * group_tokens - 1, first + group_tokens - 1])
+    return out
 
 
-def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Tensor, v_rows: torch.Tensor, splits: int = 3, seed: int = 0) -> list[dict]:
+def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Tensor, v_rows: torch.Tensor, splits: int = 3, seed: int = 0,
+              key_bits_table: torch.Tensor | None = None) -> list[dict]:
     """Cases for one variant; k_rows, v_rows: [N, H, D] real rows of one layer. Returns the case list.
-    variant["namespace"] (optional): the plugin namespace the variant registers in (default kvcompress)."""
+    variant["namespace"] (optional): the plugin namespace the variant registers in (default kvcompress).
+    The grouped family (variant key_group_tokens > 0) takes the layer's key widths `key_bits_table` [H, D]."""
     import onnx
+
+    from kvcompress import reference as ref
 
     ns = variant.get("namespace", OP_NAMESPACE)
     out.mkdir(parents=True, exist_ok=True)
     H, D, G = k_rows.shape[1], variant["head_dim"], variant["gqa"]
+    grp = is_grouped(variant)
+    fam = dict(key_group_tokens=variant["key_group_tokens"], key_bits_table=key_bits_table, value_symmetric=bool(variant["value_symmetric"]),
+               value_rotate=bool(variant["value_rotate"]), value_coded_min=bool(variant["value_coded_min"])) if grp else {}
     g = torch.Generator().manual_seed(seed)
     cases = []
-    for i, lens in enumerate(case_lengths(variant["n_sink"], variant["window"], variant["block_t"])):
+    for i, lens in enumerate(case_lengths(variant["n_sink"], variant["window"], variant["block_t"], variant.get("key_group_tokens", 0))):
         ks = [k_rows[torch.arange(n) % k_rows.shape[0]].transpose(0, 1).float() for n in lens]  # [H, n, D]
         vs = [v_rows[torch.arange(n) % v_rows.shape[0]].transpose(0, 1).float() for n in lens]
-        kv = PackedKV.from_reference(ks, vs, key_params, n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"], group=variant["group"])
-        scale, _, zm, idx = ops.kernel_key_params(key_params, "cpu")
+        kv = PackedKV.from_reference(ks, vs, key_params, n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"],
+                                     group=variant["group"], **fam)
         q = (torch.randn(len(lens), H * G, D, generator=g) * k_rows.float().std()).to(torch.float16)
-        x = {"q": q, "k_scale": scale, "k_zero_masked": zm, "outlier_idx": idx, "sink_k": kv.sink_k, "sink_v": kv.sink_v, "win_k": kv.win_k,
-             "win_v": kv.win_v, "k_payload": kv.k_payload, "k_outliers": kv.k_outliers, "v_payload": kv.v_payload, "v_scale": kv.v_scale,
-             "v_min": kv.v_min, "lens": kv.lens}
+        if grp:
+            tables = {"k_bits": kv.key_bits_table.to(torch.int32), "k_offsets": kv.key_bit_offsets}
+            x = {"q": q, **tables, **{k: getattr(kv, k) for k in ("sink_k", "sink_v", "win_k", "win_v", "k_payload")},
+                 "k_gscale": kv.k_gscale, "k_gmin": kv.k_gmin, **{k: getattr(kv, k) for k in ("v_payload", "v_scale", "v_min", "lens")}}
+        else:
+            scale, _, zm, idx = ops.kernel_key_params(key_params, "cpu")
+            x = {"q": q, "k_scale": scale, "k_zero_masked": zm, "outlier_idx": idx, "sink_k": kv.sink_k, "sink_v": kv.sink_v, "win_k": kv.win_k,
+                 "win_v": kv.win_v, "k_payload": kv.k_payload, "k_outliers": kv.k_outliers, "v_payload": kv.v_payload, "v_scale": kv.v_scale,
+                 "v_min": kv.v_min, "lens": kv.lens}
         x = {k: v.contiguous().numpy() for k, v in x.items()}
         sm_scale = float(D) ** -0.5
         attrs = {"H": H, "G": G, "D": D, "splits": splits, "cap": int(kv.k_payload.shape[2]), "sm_scale": sm_scale}
         name = f"case{i}_len{'-'.join(map(str, lens))}"
-        expected = reference_output(x, sm_scale)
-        onnx.save(make_model(OP, x, INPUTS, {"out": expected}, attrs, ns), str(out / f"{name}.onnx"))
+        expected = reference_output(x, sm_scale, variant)
+        onnx.save(make_model(OP, x, decode_inputs(variant), {"out": expected}, attrs, ns), str(out / f"{name}.onnx"))
         np.savez(out / f"{name}.npz", **x, expected=expected)
         cases.append({"name": name, "op": OP, "lens": lens, "attrs": attrs, "outputs": ["out"]})
         # the append of the next token: from the cache of `lens` tokens to the cache of lens + 1 (built by the reference)
@@ -136,39 +206,41 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         nxv = [v_rows[torch.tensor([n % v_rows.shape[0]])].transpose(0, 1).float() for n in lens]
         full = PackedKV.from_reference([torch.cat([k, a], 1) for k, a in zip(ks, nxt)], [torch.cat([v, a], 1) for v, a in zip(vs, nxv)], key_params,
                                        n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"], group=variant["group"],
-                                       cap=int(kv.k_payload.shape[2]))
-        ax = {"k_new": torch.cat([a[:, 0] for a in nxt]).view(len(lens), H, D).half(), "v_new": torch.cat([a[:, 0] for a in nxv]).view(len(lens), H, D).half(),
-              "k_scale": scale, "k_zero": key_params.zero.float().contiguous(), "outlier_idx": idx,
-              **{k: x[k] for k in APPEND_INPUTS[5:]}}
+                                       cap=int(kv.k_payload.shape[2]), **fam)
+        new = {"k_new": torch.cat([a[:, 0] for a in nxt]).view(len(lens), H, D).half(), "v_new": torch.cat([a[:, 0] for a in nxv]).view(len(lens), H, D).half()}
+        consts = tables if grp else {"k_scale": scale, "k_zero": key_params.zero.float().contiguous(), "outlier_idx": idx}
+        names_in, names_out = append_inputs(variant), append_outputs(variant)
+        ax = {**new, **consts, **{k: x[k] for k in names_out}, "lens": x["lens"]}
         ax = {k: (v.contiguous().numpy() if isinstance(v, torch.Tensor) else v) for k, v in ax.items()}
-        after = {k: getattr(full, k).numpy() for k in APPEND_OUTPUTS}
+        after = {k: getattr(full, k).numpy() for k in names_out}
         aname = f"append{i}_len{'-'.join(map(str, lens))}"
         aattrs = {"H": H, "D": D, "cap": int(kv.k_payload.shape[2])}
-        onnx.save(make_model(APPEND_OP, ax, APPEND_INPUTS, {f"{k}_out": after[k] for k in APPEND_OUTPUTS}, aattrs, ns), str(out / f"{aname}.onnx"))
-        np.savez(out / f"{aname}.npz", **ax, **{f"expected_{k}_out": after[k] for k in APPEND_OUTPUTS})
-        cases.append({"name": aname, "op": APPEND_OP, "lens": lens, "attrs": aattrs, "outputs": [f"{k}_out" for k in APPEND_OUTPUTS]})
+        onnx.save(make_model(APPEND_OP, ax, names_in, {f"{k}_out": after[k] for k in names_out}, aattrs, ns), str(out / f"{aname}.onnx"))
+        np.savez(out / f"{aname}.npz", **ax, **{f"expected_{k}_out": after[k] for k in names_out})
+        cases.append({"name": aname, "op": APPEND_OP, "lens": lens, "attrs": aattrs, "outputs": [f"{k}_out" for k in names_out]})
     (out / "cases.json").write_text(json.dumps({"op": OP, "version": OP_VERSION, "namespace": ns, "domain": OP_DOMAIN,
                                                 "variant": variant, "tolerance": TOLERANCE, "cases": cases}, indent=2))
     (out / "verify.py").write_text(VERIFY)
     return cases
 
 
-def reference_ops():
-    """The two ops for onnx.reference: thin wrappers over the reference numerics."""
+def reference_ops(variant: dict | None = None):
+    """The two ops for onnx.reference: thin wrappers over the reference numerics (for the grouped family
+    the variant supplies the value options the buffers' shapes cannot show)."""
     from onnx.reference.op_run import OpRun
 
     class KvcDecodeAttention(OpRun):
         op_domain = OP_DOMAIN
 
         def _run(self, *inputs, H=None, G=None, D=None, splits=None, cap=None, sm_scale=None, plugin_version=None, plugin_namespace=None):
-            return (reference_output(dict(zip(INPUTS, inputs)), sm_scale),)
+            return (reference_output(dict(zip(decode_inputs(variant), inputs)), sm_scale, variant),)
 
     class KvcAppend(OpRun):
         op_domain = OP_DOMAIN
 
         def _run(self, *inputs, H=None, D=None, cap=None, plugin_version=None, plugin_namespace=None):
-            out = reference_append(dict(zip(APPEND_INPUTS, inputs)))
-            return tuple(out[k] for k in APPEND_OUTPUTS)
+            out = reference_append(dict(zip(append_inputs(variant), inputs)), variant)
+            return tuple(out[k] for k in append_outputs(variant))
 
     return [KvcDecodeAttention, KvcAppend]
 
@@ -185,7 +257,7 @@ def check_kit(kit: Path) -> dict[str, bool]:
         onnx.checker.check_model(model, full_check=True)
         data = dict(np.load(kit / f"{c['name']}.npz"))
         expected = [data.pop(f"expected_{o}") if f"expected_{o}" in data else data.pop("expected") for o in c["outputs"]]
-        got = ReferenceEvaluator(model, new_ops=reference_ops()).run(None, data)
+        got = ReferenceEvaluator(model, new_ops=reference_ops(meta["variant"])).run(None, data)
         res[c["name"]] = all(g.shape == e.shape and g.dtype == e.dtype and np.array_equal(g, e) for g, e in zip(got, expected))
     return res
 
@@ -198,7 +270,9 @@ def kit_for_bundle(out: Path, variant: dict, stats_path: Path, book, layer: int 
     stats = KVStats.load(stats_path)
     L = stats["sample_k"].shape[0]
     layer = L // 2 if layer is None else layer
-    return write_kit(out, variant, book.key_params(layer), stats["sample_k"][layer], stats["sample_v"][layer])
+    bits = book.key_bits(layer) if is_grouped(variant) else None
+    table = (bits if isinstance(bits, torch.Tensor) else torch.full((stats["sample_k"].shape[2], variant["head_dim"]), bits)) if bits is not None else None
+    return write_kit(out, variant, book.key_params(layer), stats["sample_k"][layer], stats["sample_v"][layer], key_bits_table=table)
 
 
 VERIFY = '''"""Verify the kvcompress TensorRT plugin against the goldens of this kit, on a TensorRT host with a GPU.

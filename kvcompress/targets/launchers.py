@@ -72,7 +72,9 @@ CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned g
 
 
 VARIANT_MACROS = {"D": "head_dim", "G": "gqa", "KEY_BITS": "key_bits", "VAL_BITS": "value_bits", "GROUP": "group", "NS": "n_sink",
-                  "W": "window", "N_OUT": "n_out", "BLOCK_T": "block_t"}
+                  "W": "window", "N_OUT": "n_out", "BLOCK_T": "block_t",
+                  # the grouped family (0 for the static family): tokens per key group and the values' options
+                  "GT": "key_group_tokens", "V_SYM": "value_symmetric", "V_ROT": "value_rotate", "V_CODE": "value_coded_min"}
 
 
 def variant_headers(meta: dict, kernel_dir: Path) -> list[Path]:
@@ -83,7 +85,7 @@ def variant_headers(meta: dict, kernel_dir: Path) -> list[Path]:
         if v["name"] in out:
             continue
         lines = [f"/* kvcompress variant {v['name']} (generated): the constants its kernels were compiled with. */", "#pragma once",
-                 f'#define KVC_VARIANT_NAME "{v["name"]}"', *(f"#define KVC_{m} {int(v[f])}" for m, f in VARIANT_MACROS.items())]
+                 f'#define KVC_VARIANT_NAME "{v["name"]}"', *(f"#define KVC_{m} {int(v.get(f, 0))}" for m, f in VARIANT_MACROS.items())]
         path = kernel_dir / f"kvc_variant_{v['name']}.h"
         path.write_text("\n".join(lines) + "\n")
         out[v["name"]] = path

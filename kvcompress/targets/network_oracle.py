@@ -19,13 +19,18 @@ import torch
 
 from kvcompress.kernels import ops
 from kvcompress.targets import trtllm_network as tn
-from kvcompress.targets.acceptance import APPEND_INPUTS, APPEND_OUTPUTS, INPUTS, reference_append, reference_output
+from kvcompress.targets.acceptance import append_inputs, append_outputs, decode_inputs, reference_append, reference_output
 
 DT = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
 
 
 class TorchGraph:
-    """decoder_step's ops, eagerly, in the dtypes the TensorRT network declares."""
+    """decoder_step's ops, eagerly, in the dtypes the TensorRT network declares. `spec` (network.json):
+    which variant each plugin namespace runs (the grouped family's value options are not in the buffers' shapes)."""
+
+    def __init__(self, spec: dict | None = None):
+        spec = spec or {}
+        self.variants = {tn.NAMESPACE: spec.get("variant")} | {v["namespace"]: v for v in spec.get("layers") or []}
 
     def const(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(arr))
@@ -64,18 +69,26 @@ class TorchGraph:
         return torch.sigmoid(x.float()).to(x.dtype)
 
     def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = tn.NAMESPACE):
-        # the reference ops read the format from the buffers' shapes and dtypes (any variant, any namespace)
+        # the reference ops read the static family's format from the buffers' shapes and dtypes, the grouped family's from its variant
         x = [t.numpy() for t in inputs]
+        v = self.variants.get(namespace)
         if name == "KvcAppend":
-            out = reference_append(dict(zip(APPEND_INPUTS, x)))
-            return [torch.from_numpy(out[k]) for k in APPEND_OUTPUTS]
+            out = reference_append(dict(zip(append_inputs(v), x)), v)
+            return [torch.from_numpy(out[k]) for k in append_outputs(v)]
         if name == "KvcDecodeAttention":
-            return [torch.from_numpy(reference_output(dict(zip(INPUTS, x)), fields["sm_scale"]))]
+            return [torch.from_numpy(reference_output(dict(zip(decode_inputs(v), x)), fields["sm_scale"], v))]
         raise KeyError(name)
 
 
 def plugin_params(book) -> dict[str, np.ndarray]:
-    """The per-layer plugin constants of a ScaleBook (what the export writes to plugin_params.safetensors)."""
+    """The per-layer plugin constants of a ScaleBook (what the export writes to plugin_params.safetensors):
+    the grouped family's key widths and bit offsets [L, H, D] int32, else the static key parameters."""
+    L, D = book.geometry["n_layers"], book.geometry["head_dim"]
+    if book.spec.key.group_tokens:
+        from kvcompress import reference as ref
+
+        bits = torch.stack([torch.as_tensor(book.key_bits(i)).expand(book.geometry["n_kv_heads"], D) for i in range(L)]).to(torch.int32)
+        return {"k_bits": bits.contiguous().numpy(), "k_offsets": ref.bit_offsets(bits.long()).to(torch.int32).contiguous().numpy()}
     per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
     n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
     idx = [torch.nn.functional.pad(p[3], (0, n_out - p[3].shape[-1])) for p in per]
@@ -84,7 +97,10 @@ def plugin_params(book) -> dict[str, np.ndarray]:
 
 
 def _variant_fields(v: dict) -> dict:
-    return {k: v[k] for k in ("name", "n_sink", "window", "key_bits", "value_bits", "group", "n_out")}
+    out = {k: v[k] for k in ("name", "n_sink", "window", "key_bits", "value_bits", "group", "n_out")}
+    if v.get("key_group_tokens"):  # the grouped family: its value options (the buffers' shapes do not show them)
+        out |= {k: v[k] for k in ("key_group_tokens", "value_symmetric", "value_rotate", "value_coded_min")}
+    return out
 
 
 def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: int, layers: list[dict] | None = None) -> dict:
@@ -114,7 +130,7 @@ def empty_past(spec: dict, B: int, cap: int) -> list[list[torch.Tensor]]:
     out = []
     for i in range(a["n_layers"]):
         tails = tn.cache_tails(tn.layer_variant(spec, i), a["n_kv_heads"], a["head_dim"], cap)
-        out.append([torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.CACHE])
+        out.append([torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.cache_names(tn.layer_variant(spec, i))])
     return out
 
 
@@ -122,7 +138,7 @@ def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new
     """The engine's greedy loop on the CPU oracle: (token lists, logits [steps, B, V])."""
     cap = tn.store_capacity(spec, max_seq_len)
     state = {"past": empty_past(spec, len(seqs), cap)}
-    g = TorchGraph()
+    g = TorchGraph(spec)
 
     def step(ids, lens):
         logits, present = tn.decoder_step(g, spec, W, P, torch.tensor(ids, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),

@@ -32,12 +32,20 @@ def plugin_namespace(variant: str, n_variants: int) -> str:
     return "kvcompress" if n_variants == 1 else f"kvcompress.{variant}"
 
 
-def variant_defines(variant: str, n_variants: int = 1) -> list[str]:
-    """Compiler definitions that bind the plugin sources to one variant's launchers and constants. With
-    several variants in one library each copy also gets its own C++ namespace (no symbol clashes) and
-    plugin namespace."""
-    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
-            f"-DKVC_APPEND_LAUNCH=kvc_kv_append_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
+def kernel_family(kernels: Path, variant: str) -> str:
+    """The kernel-name suffix of a variant's AOT build: "_grp" (grouped family), "_rot" (per-token family) or "" (static)."""
+    for suffix in ("_grp", "_rot"):
+        if (Path(kernels) / f"kvc_decode_split{suffix}_{variant}.c").is_file():
+            return suffix
+    return ""
+
+
+def variant_defines(variant: str, n_variants: int = 1, family: str = "") -> list[str]:
+    """Compiler definitions that bind the plugin sources to one variant's launchers and constants
+    (`family`: kernel_family's suffix). With several variants in one library each copy also gets its own
+    C++ namespace (no symbol clashes) and plugin namespace."""
+    defs = [f"-DKVC_DECODE_SPLIT_LAUNCH=kvc_decode_split{family}_{variant}_launch", f"-DKVC_DECODE_REDUCE_LAUNCH=kvc_decode_reduce_{variant}_launch",
+            f"-DKVC_APPEND_LAUNCH=kvc_kv_append{family}_{variant}_launch", f'-DKVC_VARIANT_HEADER="kvc_variant_{variant}.h"']
     if n_variants > 1:
         defs += [f"-Dkvc=kvc_{variant}", f'-DKVC_PLUGIN_NAMESPACE="{plugin_namespace(variant, n_variants)}"']
     return defs
@@ -67,7 +75,7 @@ def build(trt_include: Path, kernels: Path, variant: str | list[str], out: Path)
             for src in PLUGIN_SOURCES:
                 objs.append(Path(tmp) / f"{src.stem}_{v}.o")
                 cmds.append(["g++", "-std=c++17", *WARN, "-fPIC", "-c", str(src), *sys_inc, f"-I{kernels}", f"-I{src.parent}",
-                             *variant_defines(v, len(names)), "-o", str(objs[-1])])
+                             *variant_defines(v, len(names), kernel_family(kernels, v)), "-o", str(objs[-1])])
         cmds.append(["g++", "-shared", "-o", str(out), *map(str, objs)])
         for c in cmds:
             r = subprocess.run(c, capture_output=True, text=True)
@@ -84,7 +92,7 @@ def build_harness(trt_include: Path, kernels: Path, variant: str, out: Path) -> 
     registry and logger and the CUDA driver), which drives the plugins' build-time and serialization logic on CPU."""
     cuda = cuda_include_dirs()
     sys_inc = ["-isystem", str(trt_include), "-isystem", str(cuda[0])]
-    defs = variant_defines(variant)
+    defs = variant_defines(variant, 1, kernel_family(kernels, variant))
     with tempfile.TemporaryDirectory() as tmp:
         objs = []
         for src in sorted(Path(kernels).glob(f"kvc_*_{variant}.c")):

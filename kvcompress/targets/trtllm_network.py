@@ -12,7 +12,8 @@ One description, two backends:
   `CompressedCache` decoding (the validated path), so the graph's wiring is verified here.
 
 The engine runs one token per sequence per call (a generation step). The plugin owns a contiguous
-per-sequence cache: 9 buffers per layer (layout of `kvcompress.kernels.layout.PackedKV`), engine inputs
+per-sequence cache: 9 buffers per layer (10 for the grouped family, kv=wf4; layout of
+`kvcompress.kernels.layout.PackedKV`), engine inputs
 `past.<layer>.<buffer>` and outputs `present.<layer>.<buffer>` (KvcAppend's outputs, aliased to its
 inputs), bound to the same device memory, plus `lens` [B] (tokens cached before this one; the
 network adds 1 for the attention read) and `input_ids` [B]. Prompts are fed one token per step.
@@ -34,8 +35,20 @@ PINNED_TRTLLM = "1.2.1"
 PINNED_TRT = "10.13.3"
 NAMESPACE = "kvcompress"
 CACHE = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
+# the grouped family (kv.key.group_tokens, e.g. kv=wf4): no static key parameters; a scale and min per key channel and group
+CACHE_GROUPED = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min")
 SPEC_FILE = "network.json"
 PARAMS_FILE = "plugin_params.safetensors"
+
+
+def grouped(v: dict) -> bool:
+    """The variant is the grouped family (KvcAppend/KvcDecodeAttention built with KVC_GT > 0)."""
+    return bool(v.get("key_group_tokens"))
+
+
+def cache_names(v: dict) -> tuple[str, ...]:
+    """The cache buffers of a layer running variant v, in the plugins' input order."""
+    return CACHE_GROUPED if grouped(v) else CACHE
 
 
 def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int, int, int], str]]:
@@ -44,12 +57,28 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
     vd = D // 2 if v["value_bits"] == 4 else D
     ng = D // v["group"]
     ns, w, n_out = v["n_sink"], v["window"], v["n_out"]
-    return {
-        "sink_k": ((H, ns, D), "float16"), "sink_v": ((H, ns, D), "float16"),
-        "win_k": ((H, w, D), "float16"), "win_v": ((H, w, D), "float16"),
+    fp16 = {"sink_k": ((H, ns, D), "float16"), "sink_v": ((H, ns, D), "float16"), "win_k": ((H, w, D), "float16"), "win_v": ((H, w, D), "float16")}
+    if grouped(v):  # cap holds whole key groups; k_payload rows are D * mean bits / 8 bytes (reference.pack_key_codes)
+        capg = cap // v["key_group_tokens"]
+        return fp16 | {
+            "k_payload": ((H, cap, D * v["key_bits"] // 8), "uint8"), "k_gscale": ((H, capg, D), "float16"), "k_gmin": ((H, capg, D), "float16"),
+            "v_payload": ((H, cap, vd), "int8" if v["value_symmetric"] and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
+            "v_min": ((H, cap, ng), "uint8" if v["value_coded_min"] else "float16"),
+        }
+    return fp16 | {
         "k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
         "v_payload": ((H, cap, vd), "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
     }
+
+
+def token_bytes(v: dict, D: int) -> int:
+    """Bytes of one compressed token per head that the decode kernel reads (its split planning)."""
+    vd = D // 2 if v["value_bits"] == 4 else D
+    if grouped(v):
+        vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
+        return D * v["key_bits"] // 8 + -(-4 * D // v["key_group_tokens"]) + vd + (D // v["group"]) * (2 + vmin)  # key scale + min per group, amortised
+    kd = D // 2 if v["key_bits"] == 4 else D
+    return kd + vd + 4 * (D // v["group"]) + 2 * v["n_out"]
 
 
 def layer_variant(spec: dict, i: int) -> dict:
@@ -61,7 +90,9 @@ def store_capacity(spec: dict, max_seq_len: int) -> int:
     """Compressed-store slots for sequences of up to max_seq_len tokens (the rest are sinks and window;
     the same in every layer)."""
     v = layer_variant(spec, 0)
-    return max(1, max_seq_len - v["n_sink"] - v["window"])
+    n = max(1, max_seq_len - v["n_sink"] - v["window"])
+    gt = v.get("key_group_tokens") or 1
+    return -(-n // gt) * gt  # the grouped family stores whole key groups
 
 
 def rope_tables(inv_freq: np.ndarray, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +151,8 @@ def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
 
 
 def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
-    """Per-layer plugin constants written by the export: k_scale, k_zero, k_zero_masked [L, H, D] fp32, outlier_idx [L, H, N] int32."""
+    """Per-layer plugin constants written by the export: k_scale, k_zero, k_zero_masked [L, H, D] fp32, outlier_idx [L, H, N] int32;
+    for the grouped family k_bits, k_offsets [L, H, D] int32 (each key channel's width and bit offset in a row)."""
     from safetensors.numpy import load_file
 
     return load_file(str(Path(bundle) / PARAMS_FILE))
@@ -142,7 +174,7 @@ def _rope(g, x, cos, sin, R):
 
 def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
     """One generation step: ids [B] int32, lens [B] int32 (tokens cached before this one), past[layer] =
-    the 9 cache buffers. Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
+    the layer's cache buffers (cache_names). Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
     a = spec["arch"]
     H, HKV, D, L = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["n_layers"]
     eps = float(a["rms_eps"])
@@ -160,10 +192,14 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         q = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wq"]), transpose_b=True), (0, H, D)), cos, sin, R)
         k = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wk"]), transpose_b=True), (0, HKV, D)), cos, sin, R)
         vv = g.reshape(g.matmul(h, g.const(W[f"{i}.wv"]), transpose_b=True), (0, HKV, D))
-        ks, kz, kzm = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked"))
-        idx = g.const(np.ascontiguousarray(P["outlier_idx"][i][:, : v["n_out"]]))  # padded to the most outliers of any layer
-        new = g.plugin("KvcAppend", [k, vv, ks, kz, idx, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(CACHE), ns)
-        att = g.plugin("KvcDecodeAttention", [q, ks, kzm, idx, *new, lens1],
+        if grouped(v):  # the per-channel key widths and their bit offsets (plugin_params k_bits, k_offsets)
+            wr = rd = [g.const(P[n][i]) for n in ("k_bits", "k_offsets")]
+        else:
+            ks, kz, kzm = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked"))
+            idx = g.const(np.ascontiguousarray(P["outlier_idx"][i][:, : v["n_out"]]))  # padded to the most outliers of any layer
+            wr, rd = [ks, kz, idx], [ks, kzm, idx]
+        new = g.plugin("KvcAppend", [k, vv, *wr, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(cache_names(v)), ns)
+        att = g.plugin("KvcDecodeAttention", [q, *rd, *new, lens1],
                        {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1, ns)[0]
         att = g.reshape(g.cast(att, "float16"), (0, H * D))
         x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
@@ -282,11 +318,11 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
         for name, (tail, dtype) in engine_io(spec, cap).items():
             dims = OrderedDict([("batch_size", [[1, opt, max_batch]])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
             inputs[name] = Tensor(name=name, dtype=dt[dtype], shape=[-1, *tail], dim_range=dims).trt_tensor
-        past = [[inputs[f"past.{i}.{c}"] for c in CACHE] for i in range(spec["arch"]["n_layers"])]
+        past = [[inputs[f"past.{i}.{c}"] for c in cache_names(layer_variant(spec, i))] for i in range(spec["arch"]["n_layers"])]
         logits, present = decoder_step(g, spec, W, P, inputs["input_ids"], inputs["lens"], past, cap, splits, max_seq_len)
         g.output("logits", logits)
         for i, bufs in enumerate(present):
-            for c, t in zip(CACHE, bufs):
+            for c, t in zip(cache_names(layer_variant(spec, i)), bufs):
                 g.output(f"present.{i}.{c}", t)
     config = builder.create_builder_config(precision="float16", strongly_typed=True)
     config.trt_builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # KvcAppend writes in place

@@ -98,14 +98,42 @@ static DynamicPluginTensorDesc desc(std::vector<int64_t> dims, DataType t) {
   return d;
 }
 
-// the 10 cache buffers (layout.py) for B sequences, H kv heads, cap compressed slots
+#ifndef KVC_GT
+#define KVC_GT 0
+#define KVC_V_SYM 0
+#define KVC_V_CODE 0
+#endif
+static constexpr int32_t kCACHE = KVC_GT > 0 ? 10 : 9;  // cache buffers (lens follows them)
+static constexpr int32_t kKEYP = KVC_GT > 0 ? 2 : 3;    // key-parameter inputs before them
+
+// the cache buffers + lens (layout.py) for B sequences, H kv heads, cap compressed slots
 static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t cap) {
-  int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D, vr = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D, ng = KVC_D / KVC_GROUP;
-  return {desc({B, H, KVC_NS, KVC_D}, DataType::kHALF), desc({B, H, KVC_NS, KVC_D}, DataType::kHALF),
-          desc({B, H, KVC_W, KVC_D}, DataType::kHALF), desc({B, H, KVC_W, KVC_D}, DataType::kHALF),
-          desc({B, H, cap, kr}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
-          desc({B, H, cap, vr}, DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF), desc({B, H, cap, ng}, DataType::kHALF),
-          desc({B}, DataType::kINT32)};
+  int64_t vr = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D, ng = KVC_D / KVC_GROUP;
+  std::vector<DynamicPluginTensorDesc> out = {desc({B, H, KVC_NS, KVC_D}, DataType::kHALF), desc({B, H, KVC_NS, KVC_D}, DataType::kHALF),
+                                              desc({B, H, KVC_W, KVC_D}, DataType::kHALF), desc({B, H, KVC_W, KVC_D}, DataType::kHALF)};
+#if KVC_GT > 0
+  int64_t capg = cap / KVC_GT;
+  for (auto d : {desc({B, H, cap, KVC_D * KVC_KEY_BITS / 8}, DataType::kUINT8), desc({B, H, capg, KVC_D}, DataType::kHALF), desc({B, H, capg, KVC_D}, DataType::kHALF),
+                 desc({B, H, cap, vr}, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
+                 desc({B, H, cap, ng}, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF)})
+    out.push_back(d);
+#else
+  int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;
+  for (auto d : {desc({B, H, cap, kr}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
+                 desc({B, H, cap, vr}, DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF), desc({B, H, cap, ng}, DataType::kHALF)})
+    out.push_back(d);
+#endif
+  out.push_back(desc({B}, DataType::kINT32));
+  return out;
+}
+
+// the key-parameter inputs: static k_scale, k_zero(_masked) [H, D] fp32, outlier_idx [H, N_OUT] int32; grouped k_bits, k_offsets [H, D] int32
+static std::vector<DynamicPluginTensorDesc> keyParams(int64_t H) {
+#if KVC_GT > 0
+  return {desc({H, KVC_D}, DataType::kINT32), desc({H, KVC_D}, DataType::kINT32)};
+#else
+  return {desc({H, KVC_D}, DataType::kFLOAT), desc({H, KVC_D}, DataType::kFLOAT), desc({H, KVC_N_OUT}, DataType::kINT32)};
+#endif
 }
 
 template <typename T>
@@ -132,7 +160,7 @@ int main() {
   check(std::string(dc->getPluginNamespace()) == "kvcompress" && std::string(ac->getPluginNamespace()) == "kvcompress", "namespace kvcompress");
   check(dc->getFieldNames()->nbFields == 6 && ac->getFieldNames()->nbFields == 3, "creators list their fields");
 
-  int32_t H = 2, G = KVC_G, D = KVC_D, splits = 3, cap = 100, B = 4;
+  int32_t H = 2, G = KVC_G, D = KVC_D, splits = 3, cap = KVC_GT > 0 ? 2 * KVC_GT : 100, B = 4;
   float sm = 0.125f;
   std::vector<PluginField> df = {PluginField("H", &H, PluginFieldType::kINT32, 1), PluginField("G", &G, PluginFieldType::kINT32, 1),
                                  PluginField("D", &D, PluginFieldType::kINT32, 1), PluginField("splits", &splits, PluginFieldType::kINT32, 1),
@@ -144,9 +172,10 @@ int main() {
   check(a == b && a.size() == 6 && a[5].second == 0.125, "KvcDecodeAttention fields round-trip through serialization");
 
   auto* build = as<IPluginV3OneBuild>(dq, PluginCapabilityType::kBUILD);
-  std::vector<DynamicPluginTensorDesc> in = {desc({B, H * G, D}, DataType::kHALF), desc({H, D}, DataType::kFLOAT), desc({H, D}, DataType::kFLOAT),
-                                             desc({H, KVC_N_OUT}, DataType::kINT32)};
+  std::vector<DynamicPluginTensorDesc> in = {desc({B, H * G, D}, DataType::kHALF)};
+  for (auto& c : keyParams(H)) in.push_back(c);
   for (auto& c : cache(B, H, cap)) in.push_back(c);
+  check(in.size() == 14, "KvcDecodeAttention has 14 inputs for this variant");
   DynamicPluginTensorDesc out = desc({B, H * G, D}, DataType::kFLOAT);
   gLog.clear();
   check(build->configurePlugin(in.data(), 14, &out, 1) == 0 && gLog.empty(), "KvcDecodeAttention accepts the variant's shapes");
@@ -157,7 +186,7 @@ int main() {
   check(rejected && !gLog.empty() && gLog[0].find("input q ") != std::string::npos,
         "KvcDecodeAttention rejects a wrong head dim, through the logger: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
   bad = in;
-  bad[8] = desc({B, H, cap + 1, KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8);
+  bad[1 + kKEYP + 4] = cache(B, H, cap + 1)[4];  // k_payload
   gLog.clear();
   check(build->configurePlugin(bad.data(), 14, &out, 1) != 0 && !gLog.empty(), "KvcDecodeAttention rejects a store that is not `cap` long");
   gLog.clear();
@@ -175,20 +204,38 @@ int main() {
   check(a == b && a.size() == 3, "KvcAppend fields round-trip through serialization");
   auto* abuild = as<IPluginV3OneBuildV2>(aq, PluginCapabilityType::kBUILD);
   bool alias = true;
-  for (int32_t i = 0; i < 9; ++i) alias = alias && abuild->getAliasedInput(i) == 5 + i;
-  check(alias && abuild->getAliasedInput(9) == -1 && abuild->getNbOutputs() == 9, "KvcAppend aliases its 9 cache outputs to inputs 5..13");
-  std::vector<DynamicPluginTensorDesc> ain = {desc({B, H, D}, DataType::kHALF), desc({B, H, D}, DataType::kHALF), desc({H, D}, DataType::kFLOAT),
-                                              desc({H, D}, DataType::kFLOAT), desc({H, KVC_N_OUT}, DataType::kINT32)};
+  int32_t first = 2 + kKEYP;
+  for (int32_t i = 0; i < kCACHE; ++i) alias = alias && abuild->getAliasedInput(i) == first + i;
+  check(alias && abuild->getAliasedInput(kCACHE) == -1 && abuild->getNbOutputs() == kCACHE,
+        "KvcAppend aliases its " + std::to_string(kCACHE) + " cache outputs to inputs " + std::to_string(first) + ".." + std::to_string(first + kCACHE - 1));
+  std::vector<DynamicPluginTensorDesc> ain = {desc({B, H, D}, DataType::kHALF), desc({B, H, D}, DataType::kHALF)};
+  for (auto& c : keyParams(H)) ain.push_back(c);
   for (auto& c : cache(B, H, cap)) ain.push_back(c);
-  std::vector<DynamicPluginTensorDesc> aout(ain.begin() + 5, ain.begin() + 14);
+  check(ain.size() == 15, "KvcAppend has 15 inputs for this variant");
+  std::vector<DynamicPluginTensorDesc> aout(ain.begin() + first, ain.begin() + first + kCACHE);
   gLog.clear();
-  check(abuild->configurePlugin(ain.data(), 15, aout.data(), 9) == 0 && gLog.empty(), "KvcAppend accepts the variant's shapes");
+  check(abuild->configurePlugin(ain.data(), 15, aout.data(), kCACHE) == 0 && gLog.empty(), "KvcAppend accepts the variant's shapes");
   auto abad = ain;
-  abad[7] = desc({B, H, KVC_W + 1, D}, DataType::kHALF);
+  abad[first + 2] = desc({B, H, KVC_W + 1, D}, DataType::kHALF);  // win_k
   gLog.clear();
-  rejected = abuild->configurePlugin(abad.data(), 15, aout.data(), 9) != 0;
+  rejected = abuild->configurePlugin(abad.data(), 15, aout.data(), kCACHE) != 0;
   check(rejected && !gLog.empty() && gLog[0].find("win_k") != std::string::npos,
         "KvcAppend rejects a window that is not the compiled one: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
+#if KVC_GT > 0
+  auto gbad = cache(B, H, cap + 1);  // a store that is not whole key groups (its group buffers truncated)
+  std::vector<DynamicPluginTensorDesc> gin(ain.begin(), ain.begin() + first);
+  for (auto& c : gbad) gin.push_back(c);
+  std::vector<PluginField> gf = af;
+  int32_t badCap = cap + 1;
+  gf[2] = PluginField("cap", &badCap, PluginFieldType::kINT32, 1);
+  PluginFieldCollection gfc{int32_t(gf.size()), gf.data()};
+  IPluginV3* gp = ac->createPlugin("append", &gfc, TensorRTPhase::kBUILD);
+  gLog.clear();
+  rejected = as<IPluginV3OneBuildV2>(gp, PluginCapabilityType::kBUILD)->configurePlugin(gin.data(), 15, aout.data(), kCACHE) != 0;
+  check(rejected && !gLog.empty() && gLog[0].find("whole number of key groups") != std::string::npos,
+        "KvcAppend (grouped) rejects a store that is not whole key groups: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
+  delete gp;
+#endif
   for (IPluginV3* p : {dp, dq, ap, aq}) delete p;
   return gFailed ? 1 : 0;
 }

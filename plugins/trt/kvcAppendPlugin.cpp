@@ -7,6 +7,9 @@
 // Inputs: 0 k_new 1 v_new [B, H, D] fp16   2 k_scale [H, D] fp32   3 k_zero [H, D] fp32   4 outlier_idx [H, N_OUT] int32
 //         5 sink_k 6 sink_v [B, H, NS, D] fp16   7 win_k 8 win_v [B, H, W, D] fp16
 //         9 k_payload 10 k_outliers 11 v_payload 12 v_scale 13 v_min (packed store)   14 lens [B] int32 (tokens before this one)
+// Grouped family (KVC_GT > 0, kv=wf4): 0 k_new 1 v_new   2 k_bits 3 k_offsets [H, D] int32   4..13 the 10 cache buffers
+// (sink_k sink_v win_k win_v k_payload k_gscale k_gmin v_payload v_scale v_min)   14 lens; outputs 0..9 aliased to 4..13.
+// When the token leaving the window starts a key group, the kernel encodes the whole group (all of it is in the window).
 // Outputs 0..8: the updated cache buffers 5..13, ALIASED to those inputs (IPluginV3OneBuildV2::getAliasedInput; the
 // builder config must enable PreviewFeature::kALIASED_PLUGIN_IO_10_03): written in place, nothing copied.
 // lens is read, not advanced: the network adds 1 after the step (an elementwise Add), so every head of the
@@ -20,7 +23,7 @@ namespace kvc {
 
 static constexpr char const* kAPPEND = "KvcAppend";
 static constexpr char const* kAPPEND_VERSION = "1";
-static constexpr int32_t kIN = 15, kOUT = 9, kFIRST_CACHE = 5;
+static constexpr int32_t kIN = 15, kOUT = kNCACHE, kFIRST_CACHE = 2 + kNKEYP;
 
 struct AppendParams {
   int32_t H, D, cap;
@@ -42,38 +45,39 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
   int32_t getNbOutputs() const noexcept override { return kOUT; }
   int32_t getAliasedInput(int32_t outputIndex) noexcept override { return outputIndex >= 0 && outputIndex < kOUT ? kFIRST_CACHE + outputIndex : -1; }
   int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override {
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and 9 outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
     for (int32_t i = 0; i < kOUT; ++i) out[i] = in[kFIRST_CACHE + i];
     return 0;
   }
   int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out, int32_t nbOutputs,
                           IExprBuilder&) noexcept override {
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and 9 outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
     for (int32_t i = 0; i < kOUT; ++i) out[i] = in[kFIRST_CACHE + i];
     return 0;
   }
   bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t, int32_t) noexcept override {
-    static DataType const kTypes[] = {DataType::kHALF, DataType::kHALF, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT32,
-                                      DataType::kHALF, DataType::kHALF, DataType::kHALF, DataType::kHALF,
-                                      KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, DataType::kUINT8,
-                                      DataType::kHALF, DataType::kHALF, DataType::kINT32};
     if (io[pos].desc.format != TensorFormat::kLINEAR) return false;
     int32_t src = pos < kIN ? pos : kFIRST_CACHE + (pos - kIN);  // an output has its aliased input's type
-    return io[pos].desc.type == kTypes[src];
+    DataType want = src < 2 ? DataType::kHALF : src < kFIRST_CACHE ? keyParamType(src - 2) : src < kFIRST_CACHE + kNCACHE ? cacheType(src - kFIRST_CACHE)
+                  : DataType::kINT32;
+    return io[pos].desc.type == want;
   }
   int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t nbOutputs) noexcept override {
     char const* P = kAPPEND;
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and 9 outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
     if (p_.D != KVC_D || p_.H <= 0 || p_.cap <= 0) {
       logError(std::string(P) + ": attributes D=" + std::to_string(p_.D) + " H=" + std::to_string(p_.H) + " cap=" + std::to_string(p_.cap) +
                " do not fit the compiled variant " + KVC_VARIANT_NAME + " (D=" + std::to_string(KVC_D) + "; H, cap > 0)");
       return -1;
     }
     int64_t B = in[0].desc.dims.d[0];
-    bool ok = checkDims(in[0].desc.dims, {B, p_.H, KVC_D}, P, "k_new") && checkDims(in[1].desc.dims, {B, p_.H, KVC_D}, P, "v_new") &&
-              checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_scale") && checkDims(in[3].desc.dims, {p_.H, KVC_D}, P, "k_zero") &&
-              checkDims(in[4].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx") && checkCache(in, kFIRST_CACHE, B, p_.H, p_.cap, P);
-    return ok ? 0 : -1;
+    bool ok = checkDims(in[0].desc.dims, {B, p_.H, KVC_D}, P, "k_new") && checkDims(in[1].desc.dims, {B, p_.H, KVC_D}, P, "v_new");
+    if (kGROUPED)
+      ok = ok && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_bits") && checkDims(in[3].desc.dims, {p_.H, KVC_D}, P, "k_offsets");
+    else
+      ok = ok && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_scale") && checkDims(in[3].desc.dims, {p_.H, KVC_D}, P, "k_zero") &&
+           checkDims(in[4].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx");
+    return ok && checkCache(in, kFIRST_CACHE, B, p_.H, p_.cap, P) ? 0 : -1;
   }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const*, int32_t, DynamicPluginTensorDesc const*, int32_t) const noexcept override { return 0; }
   int32_t onShapeChange(PluginTensorDesc const*, int32_t, PluginTensorDesc const*, int32_t) noexcept override { return 0; }
@@ -93,8 +97,13 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
       if (outputs[i] != inputs[kFIRST_CACHE + i]) return logError("KvcAppend: output " + std::to_string(i) + " is not aliased to its cache input"), -1;
     auto ptr = [&](int32_t i) { return reinterpret_cast<CUdeviceptr>(inputs[i]); };
     unsigned B = unsigned(in[0].dims.d[0]);
+#if KVC_GT > 0  // kv_append_grp(KN, VN, SK, SV, WK, WV, KP, KB, KOFF, KGS, KGM, VP, VS, VM, LENS, H, CAP, CAPG)
+    CUresult r = KVC_APPEND_LAUNCH(reinterpret_cast<CUstream>(stream), B, unsigned(p_.H), 1u, ptr(0), ptr(1), ptr(4), ptr(5), ptr(6), ptr(7),
+                                   ptr(8), ptr(2), ptr(3), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13), ptr(14), p_.H, p_.cap, p_.cap / KVC_GT);
+#else
     CUresult r = KVC_APPEND_LAUNCH(reinterpret_cast<CUstream>(stream), B, unsigned(p_.H), 1u, ptr(0), ptr(1), ptr(2), ptr(3), ptr(4), ptr(5),
                                    ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13), ptr(14), p_.H, p_.cap);
+#endif
     return r == CUDA_SUCCESS ? 0 : int32_t(r);
   }
 

@@ -13,9 +13,39 @@ namespace kvc {
 #define KVC_PLUGIN_NAMESPACE "kvcompress"  // a library holding several variants registers each as kvcompress.<variant>
 #endif
 static constexpr char const* kNAMESPACE = KVC_PLUGIN_NAMESPACE;
-static constexpr int32_t kKEY_ROW = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;  // bytes of a packed key row
+#ifndef KVC_GT
+#define KVC_GT 0  // variant headers of the static family written before the grouped family existed
+#define KVC_V_SYM 0
+#define KVC_V_ROT 0
+#define KVC_V_CODE 0
+#endif
+// the grouped family (KVC_GT > 0, e.g. kv=wf4): keys per channel over groups of KVC_GT tokens, codes of varying
+// widths (mean KVC_KEY_BITS) in one bitstream per row, a scale and min per channel and group; the plugins take the
+// widths and bit offsets [H, D] int32 instead of the static key parameters, and 10 cache buffers instead of 9
+static constexpr bool kGROUPED = KVC_GT > 0;
+static constexpr int32_t kNCACHE = kGROUPED ? 10 : 9;  // cache buffers (layout.py), in the plugins' input order
+static constexpr int32_t kNKEYP = kGROUPED ? 2 : 3;    // key-parameter inputs before them (after q, or after k_new and v_new)
+static constexpr int32_t kKEY_ROW = kGROUPED ? KVC_D * KVC_KEY_BITS / 8 : KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;  // bytes of a packed key row
 static constexpr int32_t kVAL_ROW = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D;
 static constexpr int32_t kNG = KVC_D / KVC_GROUP;
+
+// dtype of the i-th key-parameter input: static k_scale, k_zero(_masked) fp32 and outlier_idx int32; grouped k_bits, k_offsets int32
+inline nvinfer1::DataType keyParamType(int32_t i) noexcept {
+  return kGROUPED || i == 2 ? nvinfer1::DataType::kINT32 : nvinfer1::DataType::kFLOAT;
+}
+
+// dtype of the i-th cache buffer
+inline nvinfer1::DataType cacheType(int32_t i) noexcept {
+  using nvinfer1::DataType;
+  if (i < 4) return DataType::kHALF;  // sinks and window
+  if (kGROUPED) {
+    DataType const t[] = {DataType::kUINT8, DataType::kHALF, DataType::kHALF, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8,
+                          DataType::kHALF, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF};
+    return t[i - 4];
+  }
+  DataType const t[] = {KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, DataType::kUINT8, DataType::kHALF, DataType::kHALF};
+  return t[i - 4];
+}
 
 inline void logError(std::string const& msg) noexcept {
   if (nvinfer1::ILogger* l = getLogger()) l->log(nvinfer1::ILogger::Severity::kERROR, (std::string("kvcompress plugin: ") + msg).c_str());
@@ -39,14 +69,31 @@ inline bool checkDims(nvinfer1::Dims const& d, std::initializer_list<int64_t> wa
   return true;
 }
 
-// the packed cache buffers at inputs [first, first + 10): sink_k sink_v win_k win_v k_payload k_outliers v_payload v_scale v_min lens
+// the packed cache buffers at inputs [first, first + kNCACHE), then lens [B]:
+//   static:  sink_k sink_v win_k win_v k_payload k_outliers v_payload v_scale v_min
+//   grouped: sink_k sink_v win_k win_v k_payload k_gscale k_gmin v_payload v_scale v_min (cap: whole key groups)
 inline bool checkCache(nvinfer1::DynamicPluginTensorDesc const* in, int32_t first, int64_t B, int32_t H, int32_t cap, char const* plugin) noexcept {
-  char const* names[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens"};
-  int64_t const rows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, cap, cap, cap, cap};
-  int64_t const cols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, KVC_N_OUT, kVAL_ROW, kNG, kNG};
-  for (int32_t i = 0; i < 9; ++i)
-    if (!checkDims(in[first + i].desc.dims, {B, H, rows[i], cols[i]}, plugin, names[i])) return false;
-  return checkDims(in[first + 9].desc.dims, {B}, plugin, names[9]);
+  if (kGROUPED && cap % (KVC_GT > 0 ? KVC_GT : 1) != 0) {
+    logError(std::string(plugin) + ": cap=" + std::to_string(cap) + " must be a whole number of key groups of " + std::to_string(KVC_GT) +
+             " tokens (variant " + KVC_VARIANT_NAME + ")");
+    return false;
+  }
+  int64_t const capg = kGROUPED ? cap / (KVC_GT > 0 ? KVC_GT : 1) : 0;
+  char const* sNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min"};
+  int64_t const sRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, cap, cap, cap, cap};
+  int64_t const sCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, KVC_N_OUT, kVAL_ROW, kNG, kNG};
+  char const* gNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min"};
+  int64_t const gRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, capg, capg, cap, cap, cap};
+  int64_t const gCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, KVC_D, KVC_D, kVAL_ROW, kNG, kNG};
+  for (int32_t i = 0; i < kNCACHE; ++i) {
+    char const* name = kGROUPED ? gNames[i] : sNames[i];
+    if (!checkDims(in[first + i].desc.dims, {B, H, kGROUPED ? gRows[i] : sRows[i], kGROUPED ? gCols[i] : sCols[i]}, plugin, name)) return false;
+    if (in[first + i].desc.type != cacheType(i)) {
+      logError(std::string(plugin) + ": input " + name + " has the wrong dtype for the compiled variant " + KVC_VARIANT_NAME);
+      return false;
+    }
+  }
+  return checkDims(in[first + kNCACHE].desc.dims, {B}, plugin, "lens");
 }
 
 inline bool aligned16(void const* p) noexcept { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -6,9 +6,13 @@
 // (tested against the reference numerics).
 //
 // Inputs (one layer, layout of kvcompress/kernels/layout.py):
+//   static family:
 //   0 q [B, HQ, D] fp16          1 k_scale [H, D] fp32      2 k_zero_masked [H, D] fp32   3 outlier_idx [H, N_OUT] int32
 //   4 sink_k 5 sink_v [B, H, NS, D] fp16    6 win_k 7 win_v [B, H, W, D] fp16
 //   8 k_payload 9 k_outliers 10 v_payload 11 v_scale 12 v_min (packed store)   13 lens [B] int32
+//   grouped family (KVC_GT > 0, kv=wf4):
+//   0 q   1 k_bits 2 k_offsets [H, D] int32   3..6 sinks and window   7 k_payload [B, H, CAP, D*KEY_BITS/8] uint8
+//   8 k_gscale 9 k_gmin [B, H, CAP/GT, D] fp16   10 v_payload 11 v_scale 12 v_min   13 lens
 // Output: 0 out [B, HQ, D] fp32.  Workspace: split partials (max, sum, acc).
 #include "kvcCommon.h"
 #include <cstring>
@@ -58,11 +62,10 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
     return 0;
   }
   bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t, int32_t) noexcept override {
-    static DataType const kTypes[] = {DataType::kHALF, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT32,
-                                      DataType::kHALF, DataType::kHALF, DataType::kHALF, DataType::kHALF,
-                                      DataType::kINT8, DataType::kHALF, DataType::kUINT8, DataType::kHALF,
-                                      DataType::kHALF, DataType::kINT32, DataType::kFLOAT};
-    return io[pos].desc.format == TensorFormat::kLINEAR && (pos == 8 || io[pos].desc.type == kTypes[pos]);
+    int32_t const firstCache = 1 + kNKEYP, lensPos = firstCache + kNCACHE;
+    DataType want = pos == 0 ? DataType::kHALF : pos < firstCache ? keyParamType(pos - 1) : pos < lensPos ? cacheType(pos - firstCache)
+                  : pos == lensPos ? DataType::kINT32 : DataType::kFLOAT;
+    return io[pos].desc.format == TensorFormat::kLINEAR && io[pos].desc.type == want;
   }
   // every shape against the attributes and the compiled variant (kvc_variant_<name>.h); errors go to TensorRT's logger
   int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t) noexcept override {
@@ -75,14 +78,13 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
       return -1;
     }
     int64_t B = in[0].desc.dims.d[0];
-    bool ok = checkDims(in[0].desc.dims, {B, int64_t(p_.H) * p_.G, KVC_D}, P, "q") && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_scale") &&
-              checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_zero_masked") && checkDims(in[3].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx") &&
-              checkCache(in, 4, B, p_.H, p_.cap, P);
-    if (ok && in[8].desc.type != (KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8)) {
-      logError(std::string(P) + ": k_payload must be " + (KVC_KEY_BITS == 8 ? "int8" : "uint8 (packed int4)") + " for " + KVC_VARIANT_NAME);
-      ok = false;
-    }
-    return ok ? 0 : -1;
+    bool ok = checkDims(in[0].desc.dims, {B, int64_t(p_.H) * p_.G, KVC_D}, P, "q");
+    if (kGROUPED)
+      ok = ok && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_bits") && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_offsets");
+    else
+      ok = ok && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_scale") && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_zero_masked") &&
+           checkDims(in[3].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx");
+    return ok && checkCache(in, 1 + kNKEYP, B, p_.H, p_.cap, P) ? 0 : -1;
   }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*, int32_t) const noexcept override {
     size_t rows = size_t(in[0].max.d[0]) * in[0].max.d[1];
@@ -110,9 +112,15 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
     size_t part = (size_t(B) * HQ * p_.splits * sizeof(float) + 15) & ~size_t(15);
     CUdeviceptr lo = mo + part;
     CUdeviceptr ao = lo + part;
+#if KVC_GT > 0  // decode_split_grp(Q, SK, SV, WK, WV, KP, KB, KOFF, KGS, KGM, VP, VS, VM, LENS, MO, LO, AO, sm_scale, H, CAP, CAPG, SPLITS)
+    CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(3), ptr(4), ptr(5), ptr(6),
+                                         ptr(7), ptr(1), ptr(2), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13),
+                                         mo, lo, ao, p_.sm_scale, p_.H, p_.cap, p_.cap / KVC_GT, p_.splits);
+#else
     CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(1), ptr(2), ptr(3),
                                          ptr(4), ptr(5), ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13),
                                          mo, lo, ao, p_.sm_scale, p_.H, p_.cap, p_.splits);
+#endif
     if (r != CUDA_SUCCESS) return int32_t(r);
     r = KVC_DECODE_REDUCE_LAUNCH(reinterpret_cast<CUstream>(stream), B * HQ, 1, 1, mo, lo, ao, reinterpret_cast<CUdeviceptr>(outputs[0]), p_.splits);
     return int32_t(r);
