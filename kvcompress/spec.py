@@ -38,7 +38,7 @@ class KeySpec(Frozen):
     tie_rope_pairs: bool = True
     # 0: the static per-channel scales above. G > 0: token-grouped keys (as KIVI, Liu et al. 2024): per-channel
     # asymmetric scales computed at write time over groups of G tokens aligned at the first compressed position
-    # (fp16 scale and min per channel and group); in validate, CompressedCache and the Triton kernels (no plugin or export yet)
+    # (fp16 scale and min per channel and group); in validate, CompressedCache, the Triton kernels and the custom-tier export
     group_tokens: int = Field(0, ge=0)
     # token-grouped keys only: "uniform" gives every channel `bits`; "waterfill" spends bits * D bits per token
     # unevenly, channel by channel (reference.waterfill_bits: RoPE pairs alike, 1..8 bits each), where the

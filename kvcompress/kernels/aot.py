@@ -93,7 +93,7 @@ VARIANTS = {
         Variant("d128_g8_rot8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True, value_coded_min=True),
     ],
     # kv=wf4 (token-grouped keys of water-filled widths, mean 4 bits, groups of 128 tokens; rotated symmetric int4 values):
-    # kernels only; no plugin or export yet
+    # in the custom tier (the plugins built for a grouped variant take the widths and bit offsets)
     "grouped": [
         Variant("d128_g8_wf4", 128, 8, 4, 4, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
         Variant("d64_g3_wf4", 64, 3, 4, 4, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),

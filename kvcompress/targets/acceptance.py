@@ -168,8 +168,6 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
     The grouped family (variant key_group_tokens > 0) takes the layer's key widths `key_bits_table` [H, D]."""
     import onnx
 
-    from kvcompress import reference as ref
-
     ns = variant.get("namespace", OP_NAMESPACE)
     out.mkdir(parents=True, exist_ok=True)
     H, D, G = k_rows.shape[1], variant["head_dim"], variant["gqa"]
