@@ -71,7 +71,7 @@ class Variant:
         if not self.decode_warps:
             object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim, self.per_token or self.grouped))
         if not self.block_t:
-            object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps))
+            object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps, self.key_group_tokens))
         if self.grouped:  # a decode tile lies in one key group
             object.__setattr__(self, "block_t", min(self.block_t, self.key_group_tokens))
 

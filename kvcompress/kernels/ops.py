@@ -113,7 +113,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
     warps = num_warps or plan.decode_warps(D, kv.per_token or kv.grouped)
-    block_t = block_t or plan.block_t(D, kv.value_bits, warps)
+    block_t = block_t or plan.block_t(D, kv.value_bits, warps, kv.key_group_tokens)
     if kv.grouped:  # a tile must lie in one key group
         block_t = min(block_t, kv.key_group_tokens)
         if kv.key_group_tokens % block_t:

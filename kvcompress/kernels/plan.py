@@ -35,12 +35,20 @@ def decode_warps(head_dim: int, per_token: bool = False) -> int:
     return 4 if head_dim <= 64 or per_token else 8
 
 
-def block_t(head_dim: int, value_bits: int, warps: int | None = None) -> int:
-    """Tokens per main-loop iteration (see the module docstring)."""
+GROUPED_BLOCK_T_D128 = 16  # the grouped family at head dim >= 128 (see block_t)
+
+
+def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:
+    """Tokens per main-loop iteration (see the module docstring). The grouped family (group_tokens > 0):
+    a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens: its [BLOCK_T, D] code
+    gathers from the 32-bit key words need a stack frame at 32 (ptxas, sm_90: 255 registers), none at 16."""
     threads = 32 * (warps or decode_warps(head_dim))
     row = head_dim * value_bits // 8
     t = PAYLOAD_LOAD_BYTES * threads // max(row, 1)
-    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, 1 << (t.bit_length() - 1)))
+    t = max(MIN_BLOCK_T, min(MAX_BLOCK_T, 1 << (t.bit_length() - 1)))
+    if group_tokens:
+        t = min(t, group_tokens, GROUPED_BLOCK_T_D128 if head_dim >= 128 else t)
+    return t
 
 
 def partial_bytes_per_split(gqa: int, head_dim: int) -> int:

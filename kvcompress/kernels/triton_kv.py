@@ -586,8 +586,9 @@ def decode_split_grp_kernel(
 ):
     """decode_split_kernel for the grouped family. BLOCK_T divides GT, so a tile lies in one key group: its
     per-channel scale is folded into the query (q * s) and its min into one constant per query (q . min), as
-    the static family folds its scales. Each channel's code is cut from the two bytes at its bit offset
-    (widths 1..8, per channel, static per layer)."""
+    the static family folds its scales. A tile's key rows are loaded whole as 32-bit words (wide loads) and
+    each channel's code is cut from the two words around its bit offset (tl.gather in registers; widths 1..8,
+    per channel, static per layer)."""
     b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
     d = tl.arange(0, D)
     gi = tl.arange(0, G_PAD)
@@ -595,10 +596,12 @@ def decode_split_grp_kernel(
     q = tl.load(Q + ((b * H + h) * G + gi[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     bits = tl.load(KB + h * D + d)
     off = tl.load(KOFF + h * D + d)
-    bo = off // 8
-    bo1 = tl.minimum(bo + 1, KROW - 1)  # a code ending at the row's last byte never reads past it
-    sh = off % 8
-    cmask = (1 << bits) - 1
+    NW: tl.constexpr = KROW // 4  # a key row as 32-bit words, loaded whole (wide loads); each code cut from two of them
+    wd = tl.arange(0, NW)
+    wi = off // 32
+    wi1 = tl.minimum(wi + 1, NW - 1)  # a code in the row's last word needs no second word
+    sh = (off % 32).to(tl.uint32)
+    cmask = ((1 << bits) - 1).to(tl.uint32)
     m_i, l_i, acc = _softmax_state(G_PAD, D)
     lo, hi = _split_rows(n_comp, split, SPLITS, BLOCK_T)
     for t0 in range(lo, hi, BLOCK_T):
@@ -607,10 +610,11 @@ def decode_split_grp_kernel(
         gidx = (bh * CAPG + t0 // GT) * D + d
         qs = (q * tl.load(KGS + gidx).to(tl.float32)[None, :]).to(tl.float16)  # the group's scale folded into the query
         qz = tl.sum(q * tl.load(KGM + gidx).to(tl.float32)[None, :], axis=1)  # its min: one constant per query
-        base = KP + (bh * CAP + rows[:, None]) * KROW
-        b0 = tl.load(base + bo[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        b1 = tl.load(base + bo1[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        code = ((b0 | (b1 << 8)) >> sh[None, :]) & cmask[None, :]
+        words = tl.load((KP + (bh * CAP + rows[:, None]) * KROW).to(tl.pointer_type(tl.uint32)) + wd[None, :], mask=tmask[:, None], other=0)
+        w0 = tl.gather(words, tl.broadcast_to(wi[None, :], (BLOCK_T, D)), axis=1)
+        w1 = tl.gather(words, tl.broadcast_to(wi1[None, :], (BLOCK_T, D)), axis=1)
+        # 32-bit funnel shift: the high word's bits enter above the low word's (two shifts, each < 32, so sh = 0 adds nothing)
+        code = ((w0 >> sh[None, :]) | ((w1 << 1) << (31 - sh)[None, :])) & cmask[None, :]
         s = tl.dot(qs, tl.trans(code.to(tl.float16)))
         v = _load_values(VP, VS, VM, bh * CAP + rows, tmask, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP, BLOCK_T)
         m_i, l_i, acc = _online_step((s + qz[:, None]) * sm_scale, tmask, v.to(tl.float16), m_i, l_i, acc)
