@@ -27,24 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompress.kernels import ops, plan  # noqa: E402
 from kvcompress import reference as ref  # noqa: E402
-from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, MODELS, ROW_COLUMNS, CacheFormat  # noqa: E402
+from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, MODELS, ROW_COLUMNS  # noqa: E402
 from kvcompress.kernels.layout import PackedKV  # noqa: E402
 from kvcompress.reference import KeyParams  # noqa: E402
 
 H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 
-# the grouped family (kv=wf4: token-grouped keys of water-filled widths in groups of 128, rotated symmetric int4 values);
-# correctness only (not yet a row of the speed table: the bytes model has no grouped format)
-WF4 = CacheFormat("wf4", 4, 4, 128, 4, 128, 0, value_symmetric=True)
-
-
 def _layout(name: str, fmt) -> dict:
-    """PackedKV keywords of a format; wf4's key widths are a water-filled table as kv.key.alloc=waterfill fits one."""
+    """PackedKV keywords of a format; the grouped family's (wf4) key widths are a water-filled table as
+    kv.key.alloc=waterfill fits one."""
     lay = dict(n_sink=fmt.n_sink, window=fmt.window, value_bits=fmt.value_bits, group=fmt.group, **fmt.family())
-    if name == "wf4":
+    if fmt.key_group_tokens:
         w = torch.rand(H, D, generator=torch.Generator().manual_seed(1)) ** 8 * 1e4
-        lay.update(value_rotate=True, key_group_tokens=128, key_bits_table=ref.waterfill_bits(w, 4))
+        lay.update(key_bits_table=ref.waterfill_bits(w, 4))
     return lay
 
 
@@ -53,7 +49,7 @@ def check_correctness(device: str) -> dict:
     static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4)."""
     out = {}
     for name in ("int8k_int4v", "rot4", "rot8k_int4v", "wf4"):
-        fmt = WF4 if name == "wf4" else FORMATS[name]
+        fmt = FORMATS[name]
         g = torch.Generator().manual_seed(0)
         lens = [1, 127, 128, 129, 1170, 4099]
         ks = [torch.randn(H, n, D, generator=g) for n in lens]
@@ -86,6 +82,7 @@ def random_cache(B: int, T: int, fmt, h: int, d: int, device: str) -> PackedKV:
     kv = PackedKV.empty(B, h, d, T, n_sink=fmt.n_sink, window=fmt.window, n_out=fmt.n_out, key_bits=fmt.key_bits, value_bits=fmt.value_bits,
                         group=fmt.group, device=device, **fmt.family())
     kv.k_scale.fill_(0.01)
+    kv.k_gscale.fill_(0.01)
     kv.k_payload.copy_(torch.randint(-127, 128, kv.k_payload.shape, dtype=torch.int8, device=device).to(kv.k_payload.dtype))
     kv.v_payload.copy_(torch.randint(0, 256, kv.v_payload.shape, dtype=torch.uint8, device=device))
     kv.v_scale.fill_(0.01)
@@ -124,7 +121,7 @@ def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
                 p = KeyParams(fmt.key_bits, torch.full((h, d), 0.05, device=device), torch.zeros(h, d, device=device),
                               torch.arange(fmt.n_out, device=device).repeat(h, 1))
                 prep = ops.kernel_key_params(p, device)
-                block = plan.block_t(d, fmt.value_bits)
+                block = fmt.block_t(d)
                 sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
                 splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block, sms)
                 t_kvc = timeit(lambda kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)

@@ -123,7 +123,7 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
         lo, hi = lp[0]
         loads = global_loads(instrs, lo, hi)
         fmt = CacheFormat(v["name"], v["key_bits"], v["value_bits"], v["group"], v["n_sink"], v["window"], v["n_out"],
-                          v.get("key_group", 0), v.get("value_symmetric", False))
+                          v.get("key_group", 0), v.get("value_symmetric", False), key_group_tokens=v.get("key_group_tokens", 0))
         need = main_loop_bytes(fmt, v["head_dim"], v["block_t"])
         by_width = {w: n * threads * w // 8 for w, n in loads.items()}  # if every thread executes each load once per iteration
         out["main_loop"] = {

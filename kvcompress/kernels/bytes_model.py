@@ -38,24 +38,39 @@ class CacheFormat:
     n_out: int = 0
     key_group: int = 0  # > 0: per-token key scales (one fp16 per key_group channels), no static key parameters
     value_symmetric: bool = False  # symmetric values: a scale per group, no min
-    rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4, kv=rot8k_int4v)
+    rotate: bool = False  # per-token family: keys and values Hadamard-rotated (kv=rot4, kv=rot8k_int4v); grouped family: values
     coded_min: bool = False  # the values' min a uint8 code per group (kv.value.min=code): 3 bytes per group
+    key_group_tokens: int = 0  # > 0: the grouped family (kv=wf4): an fp16 scale and min per key channel per group of this many tokens
 
     def family(self) -> dict:
-        """The per-token family's layout options (PackedKV.empty / aot.Variant keywords)."""
+        """The per-token or grouped family's layout options (PackedKV.empty / aot.Variant keywords)."""
+        if self.key_group_tokens:
+            return dict(key_group_tokens=self.key_group_tokens, value_symmetric=self.value_symmetric, value_rotate=self.rotate,
+                        value_coded_min=self.coded_min)
         return dict(key_group=self.key_group, key_rotate=self.rotate, value_symmetric=self.value_symmetric, value_rotate=self.rotate,
                     value_coded_min=self.coded_min)
+
+    def block_t(self, head_dim: int) -> int:
+        """The decode kernel's token tile for this format (kvcompress.kernels.plan)."""
+        from kvcompress.kernels import plan
+
+        return plan.block_t(head_dim, self.value_bits, plan.decode_warps(head_dim, bool(self.key_group or self.key_group_tokens)), self.key_group_tokens)
 
     def token_bytes(self, head_dim: int) -> float:
         """Bytes of one compressed token of one kv head (payload + per-token metadata)."""
         return head_dim * (self.key_bits + self.value_bits) / 8 + self.meta_bytes(head_dim)
 
     def meta_bytes(self, head_dim: int) -> float:
-        """Per-token metadata of one kv head: fp16 outliers, value scale (and min), per-token key scales."""
+        """Per-token metadata of one kv head: fp16 outliers, value scale (and min), per-token key scales;
+        the grouped family's key scale and min per group, amortised over its tokens."""
+        key_groups = 4 * head_dim / self.key_group_tokens if self.key_group_tokens else 0
+        return self.n_out * 2 + self.token_meta_bytes(head_dim) + key_groups
+
+    def token_meta_bytes(self, head_dim: int) -> int:
+        """Metadata stored with each compressed token: the value scale (and min), per-token key scales."""
         key_meta = (head_dim // self.key_group) * 2 if self.key_group else 0
         n_groups = head_dim // self.group
-        value_meta = n_groups * (2 + 1) if self.coded_min else n_groups * 2 * (1 if self.value_symmetric else 2)
-        return self.n_out * 2 + value_meta + key_meta
+        return key_meta + (n_groups * (2 + 1) if self.coded_min else n_groups * 2 * (1 if self.value_symmetric else 2))
 
 
 FP16 = CacheFormat("fp16", 16, 16, 1, 0, 0)
@@ -69,11 +84,13 @@ def decode_bytes(shape: DecodeShape, fmt: CacheFormat, splits: int) -> dict[str,
         return {"fp16_kv": bh * shape.context * 2 * D * 2, "query": B * Hq * D * 2, "output": B * Hq * D * 2}
     ns, nc, nw = ref.region_sizes(shape.context, fmt.n_sink, fmt.window)
     programs = bh * splits
+    # the grouped family: each key group's scale and min once from HBM (its tiles re-read them from cache)
+    key_groups = bh * -(-nc // fmt.key_group_tokens) * 4 * D if fmt.key_group_tokens else 0
     return {
         "key_payload": bh * nc * D * fmt.key_bits / 8,
         "key_outliers": bh * nc * fmt.n_out * 2,
         "value_payload": bh * nc * D * fmt.value_bits / 8,
-        "value_meta": bh * nc * (fmt.meta_bytes(D) - fmt.n_out * 2),  # value scale (and min), per-token key scales
+        "value_meta": bh * nc * fmt.token_meta_bytes(D) + key_groups,  # value scale (and min), per-token key scales, key groups' scale and min
         "sinks": bh * ns * 2 * D * 2,
         "window": bh * nw * 2 * D * 2,
         "query": programs * G * (D + fmt.n_out) * 2,
@@ -91,7 +108,8 @@ def format_bytes(shape: DecodeShape, fmt: CacheFormat) -> int:
     b = ref.cache_nbytes(n_layers=1, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim, key_bits=fmt.key_bits,
                          value_bits=fmt.value_bits, value_group=fmt.group, outlier_channels=fmt.n_out,
                          sink_tokens=fmt.n_sink, window=fmt.window, n_tokens=shape.context, batch=shape.batch,
-                         key_token_group=fmt.key_group, value_symmetric=fmt.value_symmetric, value_coded_min=fmt.coded_min)
+                         key_token_group=fmt.key_group, value_symmetric=fmt.value_symmetric, value_coded_min=fmt.coded_min,
+                         key_group_tokens=fmt.key_group_tokens)
     return sum(v for k, v in b.items() if k != "static")
 
 
@@ -112,5 +130,7 @@ FORMATS = {
     "int4": CacheFormat("int4", 4, 4, 32, 4, 128, 2),
     "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
     "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
+    # mean 4 key bits (water-filled widths are a runtime table: the bytes are those of a uniform 4)
+    "wf4": CacheFormat("wf4", 4, 4, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
 }
 ROW_COLUMNS = ("model", "gpu", "context", "batch", "format", "splits", "kvc_us", "fp16_us", "speedup")
