@@ -155,7 +155,7 @@ class KVSpec(Frozen):
         if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
             raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
                              f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
-        if (self.validate_only or self.key.group_tokens) and (self.is_native or self.layers is not None):
+        if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
@@ -165,13 +165,11 @@ class KVSpec(Frozen):
     @property
     def validate_only(self) -> str:
         """Why the format is a comparison format (validated, in CompressedCache and the Triton kernels, but
-        not in the TensorRT plugins or the export), or "" when it ships. The grouped family (token-grouped
-        keys, e.g. kv=wf4, with the per-token family's value options) ships; per-token keys, and rotated or
-        symmetric values beside static keys, do not yet."""
+        not in the TensorRT plugins or the export), or "" when it ships. The per-token family (kv=rot4,
+        kv=rot8k_int4v) and the grouped family (kv=wf4) ship; rotated or symmetric values beside static
+        per-channel keys do not (no kernel reads them)."""
         why = []
-        if self.token_keys:
-            why.append(f"per-token keys (kv.key.granularity=token, rotate={self.key.rotate})")
-        if self.rotated_values and not self.key.group_tokens:
+        if self.rotated_values and not (self.key.group_tokens or self.token_keys):
             why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate} min={self.value.min}")
         return ", ".join(why)
 

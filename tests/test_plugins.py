@@ -16,7 +16,10 @@ FIELDS = ("head_dim", "gqa", "key_bits", "value_bits", "group", "n_sink", "windo
 VARIANTS = {"d128_g8_int8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0))), "d64_g3_int8k_int4v": dict(zip(FIELDS, (64, 3, 8, 4, 32, 4, 128, 0))),
             "d128_g8_int4": dict(zip(FIELDS, (128, 8, 4, 4, 32, 4, 128, 2))),
             # the grouped family (kv=wf4): token-grouped keys of water-filled widths, rotated symmetric int4 values
-            "d64_g3_wf4": dict(zip(FIELDS, (64, 3, 4, 4, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128)}
+            "d64_g3_wf4": dict(zip(FIELDS, (64, 3, 4, 4, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128),
+            # the per-token family (kv=rot8k_int4v): rotated per-token int8 keys, rotated int4 values with a coded min
+            "d128_g8_rot8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0)), key_group=128, key_rotate=True, value_rotate=True,
+                                        value_coded_min=True)}
 
 
 def _kernels(tmp_path: Path, name: str) -> Path:
@@ -43,7 +46,7 @@ def test_plugin_library_compiles_against_tensorrt_headers_without_warnings(tmp_p
     assert ours <= {"getPluginRegistry", "getLogger", "cuLaunchKernel", "cuModuleGetFunction", "cuModuleLoadData", "cuFuncSetAttribute"}, ours
     assert {"getPluginRegistry", "cuLaunchKernel"} <= ours
     defined = set(defined_symbols(lib))
-    fam = "_grp" if "key_group_tokens" in VARIANTS[variant] else ""
+    fam = "_grp" if "key_group_tokens" in VARIANTS[variant] else "_rot" if "key_group" in VARIANTS[variant] else ""
     assert {f"kvc_decode_split{fam}_{variant}_launch", f"kvc_decode_reduce_{variant}_launch", f"kvc_kv_append{fam}_{variant}_launch"} <= defined  # C linkage
     # both plugins' static registrars are in the library
     text = subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout
@@ -176,7 +179,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
 
 
 @needs_trt
-@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4"])
+@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v"])
 def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     """plugins/test/plugin_harness.cpp: the plugin sources linked with stand-ins for TensorRT's registry and
     logger and the CUDA driver; creators registered, fields round-trip, shapes checked against the variant."""
@@ -192,6 +195,8 @@ def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     assert f"dim 2 is {VARIANTS[variant]['head_dim'] + 2}" in p.stdout  # the logged reason names the input, the dim and the compiled value
     if grouped:
         assert "aliases its 10 cache outputs to inputs 4..13" in p.stdout and "whole number of key groups of 128 tokens" in p.stdout
+    if "key_group" in VARIANTS[variant]:  # per-token: no key parameters, the rotated query beside the query
+        assert "aliases its 9 cache outputs to inputs 2..10" in p.stdout and "has 12 inputs" in p.stdout
 
 
 def _grouped_kit(tmp_path):
@@ -256,6 +261,88 @@ def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     from kvcompress.targets.acceptance import append_outputs, packed_from_inputs
 
     kit = _grouped_kit(tmp_path)
+    meta = json.loads((kit / "cases.json").read_text())
+    variant = meta["variant"]
+    for c in meta["cases"]:
+        data = dict(np.load(kit / f"{c['name']}.npz"))
+        if c["op"] == "KvcAppend":
+            t = {k: torch.from_numpy(v) for k, v in data.items()}
+            q = torch.zeros(t["k_new"].shape[0], 3 * t["k_new"].shape[1], t["k_new"].shape[-1], dtype=torch.float16)
+            _, kv, _ = packed_from_inputs({"q": q.numpy(), **{k: v.copy() for k, v in data.items() if not k.startswith("expected_")}}, variant)
+            ops.append(kv, t["k_new"], t["v_new"], None)
+            for k in append_outputs(variant):
+                assert torch.equal(getattr(kv, k), t[f"expected_{k}_out"]), (c["name"], k)
+            continue
+        expected = torch.from_numpy(data.pop("expected"))
+        q, kv, _ = packed_from_inputs(data, variant)
+        got = ops.decode_attention(q, kv, None, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])
+        torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)
+
+
+def _per_token_kit(tmp_path, key_bits=8):
+    """A kit of the per-token family (kv=rot8k_int4v's options at head dim 64; key_bits=4: kv=rot4's)."""
+    import torch
+
+    from kvcompress.kernels.aot import Variant
+    from kvcompress.reference import KeyParams
+    from kvcompress.targets.acceptance import write_kit
+
+    H, D = 2, 64
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(300, H, D, generator=g) * torch.linspace(0.5, 1.5, D), torch.randn(300, H, D, generator=g)
+    opts = dict(value_coded_min=True) if key_bits == 8 else dict(value_symmetric=True)
+    variant = Variant("t", D, 3, key_bits, 4, 32 if key_bits == 8 else D, 4, 16, 0, key_group=D, key_rotate=True, value_rotate=True, **opts).__dict__
+    write_kit(tmp_path, variant, KeyParams(key_bits, torch.ones(H, D), torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long)), k, v)
+    return tmp_path
+
+
+@pytest.mark.parametrize("key_bits", [8, 4])
+def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(tmp_path, key_bits):
+    """kv=rot8k_int4v / kv=rot4's plugins: 12 decode inputs (q and qr, the query in the keys' basis; no key parameters),
+    KvcAppend with 12 inputs and 9 aliased outputs (k_scale replaces k_outliers). A qr that is not the rotated query
+    (a wiring error the GPU would turn into wrong scores) is refused by the reference op; a flipped code bit fails."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from kvcompress import reference as ref
+    from kvcompress.targets.acceptance import INPUTS_PER_TOKEN, OP, check_kit
+
+    kit = _per_token_kit(tmp_path, key_bits)
+    meta = json.loads((kit / "cases.json").read_text())
+    node = onnx.load(str(kit / f"{meta['cases'][0]['name']}.onnx")).graph.node[0]
+    assert node.op_type == OP and list(node.input) == list(INPUTS_PER_TOKEN) and len(INPUTS_PER_TOKEN) == 12
+    app = [c for c in meta["cases"] if c["op"] == "KvcAppend"]
+    assert all(len(c["outputs"]) == 9 for c in app) and "k_scale_out" in app[0]["outputs"]
+    assert all(check_kit(kit).values())
+    dec = next(c["name"] for c in meta["cases"][4:] if c["op"] == OP)
+    data = dict(np.load(kit / f"{dec}.npz"))
+    data["qr"] = data["q"].copy()  # the unrotated query where the rotated one belongs
+    np.savez(kit / f"{dec}.npz", **data)
+    with pytest.raises(ValueError, match="qr is not the query in the keys' basis"):
+        check_kit(kit)
+    data["qr"] = ref.rotate(torch.from_numpy(data["q"]), "hadamard").half().numpy()  # restored
+    np.savez(kit / f"{dec}.npz", **data)
+    a = dict(np.load(kit / f"{app[-1]['name']}.npz"))
+    a["expected_k_payload_out"] = a["expected_k_payload_out"].copy()
+    a["expected_k_payload_out"].flat[0] ^= 1
+    np.savez(kit / f"{app[-1]['name']}.npz", **a)
+    res = check_kit(kit)
+    assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
+
+
+def test_per_token_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
+    """The per-token kit's goldens are what kv_append_rot / decode_split_rot compute (interpreter)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from kvcompress.kernels import ops
+    from kvcompress.targets.acceptance import append_outputs, packed_from_inputs
+
+    kit = _per_token_kit(tmp_path)
     meta = json.loads((kit / "cases.json").read_text())
     variant = meta["variant"]
     for c in meta["cases"]:

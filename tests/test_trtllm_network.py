@@ -193,3 +193,38 @@ def test_grouped_cache_tails_are_the_kernel_layout():
         t = getattr(kv, name)
         assert tuple(t.shape[1:]) == tail and str(t.dtype).removeprefix("torch.") == dtype, name
     assert tn.store_capacity({"variant": v}, 4 + 128 + 129) == 256  # whole key groups
+
+
+ROT8 = dict(key={"bits": 8, "granularity": "token", "symmetric": True, "rotate": "hadamard"},
+            value={"bits": 4, "granularity": "token", "group_size": 16, "symmetric": False, "rotate": "hadamard", "min": "code"}, window=6, sink_tokens=2)
+ROT4 = dict(key={"bits": 4, "granularity": "token", "symmetric": True, "rotate": "hadamard"},
+            value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=6, sink_tokens=2)
+
+
+@pytest.mark.parametrize("kw", [ROT8, ROT4], ids=["rot8k_int4v", "rot4"])
+def test_per_token_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
+    """The per-token family (kv=rot8k_int4v, kv=rot4) in the custom-tier network: KvcAppend without key parameters,
+    KvcDecodeAttention reading q and the query rotated in the graph (plugin_params q_rotation), 9 cache buffers with
+    each token's key scales; decodes like CompressedCache across the window. Negative: the unrotated query where the
+    rotated one belongs (an identity q_rotation) is refused by the reference plugin."""
+    from kvcompress.stages.export import bundle_variants
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, name="rot", **kw)
+    variants, _ = bundle_variants(book, lm.geometry)
+    v = variants[0].__dict__
+    assert v["key_group"] == lm.geometry.head_dim and v["key_rotate"] and v["value_rotate"]
+    hf = tmp_path / "hf"
+    lm.model.save_pretrained(str(hf), safe_serialization=True)
+    spec = no.network_spec(book, v, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2)
+    params = no.plugin_params(book)
+    assert set(params) == {"q_rotation"}
+    no.write_network_files(tmp_path / "bundle", spec, params)
+    assert tn.cache_names(tn.load_spec(tmp_path / "bundle")["variant"]) == tn.CACHE_PER_TOKEN
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["tokens"] == 19
+    assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    no.write_network_files(tmp_path / "bad", spec, {"q_rotation": np.eye(lm.geometry.head_dim, dtype=np.float32)})
+    with pytest.raises(ValueError, match="qr is not the query in the keys' basis"):
+        no.check_network(tmp_path / "bad", hf, lm.model, book, prompt, max_new_tokens=8)

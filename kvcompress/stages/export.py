@@ -92,8 +92,9 @@ def bundle_variants(book: ScaleBook, geom) -> tuple[list[Variant], list[str]]:
     for i in range(geom.n_layers):
         s = book.layer_spec(i)
         name = f"d{D}_g{G}_{book.spec.name}" + (f"_{book.spec.layers[i].label}" if book.spec.is_mixed else "")
-        fam = dict(key_group_tokens=s.key.group_tokens, value_symmetric=s.value.symmetric, value_rotate=s.value.rotate != "none",
-                   value_coded_min=s.coded_min) if s.key.group_tokens else {}  # the grouped family (kv=wf4)
+        vopt = dict(value_symmetric=s.value.symmetric, value_rotate=s.value.rotate != "none", value_coded_min=s.coded_min)
+        fam = (dict(key_group_tokens=s.key.group_tokens, **vopt) if s.key.group_tokens  # the grouped family (kv=wf4)
+               else dict(key_group=s.key_group(D), key_rotate=s.key.rotate != "none", **vopt) if s.token_keys else {})  # per-token (kv=rot8k_int4v)
         variants.setdefault(name, Variant(name, D, G, s.key.bits, s.value.bits, s.value_group(D), s.sink_tokens, s.window, s.outlier_channels, **fam))
         per_layer.append(name)
     return list(variants.values()), per_layer

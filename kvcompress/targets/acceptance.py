@@ -39,12 +39,30 @@ INPUTS_GROUPED = ("q", "k_bits", "k_offsets", "sink_k", "sink_v", "win_k", "win_
                   "v_payload", "v_scale", "v_min", "lens")
 
 
+# the per-token family (kv=rot8k_int4v): no key parameters; qr, the query in the keys' basis, beside q
+CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
+INPUTS_PER_TOKEN = ("q", "qr", *CACHE_PER_TOKEN, "lens")
+
+
 def is_grouped(variant: dict | None) -> bool:
     return bool((variant or {}).get("key_group_tokens"))
 
 
+def is_per_token(variant: dict | None) -> bool:
+    return bool((variant or {}).get("key_group"))
+
+
 def decode_inputs(variant: dict | None = None) -> tuple[str, ...]:
-    return INPUTS_GROUPED if is_grouped(variant) else INPUTS
+    return INPUTS_GROUPED if is_grouped(variant) else INPUTS_PER_TOKEN if is_per_token(variant) else INPUTS
+
+
+def _per_token_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> PackedKV:
+    """PackedKV of the per-token family from the op's buffers (its options come from the variant)."""
+    return PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], torch.zeros(*t["k_payload"].shape[:3], 0, dtype=torch.float16),
+                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], 8 if t["k_payload"].dtype == torch.int8 else 4,
+                    8 if t["v_payload"].shape[-1] == D else 4, D // t["v_scale"].shape[-1], k_scale=t["k_scale"], key_group=int(variant["key_group"]),
+                    key_rotate=bool(variant["key_rotate"]), value_symmetric=bool(variant["value_symmetric"]),
+                    value_rotate=bool(variant["value_rotate"]), value_coded_min=bool(variant["value_coded_min"]))
 
 
 def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> PackedKV:
@@ -64,6 +82,8 @@ def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) ->
     D = t["q"].shape[-1]
     if is_grouped(variant):
         return t["q"], _grouped_packed(t, D, variant), None
+    if is_per_token(variant):
+        return t["q"], _per_token_packed(t, D, variant), None
     key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
     value_bits = 8 if t["v_payload"].shape[-1] == D else 4
     kv = PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], t["k_outliers"], t["v_payload"], t["v_scale"], t["v_min"],
@@ -78,14 +98,15 @@ APPEND_INPUTS = ("k_new", "v_new", "k_scale", "k_zero", "outlier_idx", "sink_k",
 APPEND_OUTPUTS = APPEND_INPUTS[5:14]  # aliased to their inputs in the plugin
 APPEND_INPUTS_GROUPED = ("k_new", "v_new", "k_bits", "k_offsets", *INPUTS_GROUPED[3:])
 APPEND_OUTPUTS_GROUPED = APPEND_INPUTS_GROUPED[4:14]
+APPEND_INPUTS_PER_TOKEN = ("k_new", "v_new", *CACHE_PER_TOKEN, "lens")
 
 
 def append_inputs(variant: dict | None = None) -> tuple[str, ...]:
-    return APPEND_INPUTS_GROUPED if is_grouped(variant) else APPEND_INPUTS
+    return APPEND_INPUTS_GROUPED if is_grouped(variant) else APPEND_INPUTS_PER_TOKEN if is_per_token(variant) else APPEND_INPUTS
 
 
 def append_outputs(variant: dict | None = None) -> tuple[str, ...]:
-    return APPEND_OUTPUTS_GROUPED if is_grouped(variant) else APPEND_OUTPUTS
+    return APPEND_OUTPUTS_GROUPED if is_grouped(variant) else CACHE_PER_TOKEN if is_per_token(variant) else APPEND_OUTPUTS
 
 
 def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> dict[str, np.ndarray]:
@@ -100,10 +121,14 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     D = t["k_new"].shape[-1]
     value_bits = 8 if t["v_payload"].shape[-1] == D else 4
     group = D // t["v_scale"].shape[-1]
-    grp = is_grouped(variant)
+    grp, tok = is_grouped(variant), is_per_token(variant)
+    if grp or tok:
+        how = "hadamard" if variant["value_rotate"] else "none"
+        vopt = (bool(variant["value_symmetric"]), how, bool(variant["value_coded_min"]))
     if grp:
         GT, bits = int(variant["key_group_tokens"]), t["k_bits"].long()
-        how = "hadamard" if variant["value_rotate"] else "none"
+    elif tok:
+        key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
     else:
         key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
         p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
@@ -120,8 +145,11 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
                     codes, gs, gm = ref.quantize_keys_grouped(t["win_k"][b][:, [(c + i) % W for i in range(GT)]], bits.unsqueeze(-2), GT)
                     t["k_payload"][b, :, c : c + GT] = ref.pack_key_codes(codes, bits)
                     t["k_gscale"][b, :, c // GT], t["k_gmin"][b, :, c // GT] = gs[:, 0], gm[:, 0]
-                parts = ref.encode_rotated(vo.unsqueeze(1), value_bits, group, bool(variant["value_symmetric"]), how, bool(variant["value_coded_min"]))
-                for name, part in zip(("v_payload", "v_scale", "v_min"), parts):
+            if tok:  # the key's codes and per-token scales (reference.encode_rotated, in the keys' basis)
+                kp, ks = ref.encode_rotated(ko.unsqueeze(1), key_bits, int(variant["key_group"]), True, "hadamard" if variant["key_rotate"] else "none")
+                t["k_payload"][b, :, c], t["k_scale"][b, :, c] = kp[:, 0], ks[:, 0]
+            if grp or tok:
+                for name, part in zip(("v_payload", "v_scale", "v_min"), ref.encode_rotated(vo.unsqueeze(1), value_bits, group, *vopt)):
                     t[name][b, :, c] = part[:, 0]
             else:
                 kp, kout = ref.encode_keys(ko.float().unsqueeze(1), p)
@@ -134,6 +162,16 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
 
 
 def reference_output(x: dict[str, np.ndarray], sm_scale: float, variant: dict | None = None) -> np.ndarray:
+    """KvcDecodeAttention with the reference numerics. The per-token family's qr must be the query in the
+    keys' basis (what the kernel scores the compressed keys with): a graph that feeds anything else fails here."""
+    if is_per_token(variant):
+        from kvcompress import reference as ref
+
+        q32 = torch.from_numpy(np.ascontiguousarray(x["q"])).float()
+        want = ref.rotate(q32, "hadamard" if variant["key_rotate"] else "none").float()
+        qr = torch.from_numpy(np.ascontiguousarray(x["qr"])).float()
+        if not torch.allclose(qr, want, rtol=2e-3, atol=2e-3 * float(want.abs().max())):
+            raise ValueError(f"KvcDecodeAttention: qr is not the query in the keys' basis (max abs difference {float((qr - want).abs().max()):.3g})")
     q, kv, p = packed_from_inputs(x, variant)
     return ops.decode_attention_reference(q, kv, p, sm_scale).numpy()
 
@@ -171,9 +209,11 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
     ns = variant.get("namespace", OP_NAMESPACE)
     out.mkdir(parents=True, exist_ok=True)
     H, D, G = k_rows.shape[1], variant["head_dim"], variant["gqa"]
-    grp = is_grouped(variant)
-    fam = dict(key_group_tokens=variant["key_group_tokens"], key_bits_table=key_bits_table, value_symmetric=bool(variant["value_symmetric"]),
-               value_rotate=bool(variant["value_rotate"]), value_coded_min=bool(variant["value_coded_min"])) if grp else {}
+    grp, tok = is_grouped(variant), is_per_token(variant)
+    vopt = dict(value_symmetric=bool(variant.get("value_symmetric")), value_rotate=bool(variant.get("value_rotate")),
+                value_coded_min=bool(variant.get("value_coded_min")))
+    fam = (dict(key_group_tokens=variant["key_group_tokens"], key_bits_table=key_bits_table, **vopt) if grp
+           else dict(key_group=variant["key_group"], key_rotate=bool(variant["key_rotate"]), **vopt) if tok else {})
     g = torch.Generator().manual_seed(seed)
     cases = []
     for i, lens in enumerate(case_lengths(variant["n_sink"], variant["window"], variant["block_t"], variant.get("key_group_tokens", 0))):
@@ -182,7 +222,12 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         kv = PackedKV.from_reference(ks, vs, key_params, n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"],
                                      group=variant["group"], **fam)
         q = (torch.randn(len(lens), H * G, D, generator=g) * k_rows.float().std()).to(torch.float16)
-        if grp:
+        if tok:
+            from kvcompress import reference as ref
+
+            tables = {}  # no key parameters; the query in the keys' basis beside the query
+            x = {"q": q, "qr": ref.rotate(q, kv.key_how).to(torch.float16), **{k: getattr(kv, k) for k in (*CACHE_PER_TOKEN, "lens")}}
+        elif grp:
             tables = {"k_bits": kv.key_bits_table.to(torch.int32), "k_offsets": kv.key_bit_offsets}
             x = {"q": q, **tables, **{k: getattr(kv, k) for k in ("sink_k", "sink_v", "win_k", "win_v", "k_payload")},
                  "k_gscale": kv.k_gscale, "k_gmin": kv.k_gmin, **{k: getattr(kv, k) for k in ("v_payload", "v_scale", "v_min", "lens")}}
@@ -206,7 +251,7 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
                                        n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"], group=variant["group"],
                                        cap=int(kv.k_payload.shape[2]), **fam)
         new = {"k_new": torch.cat([a[:, 0] for a in nxt]).view(len(lens), H, D).half(), "v_new": torch.cat([a[:, 0] for a in nxv]).view(len(lens), H, D).half()}
-        consts = tables if grp else {"k_scale": scale, "k_zero": key_params.zero.float().contiguous(), "outlier_idx": idx}
+        consts = tables if grp or tok else {"k_scale": scale, "k_zero": key_params.zero.float().contiguous(), "outlier_idx": idx}
         names_in, names_out = append_inputs(variant), append_outputs(variant)
         ax = {**new, **consts, **{k: x[k] for k in names_out}, "lens": x["lens"]}
         ax = {k: (v.contiguous().numpy() if isinstance(v, torch.Tensor) else v) for k, v in ax.items()}

@@ -74,7 +74,9 @@ CUresult kvc_{name}_launch(CUstream stream, unsigned gx, unsigned gy, unsigned g
 VARIANT_MACROS = {"D": "head_dim", "G": "gqa", "KEY_BITS": "key_bits", "VAL_BITS": "value_bits", "GROUP": "group", "NS": "n_sink",
                   "W": "window", "N_OUT": "n_out", "BLOCK_T": "block_t",
                   # the grouped family (0 for the static family): tokens per key group and the values' options
-                  "GT": "key_group_tokens", "V_SYM": "value_symmetric", "V_ROT": "value_rotate", "V_CODE": "value_coded_min"}
+                  "GT": "key_group_tokens", "V_SYM": "value_symmetric", "V_ROT": "value_rotate", "V_CODE": "value_coded_min",
+                  # the per-token family (0 otherwise): channels per key scale, keys rotated
+                  "KGROUP": "key_group", "KROT": "key_rotate"}
 
 
 def variant_headers(meta: dict, kernel_dir: Path) -> list[Path]:

@@ -89,6 +89,10 @@ def plugin_params(book) -> dict[str, np.ndarray]:
 
         bits = torch.stack([torch.as_tensor(book.key_bits(i)).expand(book.geometry["n_kv_heads"], D) for i in range(L)]).to(torch.int32)
         return {"k_bits": bits.contiguous().numpy(), "k_offsets": ref.bit_offsets(bits.long()).to(torch.int32).contiguous().numpy()}
+    if book.spec.token_keys:  # the per-token family: the query's rotation into the keys' basis (rows: the rotated unit vectors)
+        from kvcompress import reference as ref
+
+        return {"q_rotation": ref.rotate(torch.eye(D), book.spec.key.rotate).float().contiguous().numpy()}
     per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
     n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
     idx = [torch.nn.functional.pad(p[3], (0, n_out - p[3].shape[-1])) for p in per]
@@ -100,6 +104,8 @@ def _variant_fields(v: dict) -> dict:
     out = {k: v[k] for k in ("name", "n_sink", "window", "key_bits", "value_bits", "group", "n_out")}
     if v.get("key_group_tokens"):  # the grouped family: its value options (the buffers' shapes do not show them)
         out |= {k: v[k] for k in ("key_group_tokens", "value_symmetric", "value_rotate", "value_coded_min")}
+    elif v.get("key_group"):  # the per-token family: its key and value options
+        out |= {k: v[k] for k in ("key_group", "key_rotate", "value_symmetric", "value_rotate", "value_coded_min")}
     return out
 
 

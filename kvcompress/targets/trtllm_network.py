@@ -37,6 +37,8 @@ NAMESPACE = "kvcompress"
 CACHE = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min")
 # the grouped family (kv.key.group_tokens, e.g. kv=wf4): no static key parameters; a scale and min per key channel and group
 CACHE_GROUPED = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min")
+# the per-token family (kv.key.granularity=token, e.g. kv=rot8k_int4v): each token's key scales instead of outlier channels
+CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
 SPEC_FILE = "network.json"
 PARAMS_FILE = "plugin_params.safetensors"
 
@@ -46,9 +48,14 @@ def grouped(v: dict) -> bool:
     return bool(v.get("key_group_tokens"))
 
 
+def per_token(v: dict) -> bool:
+    """The variant is the per-token family (plugins built with KVC_KGROUP > 0)."""
+    return bool(v.get("key_group"))
+
+
 def cache_names(v: dict) -> tuple[str, ...]:
     """The cache buffers of a layer running variant v, in the plugins' input order."""
-    return CACHE_GROUPED if grouped(v) else CACHE
+    return CACHE_GROUPED if grouped(v) else CACHE_PER_TOKEN if per_token(v) else CACHE
 
 
 def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int, int, int], str]]:
@@ -65,6 +72,10 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
             "v_payload": ((H, cap, vd), "int8" if v["value_symmetric"] and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
             "v_min": ((H, cap, ng), "uint8" if v["value_coded_min"] else "float16"),
         }
+    vopt = {"v_payload": ((H, cap, vd), "int8" if v.get("value_symmetric") and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
+            "v_min": ((H, cap, ng), "uint8" if v.get("value_coded_min") else "float16")}
+    if per_token(v):
+        return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
     return fp16 | {
         "k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
         "v_payload": ((H, cap, vd), "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
@@ -78,6 +89,9 @@ def token_bytes(v: dict, D: int) -> int:
         vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
         return D * v["key_bits"] // 8 + -(-4 * D // v["key_group_tokens"]) + vd + (D // v["group"]) * (2 + vmin)  # key scale + min per group, amortised
     kd = D // 2 if v["key_bits"] == 4 else D
+    if per_token(v):
+        vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
+        return kd + 2 * (D // v["key_group"]) + vd + (D // v["group"]) * (2 + vmin)
     return kd + vd + 4 * (D // v["group"]) + 2 * v["n_out"]
 
 
@@ -152,7 +166,8 @@ def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
 
 def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
     """Per-layer plugin constants written by the export: k_scale, k_zero, k_zero_masked [L, H, D] fp32, outlier_idx [L, H, N] int32;
-    for the grouped family k_bits, k_offsets [L, H, D] int32 (each key channel's width and bit offset in a row)."""
+    for the grouped family k_bits, k_offsets [L, H, D] int32 (each key channel's width and bit offset in a row); for the
+    per-token family q_rotation [D, D] fp32 (x @ q_rotation is the keys' Hadamard basis; the identity without rotation)."""
     from safetensors.numpy import load_file
 
     return load_file(str(Path(bundle) / PARAMS_FILE))
@@ -194,6 +209,9 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         vv = g.reshape(g.matmul(h, g.const(W[f"{i}.wv"]), transpose_b=True), (0, HKV, D))
         if grouped(v):  # the per-channel key widths and their bit offsets (plugin_params k_bits, k_offsets)
             wr = rd = [g.const(P[n][i]) for n in ("k_bits", "k_offsets")]
+        elif per_token(v):  # no key parameters; the decode also reads the query in the keys' basis (plugin_params q_rotation)
+            wr = []
+            rd = [g.cast(g.matmul(g.cast(q, "float32"), g.const(P["q_rotation"][None])), "float16") if v.get("key_rotate") else q]
         else:
             ks, kz, kzm = (g.const(P[n][i]) for n in ("k_scale", "k_zero", "k_zero_masked"))
             idx = g.const(np.ascontiguousarray(P["outlier_idx"][i][:, : v["n_out"]]))  # padded to the most outliers of any layer

@@ -103,8 +103,13 @@ static DynamicPluginTensorDesc desc(std::vector<int64_t> dims, DataType t) {
 #define KVC_V_SYM 0
 #define KVC_V_CODE 0
 #endif
+#ifndef KVC_KGROUP
+#define KVC_KGROUP 0
+#endif
 static constexpr int32_t kCACHE = KVC_GT > 0 ? 10 : 9;  // cache buffers (lens follows them)
-static constexpr int32_t kKEYP = KVC_GT > 0 ? 2 : 3;    // key-parameter inputs before them
+static constexpr int32_t kKEYP = KVC_GT > 0 ? 2 : KVC_KGROUP > 0 ? 0 : 3;  // key-parameter inputs before them
+static constexpr int32_t kQ = KVC_KGROUP > 0 ? 2 : 1;  // decode query inputs: q (and qr, per-token family)
+static constexpr int32_t kDIN = kQ + kKEYP + kCACHE + 1, kAIN = 2 + kKEYP + kCACHE + 1;
 
 // the cache buffers + lens (layout.py) for B sequences, H kv heads, cap compressed slots
 static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t cap) {
@@ -114,6 +119,12 @@ static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t 
 #if KVC_GT > 0
   int64_t capg = cap / KVC_GT;
   for (auto d : {desc({B, H, cap, KVC_D * KVC_KEY_BITS / 8}, DataType::kUINT8), desc({B, H, capg, KVC_D}, DataType::kHALF), desc({B, H, capg, KVC_D}, DataType::kHALF),
+                 desc({B, H, cap, vr}, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
+                 desc({B, H, cap, ng}, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF)})
+    out.push_back(d);
+#elif KVC_KGROUP > 0
+  int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;
+  for (auto d : {desc({B, H, cap, kr}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, KVC_D / KVC_KGROUP}, DataType::kHALF),
                  desc({B, H, cap, vr}, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
                  desc({B, H, cap, ng}, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF)})
     out.push_back(d);
@@ -131,6 +142,9 @@ static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t 
 static std::vector<DynamicPluginTensorDesc> keyParams(int64_t H) {
 #if KVC_GT > 0
   return {desc({H, KVC_D}, DataType::kINT32), desc({H, KVC_D}, DataType::kINT32)};
+#elif KVC_KGROUP > 0
+  (void)H;
+  return {};  // per-token keys: no static key parameters
 #else
   return {desc({H, KVC_D}, DataType::kFLOAT), desc({H, KVC_D}, DataType::kFLOAT), desc({H, KVC_N_OUT}, DataType::kINT32)};
 #endif
@@ -173,25 +187,26 @@ int main() {
 
   auto* build = as<IPluginV3OneBuild>(dq, PluginCapabilityType::kBUILD);
   std::vector<DynamicPluginTensorDesc> in = {desc({B, H * G, D}, DataType::kHALF)};
+  if (kQ == 2) in.push_back(desc({B, H * G, D}, DataType::kHALF));  // qr: the query in the keys' basis
   for (auto& c : keyParams(H)) in.push_back(c);
   for (auto& c : cache(B, H, cap)) in.push_back(c);
-  check(in.size() == 14, "KvcDecodeAttention has 14 inputs for this variant");
+  check(in.size() == size_t(kDIN), "KvcDecodeAttention has " + std::to_string(kDIN) + " inputs for this variant");
   DynamicPluginTensorDesc out = desc({B, H * G, D}, DataType::kFLOAT);
   gLog.clear();
-  check(build->configurePlugin(in.data(), 14, &out, 1) == 0 && gLog.empty(), "KvcDecodeAttention accepts the variant's shapes");
+  check(build->configurePlugin(in.data(), kDIN, &out, 1) == 0 && gLog.empty(), "KvcDecodeAttention accepts the variant's shapes");
   auto bad = in;
   bad[0] = desc({B, H * G, D + 2}, DataType::kHALF);
   gLog.clear();
-  bool rejected = build->configurePlugin(bad.data(), 14, &out, 1) != 0;
+  bool rejected = build->configurePlugin(bad.data(), kDIN, &out, 1) != 0;
   check(rejected && !gLog.empty() && gLog[0].find("input q ") != std::string::npos,
         "KvcDecodeAttention rejects a wrong head dim, through the logger: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
   bad = in;
-  bad[1 + kKEYP + 4] = cache(B, H, cap + 1)[4];  // k_payload
+  bad[kQ + kKEYP + 4] = cache(B, H, cap + 1)[4];  // k_payload
   gLog.clear();
-  check(build->configurePlugin(bad.data(), 14, &out, 1) != 0 && !gLog.empty(), "KvcDecodeAttention rejects a store that is not `cap` long");
+  check(build->configurePlugin(bad.data(), kDIN, &out, 1) != 0 && !gLog.empty(), "KvcDecodeAttention rejects a store that is not `cap` long");
   gLog.clear();
-  check(build->configurePlugin(in.data(), 13, &out, 1) != 0 && !gLog.empty(), "KvcDecodeAttention rejects a missing input");
-  size_t ws = build->getWorkspaceSize(in.data(), 14, &out, 1);
+  check(build->configurePlugin(in.data(), kDIN - 1, &out, 1) != 0 && !gLog.empty(), "KvcDecodeAttention rejects a missing input");
+  size_t ws = build->getWorkspaceSize(in.data(), kDIN, &out, 1);
   check(ws >= size_t(B) * H * G * splits * (2 + D) * sizeof(float), "workspace holds the split partials");
 
   std::vector<PluginField> af = {PluginField("H", &H, PluginFieldType::kINT32, 1), PluginField("D", &D, PluginFieldType::kINT32, 1),
@@ -211,14 +226,14 @@ int main() {
   std::vector<DynamicPluginTensorDesc> ain = {desc({B, H, D}, DataType::kHALF), desc({B, H, D}, DataType::kHALF)};
   for (auto& c : keyParams(H)) ain.push_back(c);
   for (auto& c : cache(B, H, cap)) ain.push_back(c);
-  check(ain.size() == 15, "KvcAppend has 15 inputs for this variant");
+  check(ain.size() == size_t(kAIN), "KvcAppend has " + std::to_string(kAIN) + " inputs for this variant");
   std::vector<DynamicPluginTensorDesc> aout(ain.begin() + first, ain.begin() + first + kCACHE);
   gLog.clear();
-  check(abuild->configurePlugin(ain.data(), 15, aout.data(), kCACHE) == 0 && gLog.empty(), "KvcAppend accepts the variant's shapes");
+  check(abuild->configurePlugin(ain.data(), kAIN, aout.data(), kCACHE) == 0 && gLog.empty(), "KvcAppend accepts the variant's shapes");
   auto abad = ain;
   abad[first + 2] = desc({B, H, KVC_W + 1, D}, DataType::kHALF);  // win_k
   gLog.clear();
-  rejected = abuild->configurePlugin(abad.data(), 15, aout.data(), kCACHE) != 0;
+  rejected = abuild->configurePlugin(abad.data(), kAIN, aout.data(), kCACHE) != 0;
   check(rejected && !gLog.empty() && gLog[0].find("win_k") != std::string::npos,
         "KvcAppend rejects a window that is not the compiled one: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
 #if KVC_GT > 0
@@ -231,7 +246,7 @@ int main() {
   PluginFieldCollection gfc{int32_t(gf.size()), gf.data()};
   IPluginV3* gp = ac->createPlugin("append", &gfc, TensorRTPhase::kBUILD);
   gLog.clear();
-  rejected = as<IPluginV3OneBuildV2>(gp, PluginCapabilityType::kBUILD)->configurePlugin(gin.data(), 15, aout.data(), kCACHE) != 0;
+  rejected = as<IPluginV3OneBuildV2>(gp, PluginCapabilityType::kBUILD)->configurePlugin(gin.data(), kAIN, aout.data(), kCACHE) != 0;
   check(rejected && !gLog.empty() && gLog[0].find("whole number of key groups") != std::string::npos,
         "KvcAppend (grouped) rejects a store that is not whole key groups: " + (gLog.empty() ? std::string("(nothing logged)") : gLog[0]));
   delete gp;

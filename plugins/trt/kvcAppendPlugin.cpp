@@ -7,6 +7,8 @@
 // Inputs: 0 k_new 1 v_new [B, H, D] fp16   2 k_scale [H, D] fp32   3 k_zero [H, D] fp32   4 outlier_idx [H, N_OUT] int32
 //         5 sink_k 6 sink_v [B, H, NS, D] fp16   7 win_k 8 win_v [B, H, W, D] fp16
 //         9 k_payload 10 k_outliers 11 v_payload 12 v_scale 13 v_min (packed store)   14 lens [B] int32 (tokens before this one)
+// Per-token family (KVC_KGROUP > 0, kv=rot8k_int4v): 0 k_new 1 v_new   2..10 the 9 cache buffers (k_scale replaces
+// k_outliers)   11 lens; outputs 0..8 aliased to 2..10. No key parameters (scales are computed per token on write).
 // Grouped family (KVC_GT > 0, kv=wf4): 0 k_new 1 v_new   2 k_bits 3 k_offsets [H, D] int32   4..13 the 10 cache buffers
 // (sink_k sink_v win_k win_v k_payload k_gscale k_gmin v_payload v_scale v_min)   14 lens; outputs 0..9 aliased to 4..13.
 // When the token leaving the window starts a key group, the kernel encodes the whole group (all of it is in the window).
@@ -23,7 +25,7 @@ namespace kvc {
 
 static constexpr char const* kAPPEND = "KvcAppend";
 static constexpr char const* kAPPEND_VERSION = "1";
-static constexpr int32_t kIN = 15, kOUT = kNCACHE, kFIRST_CACHE = 2 + kNKEYP;
+static constexpr int32_t kIN = kAPPEND_IN, kOUT = kNCACHE, kFIRST_CACHE = 2 + kNKEYP;
 
 struct AppendParams {
   int32_t H, D, cap;
@@ -45,13 +47,13 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
   int32_t getNbOutputs() const noexcept override { return kOUT; }
   int32_t getAliasedInput(int32_t outputIndex) noexcept override { return outputIndex >= 0 && outputIndex < kOUT ? kFIRST_CACHE + outputIndex : -1; }
   int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const* in, int32_t nbInputs) const noexcept override {
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs " + std::to_string(kIN) + " inputs and " + std::to_string(kOUT) + " outputs"), -1;
     for (int32_t i = 0; i < kOUT; ++i) out[i] = in[kFIRST_CACHE + i];
     return 0;
   }
   int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out, int32_t nbOutputs,
                           IExprBuilder&) noexcept override {
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs " + std::to_string(kIN) + " inputs and " + std::to_string(kOUT) + " outputs"), -1;
     for (int32_t i = 0; i < kOUT; ++i) out[i] = in[kFIRST_CACHE + i];
     return 0;
   }
@@ -64,7 +66,7 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
   }
   int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t nbOutputs) noexcept override {
     char const* P = kAPPEND;
-    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs 15 inputs and " + std::to_string(kOUT) + " outputs"), -1;
+    if (nbInputs != kIN || nbOutputs != kOUT) return logError("KvcAppend: needs " + std::to_string(kIN) + " inputs and " + std::to_string(kOUT) + " outputs"), -1;
     if (p_.D != KVC_D || p_.H <= 0 || p_.cap <= 0) {
       logError(std::string(P) + ": attributes D=" + std::to_string(p_.D) + " H=" + std::to_string(p_.H) + " cap=" + std::to_string(p_.cap) +
                " do not fit the compiled variant " + KVC_VARIANT_NAME + " (D=" + std::to_string(KVC_D) + "; H, cap > 0)");
@@ -74,7 +76,7 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
     bool ok = checkDims(in[0].desc.dims, {B, p_.H, KVC_D}, P, "k_new") && checkDims(in[1].desc.dims, {B, p_.H, KVC_D}, P, "v_new");
     if (kGROUPED)
       ok = ok && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_bits") && checkDims(in[3].desc.dims, {p_.H, KVC_D}, P, "k_offsets");
-    else
+    else if (!kPER_TOKEN)
       ok = ok && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_scale") && checkDims(in[3].desc.dims, {p_.H, KVC_D}, P, "k_zero") &&
            checkDims(in[4].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx");
     return ok && checkCache(in, kFIRST_CACHE, B, p_.H, p_.cap, P) ? 0 : -1;
@@ -100,6 +102,9 @@ class AppendPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3
 #if KVC_GT > 0  // kv_append_grp(KN, VN, SK, SV, WK, WV, KP, KB, KOFF, KGS, KGM, VP, VS, VM, LENS, H, CAP, CAPG)
     CUresult r = KVC_APPEND_LAUNCH(reinterpret_cast<CUstream>(stream), B, unsigned(p_.H), 1u, ptr(0), ptr(1), ptr(4), ptr(5), ptr(6), ptr(7),
                                    ptr(8), ptr(2), ptr(3), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13), ptr(14), p_.H, p_.cap, p_.cap / KVC_GT);
+#elif KVC_KGROUP > 0  // kv_append_rot(KN, VN, SK, SV, WK, WV, KP, KSC, VP, VS, VM, LENS, H, CAP): the input order
+    CUresult r = KVC_APPEND_LAUNCH(reinterpret_cast<CUstream>(stream), B, unsigned(p_.H), 1u, ptr(0), ptr(1), ptr(2), ptr(3), ptr(4), ptr(5),
+                                   ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), p_.H, p_.cap);
 #else
     CUresult r = KVC_APPEND_LAUNCH(reinterpret_cast<CUstream>(stream), B, unsigned(p_.H), 1u, ptr(0), ptr(1), ptr(2), ptr(3), ptr(4), ptr(5),
                                    ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13), ptr(14), p_.H, p_.cap);

@@ -19,15 +19,27 @@ static constexpr char const* kNAMESPACE = KVC_PLUGIN_NAMESPACE;
 #define KVC_V_ROT 0
 #define KVC_V_CODE 0
 #endif
+#ifndef KVC_KGROUP
+#define KVC_KGROUP 0
+#define KVC_KROT 0
+#endif
 // the grouped family (KVC_GT > 0, e.g. kv=wf4): keys per channel over groups of KVC_GT tokens, codes of varying
 // widths (mean KVC_KEY_BITS) in one bitstream per row, a scale and min per channel and group; the plugins take the
-// widths and bit offsets [H, D] int32 instead of the static key parameters, and 10 cache buffers instead of 9
+// widths and bit offsets [H, D] int32 instead of the static key parameters, and 10 cache buffers instead of 9.
+// the per-token family (KVC_KGROUP > 0, e.g. kv=rot8k_int4v): keys quantized per token (an fp16 scale per KVC_KGROUP
+// channels, k_scale replaces k_outliers), no static key parameters; KvcDecodeAttention also takes the query in the
+// keys' basis (qr [B, HQ, D] fp16: the Hadamard-rotated query when KVC_KROT, else the query)
 static constexpr bool kGROUPED = KVC_GT > 0;
+static constexpr bool kPER_TOKEN = KVC_KGROUP > 0;
 static constexpr int32_t kNCACHE = kGROUPED ? 10 : 9;  // cache buffers (layout.py), in the plugins' input order
-static constexpr int32_t kNKEYP = kGROUPED ? 2 : 3;    // key-parameter inputs before them (after q, or after k_new and v_new)
+static constexpr int32_t kNKEYP = kGROUPED ? 2 : kPER_TOKEN ? 0 : 3;  // key-parameter inputs before them (after q, or after k_new and v_new)
+static constexpr int32_t kNQ = kPER_TOKEN ? 2 : 1;  // KvcDecodeAttention's query inputs (q, and qr for the per-token family)
 static constexpr int32_t kKEY_ROW = kGROUPED ? KVC_D * KVC_KEY_BITS / 8 : KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;  // bytes of a packed key row
 static constexpr int32_t kVAL_ROW = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D;
 static constexpr int32_t kNG = KVC_D / KVC_GROUP;
+static constexpr int32_t kNKS = kPER_TOKEN ? KVC_D / (KVC_KGROUP > 0 ? KVC_KGROUP : 1) : 0;  // per-token key scales per token
+static constexpr int32_t kDECODE_IN = kNQ + kNKEYP + kNCACHE + 1;    // 14 (static, grouped) or 12 (per-token)
+static constexpr int32_t kAPPEND_IN = 2 + kNKEYP + kNCACHE + 1;      // 15 (static, grouped) or 12 (per-token)
 
 // dtype of the i-th key-parameter input: static k_scale, k_zero(_masked) fp32 and outlier_idx int32; grouped k_bits, k_offsets int32
 inline nvinfer1::DataType keyParamType(int32_t i) noexcept {
@@ -38,9 +50,14 @@ inline nvinfer1::DataType keyParamType(int32_t i) noexcept {
 inline nvinfer1::DataType cacheType(int32_t i) noexcept {
   using nvinfer1::DataType;
   if (i < 4) return DataType::kHALF;  // sinks and window
+  DataType const vpay = KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8;
+  DataType const vmin = KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF;
   if (kGROUPED) {
-    DataType const t[] = {DataType::kUINT8, DataType::kHALF, DataType::kHALF, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8,
-                          DataType::kHALF, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF};
+    DataType const t[] = {DataType::kUINT8, DataType::kHALF, DataType::kHALF, vpay, DataType::kHALF, vmin};
+    return t[i - 4];
+  }
+  if (kPER_TOKEN) {
+    DataType const t[] = {KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, vpay, DataType::kHALF, vmin};
     return t[i - 4];
   }
   DataType const t[] = {KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, DataType::kUINT8, DataType::kHALF, DataType::kHALF};
@@ -72,6 +89,7 @@ inline bool checkDims(nvinfer1::Dims const& d, std::initializer_list<int64_t> wa
 // the packed cache buffers at inputs [first, first + kNCACHE), then lens [B]:
 //   static:  sink_k sink_v win_k win_v k_payload k_outliers v_payload v_scale v_min
 //   grouped: sink_k sink_v win_k win_v k_payload k_gscale k_gmin v_payload v_scale v_min (cap: whole key groups)
+//   per-token: sink_k sink_v win_k win_v k_payload k_scale v_payload v_scale v_min
 inline bool checkCache(nvinfer1::DynamicPluginTensorDesc const* in, int32_t first, int64_t B, int32_t H, int32_t cap, char const* plugin) noexcept {
   if (kGROUPED && cap % (KVC_GT > 0 ? KVC_GT : 1) != 0) {
     logError(std::string(plugin) + ": cap=" + std::to_string(cap) + " must be a whole number of key groups of " + std::to_string(KVC_GT) +
@@ -79,9 +97,9 @@ inline bool checkCache(nvinfer1::DynamicPluginTensorDesc const* in, int32_t firs
     return false;
   }
   int64_t const capg = kGROUPED ? cap / (KVC_GT > 0 ? KVC_GT : 1) : 0;
-  char const* sNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min"};
+  char const* sNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", kPER_TOKEN ? "k_scale" : "k_outliers", "v_payload", "v_scale", "v_min"};
   int64_t const sRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, cap, cap, cap, cap};
-  int64_t const sCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, KVC_N_OUT, kVAL_ROW, kNG, kNG};
+  int64_t const sCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, kPER_TOKEN ? kNKS : KVC_N_OUT, kVAL_ROW, kNG, kNG};
   char const* gNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min"};
   int64_t const gRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, capg, capg, cap, cap, cap};
   int64_t const gCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, KVC_D, KVC_D, kVAL_ROW, kNG, kNG};

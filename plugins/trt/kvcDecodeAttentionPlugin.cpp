@@ -13,6 +13,9 @@
 //   grouped family (KVC_GT > 0, kv=wf4):
 //   0 q   1 k_bits 2 k_offsets [H, D] int32   3..6 sinks and window   7 k_payload [B, H, CAP, D*KEY_BITS/8] uint8
 //   8 k_gscale 9 k_gmin [B, H, CAP/GT, D] fp16   10 v_payload 11 v_scale 12 v_min   13 lens
+//   per-token family (KVC_KGROUP > 0, kv=rot8k_int4v): 12 inputs
+//   0 q   1 qr [B, HQ, D] fp16 (the query in the keys' basis)   2..5 sinks and window   6 k_payload 7 k_scale [B, H, CAP, D/KGROUP] fp16
+//   8 v_payload 9 v_scale 10 v_min   11 lens
 // Output: 0 out [B, HQ, D] fp32.  Workspace: split partials (max, sum, acc).
 #include "kvcCommon.h"
 #include <cstring>
@@ -45,8 +48,8 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
 
   int32_t getNbOutputs() const noexcept override { return 1; }
   int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, DataType const*, int32_t nbInputs) const noexcept override {
-    if (nbInputs != 14 || nbOutputs != 1) {
-      logError("KvcDecodeAttention: needs 14 inputs and 1 output, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+    if (nbInputs != kDECODE_IN || nbOutputs != 1) {
+      logError("KvcDecodeAttention: needs " + std::to_string(kDECODE_IN) + " inputs and 1 output, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
       return -1;
     }
     out[0] = DataType::kFLOAT;
@@ -54,23 +57,23 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
   }
   int32_t getOutputShapes(DimsExprs const* in, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* out, int32_t,
                           IExprBuilder&) noexcept override {
-    if (nbInputs != 14 || in[0].nbDims != 3) {
-      logError("KvcDecodeAttention: q must be [B, HQ, D] with 13 cache inputs after it");
+    if (nbInputs != kDECODE_IN || in[0].nbDims != 3) {
+      logError("KvcDecodeAttention: q must be [B, HQ, D] with " + std::to_string(kDECODE_IN - 1) + " inputs after it");
       return -1;
     }
     out[0] = in[0];  // [B, HQ, D]
     return 0;
   }
   bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* io, int32_t, int32_t) noexcept override {
-    int32_t const firstCache = 1 + kNKEYP, lensPos = firstCache + kNCACHE;
-    DataType want = pos == 0 ? DataType::kHALF : pos < firstCache ? keyParamType(pos - 1) : pos < lensPos ? cacheType(pos - firstCache)
+    int32_t const firstCache = kNQ + kNKEYP, lensPos = firstCache + kNCACHE;
+    DataType want = pos < kNQ ? DataType::kHALF : pos < firstCache ? keyParamType(pos - kNQ) : pos < lensPos ? cacheType(pos - firstCache)
                   : pos == lensPos ? DataType::kINT32 : DataType::kFLOAT;
     return io[pos].desc.format == TensorFormat::kLINEAR && io[pos].desc.type == want;
   }
   // every shape against the attributes and the compiled variant (kvc_variant_<name>.h); errors go to TensorRT's logger
   int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t) noexcept override {
     char const* P = "KvcDecodeAttention";
-    if (nbInputs != 14) return logError("KvcDecodeAttention: needs 14 inputs"), -1;
+    if (nbInputs != kDECODE_IN) return logError("KvcDecodeAttention: needs " + std::to_string(kDECODE_IN) + " inputs"), -1;
     if (p_.D != KVC_D || p_.G != KVC_G || p_.H <= 0 || p_.cap <= 0 || p_.splits <= 0) {
       logError(std::string(P) + ": attributes D=" + std::to_string(p_.D) + " G=" + std::to_string(p_.G) + " H=" + std::to_string(p_.H) + " cap=" +
                std::to_string(p_.cap) + " splits=" + std::to_string(p_.splits) + " do not fit the compiled variant " + KVC_VARIANT_NAME +
@@ -79,12 +82,14 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
     }
     int64_t B = in[0].desc.dims.d[0];
     bool ok = checkDims(in[0].desc.dims, {B, int64_t(p_.H) * p_.G, KVC_D}, P, "q");
-    if (kGROUPED)
+    if (kPER_TOKEN)
+      ok = ok && checkDims(in[1].desc.dims, {B, int64_t(p_.H) * p_.G, KVC_D}, P, "qr");
+    else if (kGROUPED)
       ok = ok && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_bits") && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_offsets");
     else
       ok = ok && checkDims(in[1].desc.dims, {p_.H, KVC_D}, P, "k_scale") && checkDims(in[2].desc.dims, {p_.H, KVC_D}, P, "k_zero_masked") &&
            checkDims(in[3].desc.dims, {p_.H, KVC_N_OUT}, P, "outlier_idx");
-    return ok && checkCache(in, 1 + kNKEYP, B, p_.H, p_.cap, P) ? 0 : -1;
+    return ok && checkCache(in, kNQ + kNKEYP, B, p_.H, p_.cap, P) ? 0 : -1;
   }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*, int32_t) const noexcept override {
     size_t rows = size_t(in[0].max.d[0]) * in[0].max.d[1];
@@ -104,7 +109,7 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
                   void* workspace, cudaStream_t stream) noexcept override {
     auto ptr = [&](int i) { return reinterpret_cast<CUdeviceptr>(inputs[i]); };
     // the AOT kernels are compiled for 16-byte-aligned buffers (vectorized loads; kvcompress.kernels.aot.POINTER_ALIGN)
-    for (int i = 0; i < 14; ++i)
+    for (int i = 0; i < kDECODE_IN; ++i)
       if (!aligned16(inputs[i])) return logError("KvcDecodeAttention: input " + std::to_string(i) + " is not 16-byte aligned"), -1;
     if (!aligned16(workspace) || !aligned16(outputs[0])) return logError("KvcDecodeAttention: workspace/output not 16-byte aligned"), -1;
     unsigned B = in[0].dims.d[0], HQ = in[0].dims.d[1];
@@ -116,6 +121,10 @@ class DecodeAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public 
     CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(3), ptr(4), ptr(5), ptr(6),
                                          ptr(7), ptr(1), ptr(2), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13),
                                          mo, lo, ao, p_.sm_scale, p_.H, p_.cap, p_.cap / KVC_GT, p_.splits);
+#elif KVC_KGROUP > 0  // decode_split_rot(Q, QR, SK, SV, WK, WV, KP, KSC, VP, VS, VM, LENS, MO, LO, AO, sm_scale, H, CAP, SPLITS): the input order
+    CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(1), ptr(2), ptr(3),
+                                         ptr(4), ptr(5), ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11),
+                                         mo, lo, ao, p_.sm_scale, p_.H, p_.cap, p_.splits);
 #else
     CUresult r = KVC_DECODE_SPLIT_LAUNCH(reinterpret_cast<CUstream>(stream), B, p_.H, p_.splits, ptr(0), ptr(1), ptr(2), ptr(3),
                                          ptr(4), ptr(5), ptr(6), ptr(7), ptr(8), ptr(9), ptr(10), ptr(11), ptr(12), ptr(13),
