@@ -25,7 +25,7 @@ class KeySpec(Frozen):
     """
 
     bits: Literal[4, 8, 16] = 8
-    # "token" (CompressedCache, validate and the Triton kernels; no plugin or export yet): per-token symmetric scales computed at write
+    # "token" (CompressedCache, validate, the Triton kernels and the custom-tier export): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
     granularity: Literal["channel", "token"] = "channel"
     group_size: int = Field(0, ge=0)  # granularity=token only
@@ -55,7 +55,7 @@ class ValueSpec(Frozen):
     bits: Literal[4, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
-    # symmetric=True or rotate=hadamard: Triton kernels with per-token keys only; no plugin or export yet (scale = amax / (2**(bits-1) - 1), no min;
+    # symmetric=True or rotate=hadamard: Triton kernels with per-token or token-grouped keys only (scale = amax / (2**(bits-1) - 1), no min;
     # v @ H per head before quantizing, undone after attention)
     symmetric: bool = False
     rotate: Literal["none", "hadamard"] = "none"

@@ -86,7 +86,7 @@ VARIANTS = {
         Variant("d64_g3_int8k_int4v", 64, 3, 8, 4, 32, 4, 128, 0),
     ],
     # kv=rot4 (Hadamard-rotated per-token int4 keys and values) and kv=rot8k_int4v (rotated per-token
-    # int8 keys, rotated asymmetric int4 values in groups of 32, the min a byte): kernels only; no plugin or export yet
+    # int8 keys, rotated asymmetric int4 values in groups of 32, the min a byte): in the custom tier
     "per_token": [
         Variant("d128_g8_rot4", 128, 8, 4, 4, 128, 4, 128, 0, key_group=128, key_rotate=True, value_symmetric=True, value_rotate=True),
         Variant("d64_g3_rot4", 64, 3, 4, 4, 64, 4, 128, 0, key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True),
