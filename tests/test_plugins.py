@@ -250,8 +250,9 @@ def test_grouped_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tm
     assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
 
 
-def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
-    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter)."""
+def _kit_agrees_with_the_kernels(kit) -> None:
+    """Every case of a grouped or per-token kit: KvcAppend's goldens are the bytes the Triton append kernel writes,
+    KvcDecodeAttention's are the split-K decode's output within the kit's tolerance (interpreter)."""
     import json
 
     import numpy as np
@@ -260,7 +261,6 @@ def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     from kvcompress.kernels import ops
     from kvcompress.targets.acceptance import append_outputs, packed_from_inputs
 
-    kit = _grouped_kit(tmp_path)
     meta = json.loads((kit / "cases.json").read_text())
     variant = meta["variant"]
     for c in meta["cases"]:
@@ -277,6 +277,11 @@ def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
         q, kv, _ = packed_from_inputs(data, variant)
         got = ops.decode_attention(q, kv, None, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])
         torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)
+
+
+def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
+    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter)."""
+    _kit_agrees_with_the_kernels(_grouped_kit(tmp_path))
 
 
 def _per_token_kit(tmp_path, key_bits=8):
@@ -334,28 +339,4 @@ def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(
 
 def test_per_token_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     """The per-token kit's goldens are what kv_append_rot / decode_split_rot compute (interpreter)."""
-    import json
-
-    import numpy as np
-    import torch
-
-    from kvcompress.kernels import ops
-    from kvcompress.targets.acceptance import append_outputs, packed_from_inputs
-
-    kit = _per_token_kit(tmp_path)
-    meta = json.loads((kit / "cases.json").read_text())
-    variant = meta["variant"]
-    for c in meta["cases"]:
-        data = dict(np.load(kit / f"{c['name']}.npz"))
-        if c["op"] == "KvcAppend":
-            t = {k: torch.from_numpy(v) for k, v in data.items()}
-            q = torch.zeros(t["k_new"].shape[0], 3 * t["k_new"].shape[1], t["k_new"].shape[-1], dtype=torch.float16)
-            _, kv, _ = packed_from_inputs({"q": q.numpy(), **{k: v.copy() for k, v in data.items() if not k.startswith("expected_")}}, variant)
-            ops.append(kv, t["k_new"], t["v_new"], None)
-            for k in append_outputs(variant):
-                assert torch.equal(getattr(kv, k), t[f"expected_{k}_out"]), (c["name"], k)
-            continue
-        expected = torch.from_numpy(data.pop("expected"))
-        q, kv, _ = packed_from_inputs(data, variant)
-        got = ops.decode_attention(q, kv, None, c["attrs"]["sm_scale"], splits=c["attrs"]["splits"])
-        torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)
+    _kit_agrees_with_the_kernels(_per_token_kit(tmp_path))
