@@ -101,6 +101,16 @@ def test_export_compiles_the_plugin_library_and_says_so(tmp_path):
 onnx = pytest.importorskip("onnx")
 
 
+def _perturb(kit, case: str, key: str, change) -> None:
+    """Change one golden array of a kit case in place (change(array) mutates a writable copy)."""
+    import numpy as np
+
+    data = dict(np.load(kit / f"{case}.npz"))
+    data[key] = data[key].copy()
+    change(data[key])
+    np.savez(kit / f"{case}.npz", **data)
+
+
 def _kit(tmp_path, n_out=0, key_bits=8):
     import torch
 
@@ -122,8 +132,6 @@ def _kit(tmp_path, n_out=0, key_bits=8):
 def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, n_out, key_bits):
     import json
 
-    import numpy as np
-
     from kvcompress.targets.acceptance import OP, check_kit
 
     kit = _kit(tmp_path, n_out, key_bits)
@@ -137,14 +145,8 @@ def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, 
     # negative: one golden value off (decode: by 1e-3; append: one payload byte) must fail that case, and only it
     dec = next(c["name"] for c in meta["cases"][6:] if c["op"] == OP)
     app = next(c["name"] for c in meta["cases"][6:] if c["op"] == "KvcAppend")
-    data = dict(np.load(kit / f"{dec}.npz"))
-    data["expected"] = data["expected"].copy()
-    data["expected"].flat[5] += 1e-3
-    np.savez(kit / f"{dec}.npz", **data)
-    data = dict(np.load(kit / f"{app}.npz"))
-    data["expected_v_payload_out"] = data["expected_v_payload_out"].copy()
-    data["expected_v_payload_out"].flat[0] ^= 1
-    np.savez(kit / f"{app}.npz", **data)
+    _perturb(kit, dec, "expected", lambda a: a.flat.__setitem__(5, a.flat[5] + 1e-3))
+    _perturb(kit, app, "expected_v_payload_out", lambda a: a.flat.__setitem__(0, a.flat[0] ^ 1))
     res = check_kit(kit)
     assert res[dec] is False and res[app] is False and sum(res.values()) == len(res) - 2
 
@@ -242,10 +244,7 @@ def test_grouped_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tm
     b = last["lens"].tolist().index(260)
     assert not np.array_equal(before[b, :, 1], after[b, :, 1]) and np.array_equal(before[b, :, 0], after[b, :, 0])
     assert all(check_kit(kit).values())
-    data = dict(np.load(kit / f"{app[-1]['name']}.npz"))
-    data["expected_k_payload_out"] = data["expected_k_payload_out"].copy()
-    data["expected_k_payload_out"][b, 0, 128 + 5, 3] ^= 4  # one bit of a code in the new group
-    np.savez(kit / f"{app[-1]['name']}.npz", **data)
+    _perturb(kit, app[-1]["name"], "expected_k_payload_out", lambda a: a.__setitem__((b, 0, 128 + 5, 3), a[b, 0, 128 + 5, 3] ^ 4))  # a bit of the new group
     res = check_kit(kit)
     assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
 
@@ -329,10 +328,7 @@ def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(
         check_kit(kit)
     data["qr"] = ref.rotate(torch.from_numpy(data["q"]), "hadamard").half().numpy()  # restored
     np.savez(kit / f"{dec}.npz", **data)
-    a = dict(np.load(kit / f"{app[-1]['name']}.npz"))
-    a["expected_k_payload_out"] = a["expected_k_payload_out"].copy()
-    a["expected_k_payload_out"].flat[0] ^= 1
-    np.savez(kit / f"{app[-1]['name']}.npz", **a)
+    _perturb(kit, app[-1]["name"], "expected_k_payload_out", lambda a: a.flat.__setitem__(0, a.flat[0] ^ 1))
     res = check_kit(kit)
     assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
 
