@@ -23,24 +23,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcompress import reference as ref
 from kvcompress.kernels import ops
 from kvcompress.kernels.layout import PackedKV
 from kvcompress.reference import KeyParams
+from kvcompress.targets.trtllm_network import CACHE, CACHE_GROUPED, CACHE_PER_TOKEN
 
 OP = "KvcDecodeAttention"  # plugins/trt/kvcDecodeAttentionPlugin.cpp: kNAME, kVERSION, namespace
 OP_VERSION, OP_NAMESPACE, OP_DOMAIN = "1", "kvcompress", "trt.plugins"
-INPUTS = ("q", "k_scale", "k_zero_masked", "outlier_idx", "sink_k", "sink_v", "win_k", "win_v",
-          "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens")
+INPUTS = ("q", "k_scale", "k_zero_masked", "outlier_idx", *CACHE, "lens")
 TOLERANCE = {"atol": 3e-3, "rtol": 3e-3}  # fp16 dot inputs, fp32 accumulation (tests/test_kernels.py DECODE_TOL)
 
 
 # the grouped family (kv=wf4): the key widths and bit offsets replace the static key parameters
-INPUTS_GROUPED = ("q", "k_bits", "k_offsets", "sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin",
-                  "v_payload", "v_scale", "v_min", "lens")
+INPUTS_GROUPED = ("q", "k_bits", "k_offsets", *CACHE_GROUPED, "lens")
 
 
 # the per-token family (kv=rot8k_int4v): no key parameters; qr, the query in the keys' basis, beside q
-CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
 INPUTS_PER_TOKEN = ("q", "qr", *CACHE_PER_TOKEN, "lens")
 
 
@@ -93,11 +92,10 @@ def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) ->
 
 
 APPEND_OP = "KvcAppend"
-APPEND_INPUTS = ("k_new", "v_new", "k_scale", "k_zero", "outlier_idx", "sink_k", "sink_v", "win_k", "win_v",
-                 "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens")
-APPEND_OUTPUTS = APPEND_INPUTS[5:14]  # aliased to their inputs in the plugin
-APPEND_INPUTS_GROUPED = ("k_new", "v_new", "k_bits", "k_offsets", *INPUTS_GROUPED[3:])
-APPEND_OUTPUTS_GROUPED = APPEND_INPUTS_GROUPED[4:14]
+APPEND_INPUTS = ("k_new", "v_new", "k_scale", "k_zero", "outlier_idx", *CACHE, "lens")
+APPEND_OUTPUTS = CACHE  # aliased to their inputs in the plugin
+APPEND_INPUTS_GROUPED = ("k_new", "v_new", "k_bits", "k_offsets", *CACHE_GROUPED, "lens")
+APPEND_OUTPUTS_GROUPED = CACHE_GROUPED
 APPEND_INPUTS_PER_TOKEN = ("k_new", "v_new", *CACHE_PER_TOKEN, "lens")
 
 
@@ -114,8 +112,6 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     token it evicts from the ring is encoded (reference encoders) into the compressed store (layout.py).
     The grouped family (`variant` key_group_tokens = GT): when the evicted token starts a key group, the
     whole group (it and its GT - 1 successors, all still in the ring) is encoded at once."""
-    from kvcompress import reference as ref
-
     t = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in x.items()}
     NS, W = t["sink_k"].shape[2], t["win_k"].shape[2]
     D = t["k_new"].shape[-1]
@@ -127,10 +123,9 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
         vopt = (bool(variant["value_symmetric"]), how, bool(variant["value_coded_min"]))
     if grp:
         GT, bits = int(variant["key_group_tokens"]), t["k_bits"].long()
-    elif tok:
-        key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
     else:
         key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
+    if not (grp or tok):
         p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
     kn, vn = t["k_new"].half(), t["v_new"].half()
     for b, pos in enumerate(t["lens"].tolist()):
@@ -165,8 +160,6 @@ def reference_output(x: dict[str, np.ndarray], sm_scale: float, variant: dict | 
     """KvcDecodeAttention with the reference numerics. The per-token family's qr must be the query in the
     keys' basis (what the kernel scores the compressed keys with): a graph that feeds anything else fails here."""
     if is_per_token(variant):
-        from kvcompress import reference as ref
-
         q32 = torch.from_numpy(np.ascontiguousarray(x["q"])).float()
         want = ref.rotate(q32, "hadamard" if variant["key_rotate"] else "none").float()
         qr = torch.from_numpy(np.ascontiguousarray(x["qr"])).float()
@@ -223,8 +216,6 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
                                      group=variant["group"], **fam)
         q = (torch.randn(len(lens), H * G, D, generator=g) * k_rows.float().std()).to(torch.float16)
         if tok:
-            from kvcompress import reference as ref
-
             tables = {}  # no key parameters; the query in the keys' basis beside the query
             x = {"q": q, "qr": ref.rotate(q, kv.key_how).to(torch.float16), **{k: getattr(kv, k) for k in (*CACHE_PER_TOKEN, "lens")}}
         elif grp:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcompress import reference as ref
 from kvcompress.kernels import ops
 from kvcompress.targets import trtllm_network as tn
 from kvcompress.targets.acceptance import append_inputs, append_outputs, decode_inputs, reference_append, reference_output
@@ -85,13 +86,9 @@ def plugin_params(book) -> dict[str, np.ndarray]:
     the grouped family's key widths and bit offsets [L, H, D] int32, else the static key parameters."""
     L, D = book.geometry["n_layers"], book.geometry["head_dim"]
     if book.spec.key.group_tokens:
-        from kvcompress import reference as ref
-
         bits = torch.stack([torch.as_tensor(book.key_bits(i)).expand(book.geometry["n_kv_heads"], D) for i in range(L)]).to(torch.int32)
         return {"k_bits": bits.contiguous().numpy(), "k_offsets": ref.bit_offsets(bits.long()).to(torch.int32).contiguous().numpy()}
     if book.spec.token_keys:  # the per-token family: the query's rotation into the keys' basis (rows: the rotated unit vectors)
-        from kvcompress import reference as ref
-
         return {"q_rotation": ref.rotate(torch.eye(D), book.spec.key.rotate).float().contiguous().numpy()}
     per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
     n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
