@@ -8,7 +8,7 @@ import pytest
 
 from kvcompress import reference as ref
 from kvcompress.kernels import plan
-from kvcompress.kernels.audit import ARCH_LIMITS, load_width_bits, loops, occupancy, parse, payload_load_bits
+from kvcompress.kernels.audit import ARCH_LIMITS, load_width_bits, loops, occupancy, parse, payload_loads, ptx_loop_loads
 from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, FP16, MODELS, DecodeShape, decode_bytes, format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,10 +130,39 @@ def test_sass_parsing_on_a_handwritten_listing():
     assert [op for _, op, _ in ins] == ["MOV", "LDG.E.U8", "LDGSTS.E.BYPASS.128", "LDG.E.64", "LDG.E", "BRA", "EXIT"]
     assert loops(ins) == [(0x10, 0x50)]
     assert [load_width_bits(op) for _, op, _ in ins] == [None, 8, 128, 64, 32, None, None]
-    # payload of 4096 B per iteration: 256 threads x 16 B at 128 bits covers it; narrow loads can't
-    assert payload_load_bits({128: 4096, 16: 512}, 4096) == 128
-    assert payload_load_bits({128: 2048, 64: 2048, 8: 256}, 4096) == 64
-    assert payload_load_bits({8: 256}, 4096) == 0
+
+
+PTX = """
+	ld.param.b64 	%rd1, [k_param_0];
+	ld.param.b64 	%rd2, [k_param_1];
+	ld.param.b64 	%rd3, [k_param_2];
+	ld.param.b32 	%r9, [k_param_3];
+	ld.global.b32 { %r1 }, [ %rd3 + 0 ];
+$L__BB0_2:                              // =>This Inner Loop Header: Depth=1
+	mul.wide.s32 	%rd4, %r1, %r9;
+	add.s64 	%rd5, %rd1, %rd4;
+	@%p1 ld.global.v2.b32 { %r2, %r3 }, [ %rd5 + 0 ];
+	add.s64 	%rd6, %rd2, %rd4;
+	cp.async.cg.shared.global [ %r4 + 0 ], [ %rd6 + 0 ], 0x10, %r5;
+	ld.global.b8 { %rs1 }, [ %rd6 + 0 ];
+	add.s64 	%rd1, %rd1, 64;
+	@%p2 bra 	$L__BB0_2;
+	ld.global.v4.b32 { %r6, %r7, %r8, %r10 }, [ %rd5 + 0 ];
+"""
+
+
+def test_ptx_loop_loads_name_the_buffer_each_load_reads():
+    """The main loop's loads in PTX, each with its width and the buffer its address is computed from:
+    LENS's loaded value used as an index does not count as reading LENS; the loop-carried pointer
+    (%rd1 reassigned in the loop) still traces to KP; loads after the loop are not in it."""
+    sig = {"KP": "*u8", "VP": "*u8", "LENS": "*i32", "CAP": "i32"}
+    loads = ptx_loop_loads(PTX, sig)
+    assert loads == [(64, ("KP",)), (128, ("VP",)), (8, ("VP",))]
+    pl = payload_loads(loads)
+    assert pl["payload_loads"] == {"KP": {"64": 1}, "VP": {"8": 1, "128": 1}}
+    assert pl["narrowest_payload_bits"] == 8  # one byte gather of VP is enough to fail the >= 64-bit audit
+    assert payload_loads(loads[:1])["narrowest_payload_bits"] == 0  # VP not read in the loop: nothing to vouch for
+    assert ptx_loop_loads(PTX.replace("Inner Loop Header", ""), sig) == []
 
 
 def test_occupancy_follows_the_published_limits():
@@ -232,7 +261,7 @@ def test_audit_cli_one_variant(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variant", "d64_g3_int8k_int4v", "--out", str(tmp_path / "a.json")],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-1500:]
-    assert "payload via >= 128-bit loads" in p.stdout
+    assert "payload (KP 2x128b; VP 1x128b) via >= 128-bit loads" in p.stdout
     assert [k["name"] for k in json.loads((tmp_path / "a.json").read_text())["kernels"]] == [
         "kv_append_d64_g3_int8k_int4v", "decode_split_d64_g3_int8k_int4v", "decode_reduce_d64_g3_int8k_int4v"]
 

@@ -7,8 +7,11 @@ cuobjdump Triton ships, and reports per kernel: registers per thread, spills (lo
 stack), static and dynamic shared memory, threads per block, theoretical occupancy on sm_80 and
 sm_90 (published per-architecture limits), and for the decode kernel's main loop (the first loop
 of decode_split_kernel: its compressed-store loop) the global loads by width and the bytes they
-bring per iteration, beside what the layout needs (kvcompress.kernels.bytes_model). Every AOT
-build writes this as audit.json next to kernels.json (the plugin bundle ships it).
+bring per iteration, beside what the layout needs (kvcompress.kernels.bytes_model). Which loads
+read the packed codes (KP, VP) and how wide they are comes from the same loop in the kernel's
+PTX, where each load's address can be followed back to the argument it is computed from (SASS
+does not name buffers). Every AOT build writes this as audit.json next to kernels.json (the
+plugin bundle ships it).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]
 
 
 SPLIT_KERNELS = ("decode_split", "decode_split_rot", "decode_split_grp")  # the kernels with a main loop over the compressed store
+PAYLOAD_BUFFERS = ("KP", "VP")  # the packed key and value codes (every kernel family names them so)
+_PTX_LINE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s*(.*?);", re.M)
+_PTX_WIDTH = re.compile(r"\.(?:b|u|s|f)(8|16|32|64)\b")
 
 def nvidia_tool(name: str) -> str:
     """Triton's bundled copy of an NVIDIA binary tool (cuobjdump, nvdisasm), else the CUDA toolkit's on PATH."""
@@ -90,6 +96,61 @@ def global_loads(instrs, lo: int = 0, hi: int = 1 << 62) -> Counter:
     return c
 
 
+def ptx_loop_loads(ptx: str, signature: dict[str, str]) -> list[tuple[int, tuple[str, ...]]]:
+    """Global loads of the kernel's first loop in its PTX: [(width in bits, buffers)], buffers being
+    the pointer arguments the load's address is computed from (its def chain followed back to
+    ld.param; a loaded value used as an index does not count). Loads are ld.global* and
+    cp.async (global -> shared, Triton's pipelined loads). PTX keeps the vector widths ptxas emits,
+    and, unlike SASS, names which buffer each load reads."""
+    arg_names = list(signature)  # PTX numbers the kernel's non-constexpr arguments in order: <kernel>_param_<i>
+    lines = [(m.start(), m.group(1), m.group(2)) for m in _PTX_LINE.finditer(ptx)]
+    defs: dict[str, list[tuple[str, str]]] = {}
+    for _, op, args in lines:
+        m = re.match(r"\s*(%\w+)\s*,(.*)", args)
+        if m and not op.startswith(("st.", "cp.async", "bra", "mma", "ldmatrix", "ld.global")):
+            defs.setdefault(m.group(1), []).append((op, m.group(2)))
+
+    def buffers(reg: str, seen: set) -> set[str]:
+        if reg in seen:
+            return set()
+        seen.add(reg)
+        out = set()
+        for op, src in defs.get(reg, []):
+            if op.startswith("ld.param"):
+                m = re.search(r"_param_(\d+)\]", src)
+                if m and int(m.group(1)) < len(arg_names) and signature[arg_names[int(m.group(1))]].startswith("*"):
+                    out.add(arg_names[int(m.group(1))])
+            else:
+                for r in re.findall(r"%\w+", src):
+                    out |= buffers(r, seen)
+        return out
+
+    start = re.search(r"^(\$L__BB\d+_\d+):[^\n]*Loop Header", ptx, re.M)
+    if start is None:
+        return []
+    label = start.group(1)
+    end = re.search(rf"bra(?:\.uni)?\s+{re.escape(label)};", ptx[start.end():])
+    if end is None:
+        return []
+    lo, hi = start.end(), start.end() + end.end()
+    out = []
+    for pos, op, args in lines:
+        if not lo <= pos < hi:
+            continue
+        if op.startswith("ld.global"):
+            vec = re.search(r"\.v(\d+)", op)
+            width = (int(vec.group(1)) if vec else 1) * int(_PTX_WIDTH.search(op).group(1))
+            addr = re.search(r"\[\s*(%\w+)", args)
+        elif op.startswith("cp.async") and ".global" in op:
+            width = int(re.split(r"\s*,\s*", args)[2], 0) * 8
+            addr = re.findall(r"\[\s*(%\w+)", args)[1:2]
+            addr = re.match(r"(.*)", addr[0]) if addr else None
+        else:
+            continue
+        out.append((width, tuple(sorted(buffers(addr.group(1), set()))) if addr else ()))
+    return out
+
+
 def occupancy(regs: int, threads: int, smem: int, arch: str) -> dict:
     """Resident CTAs and warps per SM (the occupancy calculator's three limits)."""
     lim = ARCH_LIMITS[arch]
@@ -134,19 +195,19 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
             "wide_bytes": sum(b for w, b in by_width.items() if w >= 64),
             "bytes_per_cache_element": sum(by_width.values()) / (v["block_t"] * v["head_dim"] * 2),
             "format_bytes_per_cache_element": (need["payload"] + need["metadata"]) / (v["block_t"] * v["head_dim"] * 2),
-            "narrowest_payload_bits": payload_load_bits(by_width, need["payload"]),
         }
+        out["main_loop"].update(payload_loads(ptx_loop_loads((kdir / f"{entry['name']}.ptx").read_text(), entry["signature"])))
     return out
 
 
-def payload_load_bits(by_width: dict[int, int], payload: float) -> int:
-    """The narrowest width W such that loads at least W bits wide carry the payload: the payload
-    (every packed K/V byte of the block) cannot come from narrower loads. 0 if even all loads
-    together bring less than the payload."""
-    for w in sorted(by_width, reverse=True):
-        if sum(b for x, b in by_width.items() if x >= w) >= payload:
-            return w
-    return 0
+def payload_loads(loads: list[tuple[int, tuple[str, ...]]]) -> dict:
+    """From the main loop's PTX loads: {buffer: {width: count}} for the payload buffers, and the
+    narrowest width any payload load has (0 when a payload buffer is not read in the loop at all:
+    then the audit cannot vouch for how it is read)."""
+    by_buffer = {b: Counter(w for w, bufs in loads if b in bufs) for b in PAYLOAD_BUFFERS}
+    widths = [w for c in by_buffer.values() for w in c]
+    narrowest = min(widths) if all(by_buffer.values()) else 0
+    return {"payload_loads": {b: {str(w): n for w, n in sorted(c.items())} for b, c in by_buffer.items()}, "narrowest_payload_bits": narrowest}
 
 
 def audit_dir(kdir: Path) -> dict:
@@ -193,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k['threads_per_block']:>3} thr  {occ['ctas_per_sm']:>2} CTAs/SM {occ['warps_per_sm']:>2} warps ({occ['limited_by']})")
         if "main_loop" in k:
             ml = k["main_loop"]
-            line += (f"  main loop: loads {', '.join(f'{n}x{w}b' for w, n in ml['loads'].items())}; payload via >= {ml['narrowest_payload_bits']}-bit loads; "
+            pl = "; ".join(f"{b} " + ", ".join(f"{n}x{w}b" for w, n in c.items()) for b, c in ml["payload_loads"].items())
+            line += (f"  main loop: loads {', '.join(f'{n}x{w}b' for w, n in ml['loads'].items())}; payload ({pl}) via >= {ml['narrowest_payload_bits']}-bit loads; "
                      f"{ml['bytes_per_cache_element']:.3f} B/elem loaded vs {ml['format_bytes_per_cache_element']:.3f} in the format")
         print(line)
     return 0
