@@ -31,8 +31,6 @@ BEGIN, END = "<!-- results:begin (rendered by scripts/make_results.py from docs/
 
 COMMANDS = {
     "default": "python -m kvcompress",
-    # 4 held-out windows of 8192 tokens; the stock and comparison formats on the same windows, one baseline pass
-    "long8k": "python -m kvcompress eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4]",
     # the README's 8K table in one command: the default, the stock formats, KIVI-style int4, the old int4 preset, the best
     # <= 4.5-bit format (wf4) and the 8-bit-key candidate (rot8k_int4v), one baseline pass on the same 4 x 8192 held-out tokens
     "long8k_all": "python -m kvcompress eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4,wf4,rot8k_int4v]",
@@ -40,10 +38,6 @@ COMMANDS = {
     "long8k_auto": "python -m kvcompress kv=auto eval=long export=none",
     # kv=rot4 (4.44 bits/element, Hadamard-rotated per-token int4) beside KIVI-style int4 at 8K
     "long8k_rot4": "python -m kvcompress kv=rot4 eval=long export=none eval.compare=[kivi_int4]",
-    # kv=rot8k_int4v (Hadamard-rotated per-token int8 keys, rotated int4 values) beside int8k_int4v at 8K
-    "long8k_rot8": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.compare=[int8k_int4v]",
-    # kv=wf4 (4.44 bits/element, water-filled token-grouped int4 keys, rotated int4 values) beside KIVI-style int4 and NVFP4 at 8K
-    "long8k_wf4": "python -m kvcompress kv=wf4 eval=long export=none eval.compare=[kivi_int4,native_nvfp4]",
 }
 
 
