@@ -140,14 +140,13 @@ def ptx_loop_loads(ptx: str, signature: dict[str, str]) -> list[tuple[int, tuple
         if op.startswith("ld.global"):
             vec = re.search(r"\.v(\d+)", op)
             width = (int(vec.group(1)) if vec else 1) * int(_PTX_WIDTH.search(op).group(1))
-            addr = re.search(r"\[\s*(%\w+)", args)
+            regs = re.findall(r"\[\s*(%\w+)", args)[:1]  # [address]
         elif op.startswith("cp.async") and ".global" in op:
             width = int(re.split(r"\s*,\s*", args)[2], 0) * 8
-            addr = re.findall(r"\[\s*(%\w+)", args)[1:2]
-            addr = re.match(r"(.*)", addr[0]) if addr else None
+            regs = re.findall(r"\[\s*(%\w+)", args)[1:2]  # [shared destination], [global source]
         else:
             continue
-        out.append((width, tuple(sorted(buffers(addr.group(1), set()))) if addr else ()))
+        out.append((width, tuple(sorted(buffers(regs[0], set()))) if regs else ()))
     return out
 
 
