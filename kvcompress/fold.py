@@ -7,10 +7,16 @@ values: v' = v / tau,  W_o columns of channel c of every query head of the group
 sigma = (range / target) ** strength with target = the layer's shared K/V amax: at strength 1
 every key (value) channel spans the whole range of the single per-tensor scale. sigma <= 1, so
 the fold only shrinks queries and W_o; the cached K/V never exceed the target: no fp16 overflow.
+key pairs (kv.fold_pairs, native_fp8): each RoPE pair (d, d + D/2) of W_k and of W_q is also
+        rotated by its own angle (reference.pair_rotate), k' = R k / sigma, q' = R q * sigma; planar
+        rotations commute with RoPE's, so q'.k' = q.k exactly. fit may then also shrink a pair's
+        keys (sigma up to 2) to move them on FP8's grid; see stages/fit.pair_transforms.
 """
 from __future__ import annotations
 
 import torch
+
+from kvcompress.reference import pair_rotate
 
 FLOOR = 1e-4  # smallest factor: a dead channel is not blown up by more than 1e4
 
@@ -27,8 +33,8 @@ def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, ti
 
 
 @torch.no_grad()
-def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> None:
-    """Fold factors [L, H_kv, D] into a Llama-family model's q/k/v/o projections, in place.
+def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> None:
+    """Fold factors [L, H_kv, D] (and key pair angles rot [L, H_kv, D/2]) into a Llama-family model's q/k/v/o projections, in place.
 
     The same arithmetic as the export (fold_state_dict), loaded back into the model: tests of the
     fold's exactness therefore test what is exported.
@@ -36,13 +42,13 @@ def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> N
     from kvcompress.models.base import Geometry
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    model.load_state_dict(fold_state_dict(state, Geometry.from_hf_config(model.config), sigma, tau))
+    model.load_state_dict(fold_state_dict(state, Geometry.from_hf_config(model.config), sigma, tau, rot))
 
 
 def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, dict]:
     """Raise key fold factors where the folded weights would leave `dtype`'s normal range.
 
-    W_k rows are divided by sigma (<= 1) and must stay below finfo.max / margin; W_q rows are
+    W_k rows are divided by sigma (<= 1; < 2 after a fold_pairs shrink) and must stay below finfo.max / margin; W_q rows are
     multiplied by sigma and their largest element must stay above 16 * finfo.tiny (not flushed
     towards zero, not into the subnormal range). Factors stay tied across RoPE pairs. Returns the guarded
     factors and {"raised": count, "layers": [...]} (the export records it; the re-measurement of
@@ -70,33 +76,48 @@ def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.d
     lo_under = fi.tiny * 16.0 / wq.clamp(min=fi.tiny)  # sigma >= this keeps W_q * sigma normal
     lo = torch.maximum(lo_over, lo_under)
     lo = torch.maximum(lo[:, : D // 2], lo[:, D // 2 :]).repeat(1, 2)  # tied pairs
-    new = torch.maximum(sigma_l, lo).clamp(max=1.0)
+    new = torch.maximum(sigma_l, lo.clamp(max=1.0))  # a raised factor stays <= 1; a pair shrink's sigma > 1 is kept
     return new, int((new > sigma_l).sum())
 
 
 @torch.no_grad()
-def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> dict:
+def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> dict:
     """A new state dict with the factors folded into q/k/v/o (float32 math); other tensors are shared, not copied."""
     out = dict(state)
     for L in range(geom.n_layers):
-        out.update(fold_layer(state, geom, L, sigma, tau))
+        out.update(fold_layer(state, geom, L, sigma, tau, rot))
     return out
 
 
+def _rotate_rows(w: torch.Tensor, angles: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (or bias entries) of a q/k projection with each head's RoPE pairs rotated: w [heads*D, ...],
+    angles [heads, D/2]. Row d of head h is output channel d, so rotating the rows rotates the output."""
+    wf = w.float()
+    x = wf.reshape(heads, -1, *wf.shape[1:]).movedim(1, -1)  # [heads, ..., D]
+    a = angles.float().reshape(heads, *([1] * (x.dim() - 2)), -1)
+    return pair_rotate(x, a).movedim(-1, 1).reshape(wf.shape)
+
+
 @torch.no_grad()
-def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None) -> dict:
-    """The folded q/k/v/o tensors of layer L (float32); `state` needs only that layer's tensors."""
+def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> dict:
+    """The folded q/k/v/o tensors of layer L (float32); `state` needs only that layer's tensors.
+    rot [L, H_kv, D/2]: key pair angles (None or all zero: no rotation)."""
     out = {}
     g = geom.n_heads // geom.n_kv_heads
     p = f"model.layers.{L}.self_attn."
     if sigma is not None:
         s = sigma[L].reshape(-1).float()  # [H*D]
         sq = sigma[L].repeat_interleave(g, 0).reshape(-1).float()  # every query head of the group
-        out[p + "k_proj.weight"] = state[p + "k_proj.weight"].float() / s[:, None]
-        out[p + "q_proj.weight"] = state[p + "q_proj.weight"].float() * sq[:, None]
+        names = ["k_proj.weight", "q_proj.weight"] + (["k_proj.bias", "q_proj.bias"] if p + "k_proj.bias" in state else [])
+        src = {n: state[p + n].float() for n in names}
+        if rot is not None and bool(rot[L].any()):
+            ra = {"k": rot[L], "q": rot[L].repeat_interleave(g, 0)}
+            src = {n: _rotate_rows(w, ra[n[0]], ra[n[0]].shape[0]) for n, w in src.items()}
+        out[p + "k_proj.weight"] = src["k_proj.weight"] / s[:, None]
+        out[p + "q_proj.weight"] = src["q_proj.weight"] * sq[:, None]
         if p + "k_proj.bias" in state:
-            out[p + "k_proj.bias"] = state[p + "k_proj.bias"].float() / s
-            out[p + "q_proj.bias"] = state[p + "q_proj.bias"].float() * sq
+            out[p + "k_proj.bias"] = src["k_proj.bias"] / s
+            out[p + "q_proj.bias"] = src["q_proj.bias"] * sq
     if tau is not None:
         t = tau[L].reshape(-1).float()
         out[p + "v_proj.weight"] = state[p + "v_proj.weight"].float() / t[:, None]

@@ -458,6 +458,32 @@ def native_fake_quant(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) ->
     return (q * scale).to(x.dtype)
 
 
+def pair_rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate each RoPE pair (x_d, x_{d+D/2}) of x [..., D] by angles [..., D/2] (radians, broadcast):
+    (a, b) -> (a cos t - b sin t, a sin t + b cos t). Planar rotations commute, so this commutes with
+    RoPE (which rotates the same pairs by position-dependent angles): folded into W_q and W_k it
+    leaves every q.k unchanged. pair_rotate(x, -angles) undoes it. Float32 math, x's dtype out."""
+    D = x.shape[-1]
+    a, b = x[..., : D // 2].float(), x[..., D // 2 :].float()
+    c, s = angles.cos().float(), angles.sin().float()
+    return torch.cat([a * c - b * s, a * s + b * c], -1).to(x.dtype)
+
+
+def native_folded_quant(x: torch.Tensor, fold: torch.Tensor, scale: float | torch.Tensor, fmt: str, angles: torch.Tensor | None = None) -> torch.Tensor:
+    """What a folded native checkpoint caches, mapped back to the unfolded model: y = R x / fold,
+    x_hat = R^-1 (fold * Q(y)), Q = native_fake_quant, R = pair_rotate by `angles` (keys of
+    native_fp8 with kv.fold_pairs; None: no rotation). fold, angles broadcast against x."""
+    y = x if angles is None else pair_rotate(x, angles)
+    out = native_fake_quant(y / fold, scale, fmt) * fold
+    return (out if angles is None else pair_rotate(out, -angles)).to(x.dtype)
+
+
+def native_folded_saturated(x: torch.Tensor, fold: torch.Tensor, scale: float | torch.Tensor, fmt: str, angles: torch.Tensor | None = None) -> torch.Tensor:
+    """native_saturated of what the folded checkpoint caches (native_folded_quant's y)."""
+    y = x if angles is None else pair_rotate(x, angles)
+    return native_saturated(y / fold, scale, fmt)
+
+
 def native_saturated(x: torch.Tensor, scale: float | torch.Tensor, fmt: str) -> torch.Tensor:
     """Bool mask of elements that TensorRT-LLM's per-tensor quantizer saturates (clamps). NVFP4: an
     element beyond 448 * scale lies in a block whose FP8 block scale clamps at 448 (the global range)."""

@@ -115,6 +115,12 @@ class KVSpec(Frozen):
     fold_keys: Union[bool, Literal["auto"]] = "auto"
     fold_values: Union[bool, Literal["auto"]] = "auto"
     fold_strength: Union[float, Literal["auto"]] = "auto"  # 0 = no migration, 1 = full equalisation
+    # key pairs (fit.pair_transforms): also rotate each RoPE pair of W_q/W_k by its own angle (exact:
+    # planar rotations commute with RoPE) and, for FP8, shrink it onto FP8's grid, each chosen per pair
+    # on the calibration sample. "auto": native_fp8 only (the held-out KL of native_int8 measured
+    # worse with it: INT8's error is not relative, so there is nothing to spread); true also allows
+    # native_int8; native_nvfp4's 16-element blocks couple pairs, so it is not offered there.
+    fold_pairs: Union[bool, Literal["auto"]] = "auto"
     # native formats: per-layer scale = amax * headroom / qmax. "auto": `fit` takes the largest
     # headroom whose error on the calibration sample stays within 1% of no headroom (free for FP8 and
     # NVFP4 until subnormals, costly for INT8), so held-out K/V beyond the calibrated amax don't saturate
@@ -158,6 +164,9 @@ class KVSpec(Frozen):
         if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
+        if self.fold_pairs is True and (self.format not in ("native_fp8", "native_int8") or self.fold_keys is False):
+            raise ValueError(f"kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8 and needs kv.fold_keys auto or true; "
+                             f"got format={self.format}, fold_keys={self.fold_keys}")
         if self.fold_strength != "auto" and not 0.0 <= self.fold_strength <= 1.0:
             raise ValueError(f"kv.fold_strength={self.fold_strength} must be 'auto' or in [0, 1]")
         return self
@@ -190,6 +199,13 @@ class KVSpec(Frozen):
 
     def key_group(self, head_dim: int) -> int:
         return self.key.group_size or head_dim
+
+    @property
+    def pairs_folded(self) -> bool:
+        """Whether fit chooses per-pair key rotations (kv.fold_pairs; see the field)."""
+        if self.fold_pairs == "auto":
+            return self.format == "native_fp8" and self.fold_keys is not False
+        return self.fold_pairs
 
     @property
     def is_native(self) -> bool:

@@ -85,15 +85,16 @@ class EvalContext:
 def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: int):
     """(k_hp, v_hp, k_hat, v_hat): the fp16 and the compressed view of every position.
 
-    Native formats: k_hat = sigma * Q(k / sigma) with TensorRT-LLM's per-tensor quantizer Q; this is
-    what the folded checkpoint caches (q.k is unchanged by the fold, so scores are computed on the
-    unfolded query against sigma-rescaled keys).
+    Native formats: k_hat = R^-1 (sigma * Q(R k / sigma)) with TensorRT-LLM's per-tensor quantizer Q
+    and R the fold's RoPE-pair rotation (identity unless kv.fold_pairs chose one); this is what the
+    folded checkpoint caches (q.k is unchanged by the fold, so scores are computed on the unfolded
+    query against the mapped-back keys).
     """
     k_hp, v_hp = ref.to_hp(key), ref.to_hp(value)
     if book.spec.is_native:
-        sk, sv, s = native_factors(book, layer, key.device)
+        sk, sv, s, rot = native_factors(book, layer, key.device)
         fmt = book.spec.format
-        return k_hp, v_hp, (ref.native_fake_quant(k_hp / sk, s, fmt) * sk).to(key.dtype), (ref.native_fake_quant(v_hp / sv, s, fmt) * sv).to(value.dtype)
+        return k_hp, v_hp, ref.native_folded_quant(k_hp, sk, s, fmt, rot).to(key.dtype), ref.native_folded_quant(v_hp, sv, s, fmt).to(value.dtype)
     spec = book.layer_spec(layer)  # per-layer formats: this layer's
     if spec.is_baseline:  # an fp16 layer of a per-layer format: the cache holds the fp16 form
         return k_hp, v_hp, k_hp.to(key.dtype), v_hp.to(value.dtype)
@@ -113,10 +114,12 @@ def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: 
     return k_hp, v_hp, k_hat, v_hat
 
 
-def native_factors(book: ScaleBook, layer: int, device) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(key fold [H, 1, D], value fold [H, 1, D], per-tensor dequant scale) of a native ScaleBook."""
+def native_factors(book: ScaleBook, layer: int, device) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]:
+    """(key fold [H, 1, D], value fold [H, 1, D], per-tensor dequant scale, key pair angles [H, 1, D/2]
+    or None) of a native ScaleBook."""
     t = book.tensors
-    return t["fold_k"][layer].to(device).unsqueeze(-2), t["fold_v"][layer].to(device).unsqueeze(-2), float(t["native_scale"][layer])
+    rot = t["fold_k_rot"][layer].to(device).unsqueeze(-2) if "fold_k_rot" in t else None
+    return t["fold_k"][layer].to(device).unsqueeze(-2), t["fold_v"][layer].to(device).unsqueeze(-2), float(t["native_scale"][layer]), rot
 
 
 def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.Tensor) -> None:
@@ -129,8 +132,8 @@ def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.T
     pos = torch.arange(S, device=k_hp.device)
     comp = (pos >= spec.sink_tokens) & (pos <= S - 1 - spec.window)  # compressed for the last query
     if spec.is_native:
-        sk, sv, s = native_factors(book, layer, k_hp.device)
-        kc, vc = ref.native_saturated(k_hp / sk, s, spec.format), ref.native_saturated(v_hp / sv, s, spec.format)
+        sk, sv, s, rot = native_factors(book, layer, k_hp.device)
+        kc, vc = ref.native_folded_saturated(k_hp, sk, s, spec.format, rot), ref.native_folded_saturated(v_hp, sv, s, spec.format)
         e.v_clipped[layer] += float(vc[..., comp, :].sum())
         e.v_quantized[layer] += vc[..., comp, :].numel()
     elif spec.key.group_tokens or spec.token_keys:

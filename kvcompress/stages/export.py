@@ -306,7 +306,7 @@ class FoldedLayers:
         if n:
             self.guard["raised"] += n
             self.guard["layers"].append(i)
-        folded = {**layer, **fold_layer(layer, self.geom, i, self.sigma, self.book.tensors["fold_v"])}
+        folded = {**layer, **fold_layer(layer, self.geom, i, self.sigma, self.book.tensors["fold_v"], self.book.tensors.get("fold_k_rot"))}
         self.bad += check_range(folded, self.dtype)
         if self.bad:
             raise UserError(f"export: folding {self.book.spec.name} puts weights outside {self.dtype}: {self.bad[0]}; nothing exported")
@@ -416,7 +416,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["trtllm_ckpt"] = {
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
-        "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom")}, "fold_guard": trt_guard, "remeasured": c_trt,
+        "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": trt_guard, "remeasured": c_trt,
     }
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
@@ -424,7 +424,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["hf_ckpt"] = {
         "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
         "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
-        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom")}, "fold_guard": hf_guard, "remeasured": c_hf,
+        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": hf_guard, "remeasured": c_hf,
     }
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")

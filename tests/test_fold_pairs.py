@@ -1,0 +1,141 @@
+"""kv.fold_pairs: per-RoPE-pair rotations (and FP8 grid shrinks) folded into W_q/W_k, chosen by fit."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_lm
+from kvcompress import reference as ref
+from kvcompress.config import CalibConfig
+from kvcompress.data import load_texts
+from kvcompress.eval.attention import simulate_kv
+from kvcompress.fold import apply_fold
+from kvcompress.spec import KVSpec
+from kvcompress.stages.fit import fit, pair_transforms
+from kvcompress.stages.profile import profile
+
+CALIB = CalibConfig(name="smoke", n_samples=4, seq_len=64, batch_size=4, sample_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("llama", heads=8, kv_heads=2, head_dim=32, layers=2)
+
+
+@pytest.fixture(scope="module")
+def stats(lm):
+    return profile(lm, CALIB, load_texts(CALIB), progress=False)
+
+
+def _spec(fmt, **kw):
+    return KVSpec(name=fmt, format=fmt, window=0, sink_tokens=0, **kw)
+
+
+def test_pair_rotate_commutes_with_rope_and_inverts():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = torch.randn(1, 3, 5, 16)
+    ang = torch.rand(8) * 3
+    freqs = torch.arange(5.0)[:, None] * (0.3 ** torch.arange(8.0))  # [T, D/2]
+    emb = torch.cat([freqs, freqs], -1)[None]
+    rope = lambda t: apply_rotary_pos_emb(t, t, emb.cos(), emb.sin())[0]  # noqa: E731  transformers' own RoPE
+    torch.testing.assert_close(ref.pair_rotate(rope(x), ang), rope(ref.pair_rotate(x, ang)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.pair_rotate(ref.pair_rotate(x, ang), -ang), x, atol=1e-5, rtol=1e-5)
+    assert (ref.pair_rotate(x, ang) - x).abs().max() > 0.1
+
+
+def test_rotated_fold_is_exact_and_caches_rotated_keys(lm):
+    g = torch.Generator().manual_seed(0)
+    L, H, D = lm.geometry.n_layers, lm.geometry.n_kv_heads, lm.geometry.head_dim
+    sigma = (torch.rand(L, H, D // 2, generator=g) + 0.5).repeat(1, 1, 2)
+    rot = torch.rand(L, H, D // 2, generator=g) * math.pi
+    folded = copy.deepcopy(lm.model)
+    apply_fold(folded, sigma, None, rot)
+    ids = torch.randint(0, 256, (2, 33), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(input_ids=ids).logits, lm.model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+        c1, c2 = DynamicCache(config=lm.model.config), DynamicCache(config=lm.model.config)
+        lm.model(input_ids=ids, cache=c1, use_cache=True)
+        folded(input_ids=ids, cache=c2, use_cache=True)
+    for layer in range(L):
+        want = ref.pair_rotate(c1.layers[layer].keys, rot[layer][None, :, None, :]) / sigma[layer][None, :, None, :]
+        torch.testing.assert_close(c2.layers[layer].keys, want, atol=1e-5, rtol=1e-4)
+        assert (c2.layers[layer].keys - c1.layers[layer].keys / sigma[layer][None, :, None, :]).abs().max() > 1e-2  # really rotated
+
+
+def test_fit_rotates_fp8_pairs_and_never_raises_the_calibration_error(stats):
+    book = fit(stats, _spec("native_fp8"))
+    rot, sk = book.tensors["fold_k_rot"], book.tensors["fold_k"]
+    info = book.fit_info["fold_pairs"]
+    assert (rot != 0).any() and sum(info["rotated_pairs"]) == int((rot != 0).sum())
+    before, after = zip(*info["key_error_before_after"])
+    assert all(a <= b for a, b in zip(after, before)) and sum(after) < 0.95 * sum(before)
+    P = sk.shape[-1] // 2
+    torch.testing.assert_close(sk[..., :P], sk[..., P:])  # still tied: commutes with RoPE
+    # a rotated pair's calibrated norm stays within the format's range at every angle
+    limit = 448 * book.tensors["native_scale"].view(-1, 1, 1)
+    assert ((stats["k_pairmax"] / sk[..., :P] <= limit * (1 + 1e-6)) | (rot == 0)).all()
+    # off: no rotation, no shrink; INT8 (auto) leaves pairs alone
+    plain = fit(stats, _spec("native_fp8", fold_pairs=False))
+    assert not plain.tensors["fold_k_rot"].any() and "fold_pairs" not in plain.fit_info
+    assert (plain.tensors["fold_k"] <= 1).all() and (sk >= plain.tensors["fold_k"]).all()
+    assert not fit(stats, _spec("native_int8")).tensors["fold_k_rot"].any()
+    assert fit(stats, _spec("native_int8", fold_pairs=True)).fit_info["fold_pairs"]["rotated_pairs"] is not None
+
+
+def test_validate_simulates_what_the_rotated_checkpoint_caches(lm, stats):
+    """simulate_kv's keys equal the folded model's cached keys through FP8, mapped back by the fold."""
+    book = fit(stats, _spec("native_fp8"))
+    t = book.tensors
+    folded = copy.deepcopy(lm.model)
+    apply_fold(folded, t["fold_k"], t["fold_v"], t["fold_k_rot"])
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    c1, c2 = DynamicCache(config=lm.model.config), DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        lm.model(input_ids=ids, cache=c1, use_cache=True)
+        folded(input_ids=ids, cache=c2, use_cache=True)
+    for layer in range(lm.geometry.n_layers):
+        k, v = c1.layers[layer].keys, c1.layers[layer].values
+        _, _, k_hat, v_hat = simulate_kv(k, v, book, layer)
+        sk, rot, s = t["fold_k"][layer][None, :, None, :], t["fold_k_rot"][layer][None, :, None, :], float(t["native_scale"][layer])
+        # the folded model caches R k / sigma (float rounding apart) ...
+        torch.testing.assert_close(c2.layers[layer].keys, ref.pair_rotate(k, rot) / sk, atol=1e-5, rtol=1e-4)
+        # ... and validate's keys are that, through FP8, mapped back; the last-bit differences of the
+        # two float paths flip an FP8 rounding tie now and then
+        cached = ref.native_fake_quant(c2.layers[layer].keys.float(), s, "native_fp8")  # what TensorRT-LLM's FP8 cache holds
+        same = torch.isclose(k_hat.float(), ref.pair_rotate(cached * sk, -rot), atol=1e-4, rtol=1e-3)
+        assert same.float().mean() > 0.99, float(same.float().mean())
+
+
+def test_pair_transforms_split_a_one_channel_pair():
+    """A pair whose keys sit in one channel, read by queries in that channel: a quarter-turn-free
+    rotation spreads its FP8 rounding error over both channels and cuts the q.k error."""
+    g = torch.Generator().manual_seed(0)
+    N, H, D = 4096, 1, 4
+    x = torch.zeros(N, H, D)
+    x[:, 0, 0] = 3 + torch.rand(N, generator=g)  # pair (0, 2): energy in channel 0
+    x[:, 0, 1] = torch.randn(N, generator=g)
+    x[:, 0, 3] = torch.randn(N, generator=g)
+    qq = torch.diag(torch.tensor([100.0, 1.0, 100.0, 1.0]))[None]
+    pairmax = torch.stack([(x[..., 0] ** 2 + x[..., 2] ** 2).sqrt().amax(0), (x[..., 1] ** 2 + x[..., 3] ** 2).sqrt().amax(0)], -1)
+    ang, sigma, (before, after) = pair_transforms(x, qq, torch.ones(H, D), 4.0 * 16 / 448, "native_fp8", pairmax)
+    assert ang[0, 0] != 0 and after < 0.8 * before
+    # little headroom: a rotation must come with a shrink that keeps the pair's norm in range ...
+    s = float(pairmax[0, 0]) / 448 / 1.2
+    ang2, sigma2, _ = pair_transforms(x, qq, torch.ones(H, D), s, "native_fp8", pairmax)
+    assert ang2[0, 0] != 0 and float(pairmax[0, 0] / sigma2[0, 0]) <= 448 * s
+    # ... and without shrinks (INT8), it is not taken
+    ang3, sigma3, _ = pair_transforms(x, qq, torch.ones(H, D), float(pairmax[0, 0]) / 127 / 1.2, "native_int8", pairmax)
+    assert ang3[0, 0] == 0 and (sigma3 == 1).all()
+
+
+def test_fold_pairs_true_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="format=native_nvfp4"):
+        _spec("native_nvfp4", fold_pairs=True)
+    with pytest.raises(ValueError, match="fold_keys=False"):
+        _spec("native_fp8", fold_pairs=True, fold_keys=False)
+    assert not _spec("native_fp8", fold_keys=False).pairs_folded
