@@ -41,6 +41,13 @@ COMMANDS = {
 }
 
 
+# KL mean ratios the README's text argues from, rendered (not typed) under their table: (format, against)
+RATIOS = {
+    "long8k_all": [("wf4", "kivi_int4"), ("wf4", "native_nvfp4"), ("rot8k_int4v", "int8k_int4v")],
+    "long8k_rot4": [("rot4", "kivi_int4")],
+}
+
+
 def _fmt_drop(t: dict | None, key: str) -> str:
     g = (t or {}).get(key)
     if not g:
@@ -117,6 +124,10 @@ def render(results: dict[str, dict]) -> str:
                     + "; ".join(f"{f['name']} " + " / ".join(f"{b['kl_mean']:.1e}" for b in f["quality"]["by_position"])
                                 + (f" (clip {f['quality']['by_position'][-1]['key_clip_rate']:.1e})" if f["quality"]["by_position"][-1].get("key_clip_rate") is not None else "")
                                 for f in r["formats"]) + "."]
+        kl = {f["name"]: f["quality"]["kl_mean"] for f in r["formats"]}
+        pairs = [(a, b) for a, b in RATIOS.get(name, []) if a in kl and b in kl]
+        if pairs:
+            out += ["", "KL mean ratios: " + "; ".join(f"{a} / {b} {kl[a] / kl[b]:.2g}x" for a, b in pairs) + "."]
         if r["export"]:
             out += ["", "Exported checkpoints read back and re-measured: " + "; ".join(
                 f"{n} (from {e['validated_as']}) KL {e['remeasured']['remeasured_kl']:.2e} vs validated {e['remeasured']['validated_kl']:.2e} "

@@ -72,6 +72,7 @@ def test_fit_rotates_fp8_pairs_and_never_raises_the_calibration_error(stats):
     rot, sk = book.tensors["fold_k_rot"], book.tensors["fold_k"]
     info = book.fit_info["fold_pairs"]
     assert (rot != 0).any() and sum(info["rotated_pairs"]) == int((rot != 0).sum())
+    assert sum(info["shrunk_pairs"]) == int((sk[..., : sk.shape[-1] // 2] != fit(stats, _spec("native_fp8", fold_pairs=False)).tensors["fold_k"][..., : sk.shape[-1] // 2]).sum())
     before, after = zip(*info["key_error_before_after"])
     assert all(a <= b for a, b in zip(after, before)) and sum(after) < 0.95 * sum(before)
     P = sk.shape[-1] // 2
@@ -122,8 +123,8 @@ def test_pair_transforms_split_a_one_channel_pair():
     x[:, 0, 3] = torch.randn(N, generator=g)
     qq = torch.diag(torch.tensor([100.0, 1.0, 100.0, 1.0]))[None]
     pairmax = torch.stack([(x[..., 0] ** 2 + x[..., 2] ** 2).sqrt().amax(0), (x[..., 1] ** 2 + x[..., 3] ** 2).sqrt().amax(0)], -1)
-    ang, sigma, (before, after) = pair_transforms(x, qq, torch.ones(H, D), 4.0 * 16 / 448, "native_fp8", pairmax)
-    assert ang[0, 0] != 0 and after < 0.8 * before
+    ang, sigma, e = pair_transforms(x, qq, torch.ones(H, D), 4.0 * 16 / 448, "native_fp8", pairmax)
+    assert ang[0, 0] != 0 and e["after"] < 0.8 * e["before"] and e["rotated"] >= 1
     # little headroom: a rotation must come with a shrink that keeps the pair's norm in range ...
     s = float(pairmax[0, 0]) / 448 / 1.2
     ang2, sigma2, _ = pair_transforms(x, qq, torch.ones(H, D), s, "native_fp8", pairmax)

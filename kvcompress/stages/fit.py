@@ -80,13 +80,13 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     scale = scale * headroom
     rot = torch.zeros(L, H, D // 2)
     if spec.pairs_folded and n:
-        errs = []
+        per_layer = []
         for layer in range(L):
             rot[layer], sk[layer], e = pair_transforms(stats["sample_k"][layer].float(), stats.q_second_moment(layer), sk[layer],
                                                        float(scale[layer]), spec.format, stats["k_pairmax"][layer])
-            errs.append(e)
-        info["fold_pairs"] = {"rotated_pairs": [int((r != 0).sum()) for r in rot], "shrunk_pairs": [int((f[:, : D // 2] > 1).sum()) for f in sk],
-                              "key_error_before_after": errs,
+            per_layer.append(e)
+        info["fold_pairs"] = {"rotated_pairs": [e["rotated"] for e in per_layer], "shrunk_pairs": [e["shrunk"] for e in per_layer],
+                              "key_error_before_after": [[e["before"], e["after"]] for e in per_layer],
                               "rule": f"per RoPE pair, of {PAIR_ANGLES} angles x {PAIR_SHRINKS if spec.format == 'native_fp8' else 1} shrinks the one with the "
                                       "least q.k score MSE on the calibration sample, among those that keep the pair's calibrated norm unsaturated"}
     tensors = {"fold_k": sk, "fold_v": sv, "fold_k_rot": rot, "native_scale": scale, "k_scale": torch.ones(L, H, D), "k_zero": torch.zeros(L, H, D),
@@ -108,7 +108,8 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     within the format's range: the pair's calibrated norm bounds either channel at every angle and position.
 
     x [N, H, D] keys, qq [H, D, D], sigma [H, D] (tied), pairmax [H, D/2] -> (angles [H, D/2],
-    sigma [H, D] (divided by the shrink), [calibration error before, after] summed over pairs).
+    sigma [H, D] (divided by the shrink), {before, after: calibration error summed over pairs,
+    rotated, shrunk: how many pairs}).
     """
     N, H, D = x.shape
     P = D // 2
@@ -144,7 +145,7 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     new_sigma = sigma.clone()
     new_sigma[:, :P] = (sig / shrink).float()
     new_sigma[:, P:] = new_sigma[:, :P]
-    return ang.float(), new_sigma, [float(e0.sum()), float(best.sum())]
+    return ang.float(), new_sigma, {"before": float(e0.sum()), "after": float(best.sum()), "rotated": int((ang != 0).sum()), "shrunk": int((shrink != 1).sum())}
 
 
 def _headroom(stats: KVStats, spec: KVSpec, sk, sv, scale, n: int, info: dict) -> torch.Tensor:
