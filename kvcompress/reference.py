@@ -462,10 +462,12 @@ def pair_rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate each RoPE pair (x_d, x_{d+D/2}) of x [..., D] by angles [..., D/2] (radians, broadcast):
     (a, b) -> (a cos t - b sin t, a sin t + b cos t). Planar rotations commute, so this commutes with
     RoPE (which rotates the same pairs by position-dependent angles): folded into W_q and W_k it
-    leaves every q.k unchanged. pair_rotate(x, -angles) undoes it. Float32 math, x's dtype out."""
+    leaves every q.k unchanged. pair_rotate(x, -angles) undoes it. Float32 math (float64 for float64
+    x), x's dtype out."""
     D = x.shape[-1]
-    a, b = x[..., : D // 2].float(), x[..., D // 2 :].float()
-    c, s = angles.cos().float(), angles.sin().float()
+    dt = torch.promote_types(x.dtype, torch.float32)
+    a, b = x[..., : D // 2].to(dt), x[..., D // 2 :].to(dt)
+    c, s = angles.cos().to(dt), angles.sin().to(dt)
     return torch.cat([a * c - b * s, a * s + b * c], -1).to(x.dtype)
 
 

@@ -85,7 +85,8 @@ def test_fit_rotates_fp8_pairs_and_never_raises_the_calibration_error(stats):
     assert not plain.tensors["fold_k_rot"].any() and "fold_pairs" not in plain.fit_info
     assert (plain.tensors["fold_k"] <= 1).all() and (sk >= plain.tensors["fold_k"]).all()
     assert not fit(stats, _spec("native_int8")).tensors["fold_k_rot"].any()
-    assert fit(stats, _spec("native_int8", fold_pairs=True)).fit_info["fold_pairs"]["rotated_pairs"] is not None
+    forced = fit(stats, _spec("native_int8", fold_pairs=True)).fit_info["fold_pairs"]
+    assert len(forced["rotated_pairs"]) == stats["k_absmax"].shape[0] and sum(forced["shrunk_pairs"]) == 0  # INT8: no grid to shrink onto
 
 
 def test_validate_simulates_what_the_rotated_checkpoint_caches(lm, stats):

@@ -9,7 +9,7 @@ from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pa
 from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
-from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant, waterfill_bits
+from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant, pair_rotate, waterfill_bits
 from kvcompress.scalebook import ScaleBook
 from kvcompress.errors import UserError
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
@@ -114,7 +114,7 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     N, H, D = x.shape
     P = D // 2
     sig = sigma[:, :P].double()  # [H, P]
-    xa, xb = x[..., :P].double() / sig, x[..., P:].double() / sig  # [N, H, P] in the folded domain
+    xf = x.double() / torch.cat([sig, sig], -1)  # [N, H, D] in the folded domain
     qa, qb = torch.diagonal(qq, dim1=-2, dim2=-1)[:, :P].double(), torch.diagonal(qq, dim1=-2, dim2=-1)[:, P:].double()
     qab = torch.diagonal(qq[:, :P, P:], dim1=-2, dim2=-1).double()  # [H, P]
     limit = NATIVE_QMAX[fmt] * scale
@@ -126,7 +126,8 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     for j in range(PAIR_ANGLES):
         t = torch.tensor(j * torch.pi / 2 / PAIR_ANGLES, dtype=torch.float64)
         c_, s_ = torch.cos(t), torch.sin(t)
-        ya, yb = xa * c_ - xb * s_, xa * s_ + xb * c_
+        y = pair_rotate(xf, t)
+        ya, yb = y[..., :P], y[..., P:]
         # R Q R^T for the pair (a, b) -> (a c - b s, a s + b c)
         raa = qa * c_ * c_ - 2 * qab * c_ * s_ + qb * s_ * s_
         rbb = qa * s_ * s_ + 2 * qab * c_ * s_ + qb * c_ * c_
