@@ -38,7 +38,7 @@ def check_overrides(argv: list[str]) -> None:
                 if option not in allowed:
                     fail(f"{key}={option} is not a known {key} config; allowed: {', '.join(allowed)}")
             selected[key] = val.split(",")[0]
-    for key, _, val in pairs:
+    for key, _, _val in pairs:
         group, _, rest = key.partition(".")
         if group in GROUPS and rest:
             node = OmegaConf.load(CONF_DIR / group / f"{selected[group]}.yaml")

@@ -124,7 +124,7 @@ def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
                 block = fmt.block_t(d)
                 sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
                 splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block, sms)
-                t_kvc = timeit(lambda kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)
+                t_kvc = timeit(lambda q=q, d=d, kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)
                 kv = None
                 rows.append({"model": model, "gpu": gpu, "context": T, "batch": 1, "format": name, "splits": splits,
                              "kvc_us": layers * t_kvc * 1e6, "fp16_us": layers * t_fp16 * 1e6, "speedup": t_fp16 / t_kvc})

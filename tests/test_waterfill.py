@@ -26,7 +26,7 @@ def _cost(w: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_waterfill_bits_is_the_exact_optimum_with_rope_pairs_alike():
     g = torch.Generator().manual_seed(0)
-    for trial in range(20):
+    for _ in range(20):
         w = torch.rand(8, generator=g).double() ** 6 * 100  # weights over orders of magnitude: 4 RoPE pairs
         b = ref.waterfill_bits(w, 3)
         assert torch.equal(b[:4], b[4:]) and b.float().mean() == 3 and int(b.min()) >= 1 and int(b.max()) <= 8

@@ -136,7 +136,7 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
         tgt = ids[0, pos + 1].view(1, -1, 1)
         scale = (T - 1 - min(first, T - 2)) / len(pos)
 
-        def logprobs(h):
+        def logprobs(h, pos=pos):
             return torch.log_softmax(layers.logits(h[:, pos]).float(), dim=-1).cpu()
 
         with layers.head_context():
