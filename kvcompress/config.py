@@ -260,15 +260,28 @@ def kv_preset(name: str) -> KVSpec:
     return KVSpec.model_validate(load_preset("kv", name))
 
 
+_UNION_MEMBER = {"bool", "int", "float", "str"}
+
+
+def _field_loc(loc: tuple) -> str:
+    """The user's dotted key: pydantic's loc without validator and union-member tags (e.g. 'bool', "literal['auto']")."""
+    return ".".join(str(x) for x in loc if not (str(x).startswith("function-after") or str(x) in _UNION_MEMBER or "[" in str(x)))
+
+
 def _format_error(err: ValidationError, data: dict) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+    errors = err.errors()
+    e = errors[0]
+    loc = _field_loc(e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         return f"{loc} is not a known key"
     if loc and e["type"] not in ("value_error",):
+        # a union field (e.g. bool or 'auto') fails once per member: name every allowed form in one line
+        alts = [x["msg"].removeprefix("Input should be ") for x in errors if _field_loc(x["loc"]) == loc and x["type"] != "value_error"]
+        if len(alts) > 1:
+            return f"{loc}={e.get('input')!r} is invalid: allowed: {' or '.join(dict.fromkeys(a.split(',')[0] for a in alts))}"
         return f"{loc}={e.get('input')!r} is invalid: {msg}"
-    return msg if not loc else f"{loc}: {msg}"
+    return msg if not loc or msg.startswith(f"{loc}.") else f"{loc}: {msg}"
 
 
 def resolve_stages(data: dict, overridden: set[str] = frozenset()) -> dict:

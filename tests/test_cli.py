@@ -26,6 +26,9 @@ BAD = [
     (["model=tiny_qwen2"], "export=trtllm supports LlamaForCausalLM; this model is Qwen2ForCausalLM: add export=none"),
     (["kv=int8k_int4v", "kv.value.symmetric=true"], "a comparison format that is validated but never shipped: add export=none"),
     (["eval.compare=[nope]"], "eval.compare names kv preset 'nope', which does not exist; allowed:"),
+    (["kv=native_fp8", "kv.fold_pairs=maybe"], "kv.fold_pairs='maybe' is invalid: allowed: a valid boolean or 'auto'"),
+    (["kv=native_int8", "kv.headroom=0.5"], "error: kv.headroom=0.5 must be 'auto' or a number >= 1"),
+    (["kv=native_nvfp4", "kv.fold_pairs=true"], "kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8"),
 ]
 
 
@@ -74,6 +77,19 @@ def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
 
     book = ScaleBook.load(run3 / "scalebook.safetensors")
     assert book.spec.name == "int4" and book.spec.key.bits == 4 and book.spec.outlier_channels == 2
+
+
+def test_native_options_the_readme_documents_are_accepted(tmp_path):
+    # kv.headroom and kv.fold_pairs are in every native preset, so the command line can set them
+    from kvcompress.scalebook import ScaleBook
+
+    run = tmp_path / "r"
+    p = run_cli(*TINY, "kv=native_int8", "kv.headroom=2", "kv.fold_pairs=true", "stages=[profile,fit]", f"hydra.run.dir={run}",
+                cache_dir=tmp_path / "cache", timeout=120)
+    assert p.returncode == 0, p.stderr
+    book = ScaleBook.load(run / "scalebook.safetensors")
+    assert book.spec.headroom == 2.0 and book.spec.fold_pairs is True
+    assert book.fit_info["headroom"] == [2.0] * book.geometry["n_layers"] and "fold_pairs" in book.fit_info
 
 
 def report(run_dir):
