@@ -44,12 +44,13 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=1024)
     a = ap.parse_args()
-    lm = load_model(model_config(a.model), cache_dir())
+    mcfg, spec = model_config(a.model), kv_spec(a.kv)  # bad names fail before the model loads
+    lm = load_model(mcfg, cache_dir())
     if a.scalebook:
         book = ScaleBook.load(a.scalebook, lm.geometry.to_dict())
     else:
         calib = calib_config("default")
-        book = fit(profile(lm, calib, load_texts(calib)), kv_spec(a.kv))
+        book = fit(profile(lm, calib, load_texts(calib)), spec)
     ev = eval_config("default")
     windows = token_windows(lm.tokenizer, load_texts(ev), a.windows, a.seq_len, seed=ev.seed)
     t_one = t_dec = 0.0

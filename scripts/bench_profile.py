@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--calib", default="default")
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
-    lm = load_model(model_config(a.model), cache_dir())
-    calib = calib_config(a.calib)
+    mcfg, calib = model_config(a.model), calib_config(a.calib)  # bad names fail before the model loads
+    lm = load_model(mcfg, cache_dir())
     texts = load_texts(calib)
     windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)
     plain(lm, windows[: calib.batch_size], calib.batch_size)  # warm-up

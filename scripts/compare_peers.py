@@ -164,7 +164,9 @@ def main() -> None:
     ap.add_argument("--calib", default="default", help="calib preset of part 1")
     ap.add_argument("--eval", default="default", help="eval preset of part 1 (its held-out windows)")
     a = ap.parse_args()
-    lm = load_model(model_config(a.model), cache_dir())
+    mcfg = model_config(a.model)
+    calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
+    lm = load_model(mcfg, cache_dir())
     native_vs_modelopt(lm, a.calib, a.eval)
     if a.no_chunked:
         return

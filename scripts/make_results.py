@@ -155,14 +155,16 @@ def write_readme(results: dict[str, dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--render", action="store_true", help="only re-render the README from docs/results")
-    ap.add_argument("--only", default=None, help=f"rerun one of: {', '.join(COMMANDS)}")
+    ap.add_argument("--only", default=None, choices=list(COMMANDS), help="rerun only this one")
     a = ap.parse_args()
     if not a.render:
         RESULTS.mkdir(parents=True, exist_ok=True)
         for name, cmd in COMMANDS.items():
             if a.only and name != a.only:
                 continue
-            (RESULTS / f"{name}.json").write_text(json.dumps(run(name, cmd), indent=1) + "\n")
+            out, tmp = RESULTS / f"{name}.json", RESULTS / f".{name}.json.tmp"
+            tmp.write_text(json.dumps(run(name, cmd), indent=1) + "\n")
+            tmp.replace(out)  # a run that fails or is interrupted leaves the previous result whole
     write_readme(load_results())
     print(f"[make_results] rendered {README} from {RESULTS}")
     return 0
