@@ -1,0 +1,65 @@
+"""Every `python -m kvcompress ...` command the README and docs show passes the command-line check
+(known presets, known keys of the chosen preset): what the README documents, the tool accepts."""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import kvcompress.__main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "plugins" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def commands():
+    out = []
+    for doc in DOCS:
+        for m in re.finditer(r"python -m kvcompress((?: [^\n`#]*)?)", doc.read_text()):
+            # placeholders (<time>, ...) stand for a user's paths: keep the rest of the command
+            args = [a for a in shlex.split(m.group(1)) if "=" in a and not any(p in a for p in ("<", ">", "..."))]
+            out.append((doc.name, " ".join(args)))
+    return sorted(set(out))
+
+
+def test_the_docs_show_commands():
+    assert len(commands()) >= 12
+
+
+@pytest.mark.parametrize("doc,cmd", commands(), ids=[c for _, c in commands()])
+def test_documented_command_is_accepted(doc, cmd, capsys):
+    try:
+        cli.check_overrides(cmd.split())
+    except SystemExit:
+        pytest.fail(f"{doc}: `python -m kvcompress {cmd}` is refused: {capsys.readouterr().err.strip()}")
+
+
+def test_the_check_refuses_an_undocumented_key(capsys):
+    with pytest.raises(SystemExit):
+        cli.check_overrides(["kv=native_fp8", "kv.nope=1"])
+    assert "kv.nope is not a known key" in capsys.readouterr().err
+
+
+# mentions that look like config keys but are not: a report.json field and a file name
+NOT_KEYS = {"export.artifacts.plugin_bundle.network.check", "model.safetensors.index.json"}
+
+
+def documented_keys():
+    text = "".join(d.read_text() for d in DOCS)
+    found = set(re.findall(r"(?<![\w.+~/])((?:kv|eval|calib|model|export)\.[a-z_]+(?:\.[a-z_]+)*)(?=[=`\s,)])", text))
+    return sorted(found - NOT_KEYS)
+
+
+@pytest.mark.parametrize("key", documented_keys())
+def test_documented_key_can_be_set_on_the_command_line(key, capsys):
+    # a key the docs name (`kv.headroom`, `eval.compare`, ...) is settable with at least one preset of its group
+    from kvcompress.paths import CONF_DIR
+
+    group = key.split(".")[0]
+    for preset in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
+        try:
+            cli.check_overrides([f"{group}={preset}", f"{key}=1"])
+            return
+        except SystemExit:
+            capsys.readouterr()
+    pytest.fail(f"{key} is documented but no {group} preset accepts it on the command line")
