@@ -63,3 +63,25 @@ def test_documented_key_can_be_set_on_the_command_line(key, capsys):
         except SystemExit:
             capsys.readouterr()
     pytest.fail(f"{key} is documented but no {group} preset accepts it on the command line")
+
+
+def documented_flags():
+    """{script path or -m module: flags the docs pass it}, for the project's own scripts and modules."""
+    out: dict[str, set] = {}
+    text = "".join(d.read_text() for d in DOCS)
+    for m in re.finditer(r"python (-m kvcompress\.[a-z_.]+|(?:scripts|export)/[a-z_]+\.py)([^\n`#|]*)", text):
+        out.setdefault(m.group(1), set()).update(re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", m.group(2)))
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
+def test_documented_flags_exist():
+    import subprocess
+    import sys
+
+    flags = documented_flags()
+    assert len(flags) >= 6
+    for target, wanted in flags.items():
+        p = subprocess.run([sys.executable, *target.split(), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (target, p.stderr[-2000:])
+        missing = [f for f in wanted if f not in p.stdout]
+        assert not missing, f"python {target}: the docs pass {missing}, which its --help does not list"
