@@ -85,3 +85,13 @@ def test_documented_flags_exist():
         assert p.returncode == 0, (target, p.stderr[-2000:])
         missing = [f for f in wanted if f not in p.stdout]
         assert not missing, f"python {target}: the docs pass {missing}, which its --help does not list"
+
+
+def test_readme_lists_every_preset():
+    from kvcompress.paths import CONF_DIR
+
+    text = (ROOT / "README.md").read_text()
+    i = text.index("Hydra groups in `conf/`:")
+    listed = dict(re.findall(r"`(\w+)=([\w|]+)`", text[i : text.index("\n\n", i)]))
+    assert {g: set(v.split("|")) for g, v in listed.items()} == \
+        {g.name: {p.stem for p in g.glob("*.yaml")} for g in CONF_DIR.iterdir() if g.is_dir() and g.name in cli.GROUPS}
