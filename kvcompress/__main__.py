@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from kvcompress.errors import UserError
-from kvcompress.paths import CONF_DIR
+from kvcompress.paths import CONF_DIR, preset_names
 
 GROUPS = ("model", "kv", "calib", "eval", "export")
 
@@ -33,7 +33,7 @@ def check_overrides(argv: list[str]) -> None:
     pairs = [a.partition("=") for a in argv if "=" in a and not a.startswith(("+", "~", "hydra", "-"))]
     for key, _, val in pairs:
         if key in GROUPS:
-            allowed = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            allowed = preset_names(key)
             for option in val.split(","):
                 if option not in allowed:
                     fail(f"{key}={option} is not a known {key} config; allowed: {', '.join(allowed)}")

@@ -252,10 +252,9 @@ class RunConfig(Frozen):
 
 def kv_preset(name: str) -> KVSpec:
     """The KVSpec of conf/kv/<name>.yaml (eval.compare)."""
-    from kvcompress.paths import CONF_DIR, load_preset
+    from kvcompress.paths import load_preset, preset_names
 
-    if not (CONF_DIR / "kv" / f"{name}.yaml").is_file():
-        allowed = sorted(f.stem for f in (CONF_DIR / "kv").glob("*.yaml"))
+    if name not in (allowed := preset_names("kv")):
         raise UserError(f"eval.compare names kv preset {name!r}, which does not exist; allowed: {', '.join(allowed)}")
     return KVSpec.model_validate(load_preset("kv", name))
 

@@ -8,6 +8,11 @@ from pathlib import Path
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config groups (model, kv, calib, eval, export)
 
 
+def preset_names(group: str) -> list[str]:
+    """The presets of a config group: the stems of conf/<group>/*.yaml, sorted."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
 def load_preset(group: str, name: str) -> dict:
     """conf/<group>/<name>.yaml as a plain dict (interpolations resolved)."""
     from omegaconf import OmegaConf

@@ -14,10 +14,10 @@ from kvcompress.spec import KVSpec  # noqa: E402
 
 def _load(group: str, name: str) -> dict:
     """conf/<group>/<name>.yaml; a name that is not a preset is a one-line error (exit 2), not a traceback."""
-    from kvcompress.paths import CONF_DIR
+    from kvcompress.paths import preset_names
 
-    if not (CONF_DIR / group / f"{name}.yaml").is_file():
-        allowed = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+    if name not in preset_names(group):
+        allowed = ", ".join(preset_names(group))
         print(f"{Path(sys.argv[0]).name}: error: {group} preset {name!r} does not exist; allowed: {allowed}", file=sys.stderr)
         sys.exit(2)
     return load_preset(group, name)

@@ -53,10 +53,10 @@ def documented_keys():
 @pytest.mark.parametrize("key", documented_keys())
 def test_documented_key_can_be_set_on_the_command_line(key, capsys):
     # a key the docs name (`kv.headroom`, `eval.compare`, ...) is settable with at least one preset of its group
-    from kvcompress.paths import CONF_DIR
+    from kvcompress.paths import preset_names
 
     group = key.split(".")[0]
-    for preset in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
+    for preset in preset_names(group):
         try:
             cli.check_overrides([f"{group}={preset}", f"{key}=1"])
             return
