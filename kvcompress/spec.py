@@ -121,6 +121,11 @@ class KVSpec(Frozen):
     # worse with it: INT8's error is not relative, so there is nothing to spread); true also allows
     # native_int8; native_nvfp4's 16-element blocks couple pairs, so it is not offered there.
     fold_pairs: Union[bool, Literal["auto"]] = "auto"
+    # the serving context fold_pairs chooses angles and shrinks for (fit.pair_transforms): 0 (default)
+    # scores each pair at the calibration windows' positions; N > 0 averages its score over the
+    # positions up to N, where RoPE has turned the pair further. Measured on the embedded model it
+    # trades quality at 1K for quality at 8K (README, "Pair angles for long context")
+    pair_context: int = Field(0, ge=0)
     # native formats: per-layer scale = amax * headroom / qmax. "auto": `fit` takes the largest
     # headroom whose error on the calibration sample stays within 1% of no headroom (free for FP8 and
     # NVFP4 until subnormals, costly for INT8), so held-out K/V beyond the calibrated amax don't saturate
@@ -164,6 +169,9 @@ class KVSpec(Frozen):
         if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
+        if self.pair_context and not self.pairs_folded:
+            raise ValueError(f"kv.pair_context={self.pair_context} sets the context kv.fold_pairs chooses its angles for, and this spec "
+                             "folds no pairs; allowed: 0, or a context with native_fp8 (or native_int8 with kv.fold_pairs=true)")
         if self.fold_pairs is True and (self.format not in ("native_fp8", "native_int8") or self.fold_keys is False):
             raise ValueError(f"kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8 and needs kv.fold_keys auto or true; "
                              f"got format={self.format}, fold_keys={self.fold_keys}")

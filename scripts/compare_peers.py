@@ -1,6 +1,7 @@
 """kvcompress beside other stacks' quantized KV caches, same windows, same metric code.
 
     python scripts/compare_peers.py [--model smollm2_135m] [--windows 2] [--seq-len 1024] [--chunk 16] [--no-chunked]
+                                    [--calib default] [--eval default] [--pair-context 0]
 
 Part 1, the native tier against NVIDIA Model Optimizer (the tool TensorRT-LLM users calibrate
 KV-cache scales with; `nvidia-modelopt`, a dev dependency): ModelOpt's KV-only FP8 and INT8
@@ -115,7 +116,7 @@ def kvcompress_checkpoint(lm, book, out: Path) -> Path:
 
 
 @torch.no_grad()
-def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "default") -> None:
+def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "default", pair_context: int = 0) -> None:
     import json
     import tempfile
 
@@ -135,9 +136,12 @@ def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "defaul
         for algo in ("FP8", "INT8"):
             ck = modelopt_checkpoint(lm, algo, cw, Path(tmp) / f"modelopt_{algo}")
             rows[f"Model Optimizer {algo}"] = (ck, remeasure_trtllm(ck, windows, base, 1))
-        for fmt in ("native_fp8", "native_int8"):
-            ck = kvcompress_checkpoint(lm, fit(stats, native_spec(fmt)), Path(tmp) / fmt)
-            rows[f"kvcompress {fmt}"] = (ck, remeasure_trtllm(ck, windows, base, 1))
+        specs = {f"kvcompress {fmt}": native_spec(fmt) for fmt in ("native_fp8", "native_int8")}
+        if pair_context:
+            specs[f"native_fp8 pair_context={pair_context}"] = native_spec("native_fp8").model_copy(update={"pair_context": pair_context})
+        for i, (name, spec) in enumerate(specs.items()):
+            ck = kvcompress_checkpoint(lm, fit(stats, spec), Path(tmp) / f"kvcompress_{i}")
+            rows[name] = (ck, remeasure_trtllm(ck, windows, base, 1))
         ref_kl = rows["Model Optimizer FP8"][1]["kl_mean"]
         print(f"native tier: TensorRT-LLM checkpoints read back and scored on {windows.shape[0]} x {windows.shape[1]} held-out tokens "
               f"(eval={eval_name}); calibration {cw.shape[0]} x {cw.shape[1]} tokens")
@@ -163,11 +167,12 @@ def main() -> None:
     ap.add_argument("--no-chunked", action="store_true", help="only part 1 (the native tier vs Model Optimizer)")
     ap.add_argument("--calib", default="default", help="calib preset of part 1")
     ap.add_argument("--eval", default="default", help="eval preset of part 1 (its held-out windows)")
+    ap.add_argument("--pair-context", type=int, default=0, help="part 1 also scores native_fp8 with kv.pair_context set to this (0: not)")
     a = ap.parse_args()
     mcfg = model_config(a.model)
     calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())
-    native_vs_modelopt(lm, a.calib, a.eval)
+    native_vs_modelopt(lm, a.calib, a.eval, a.pair_context)
     if a.no_chunked:
         return
     cfg = lm.model.config

@@ -29,6 +29,7 @@ BAD = [
     (["kv=native_fp8", "kv.fold_pairs=maybe"], "kv.fold_pairs='maybe' is invalid: allowed: a valid boolean or 'auto'"),
     (["kv=native_int8", "kv.headroom=0.5"], "error: kv.headroom=0.5 must be 'auto' or a number >= 1"),
     (["kv=native_nvfp4", "kv.fold_pairs=true"], "kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8"),
+    (["kv=native_int8", "kv.pair_context=8192"], "kv.pair_context=8192 sets the context kv.fold_pairs chooses its angles for"),
 ]
 
 

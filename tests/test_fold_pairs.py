@@ -15,7 +15,7 @@ from kvcompress.data import load_texts
 from kvcompress.eval.attention import simulate_kv
 from kvcompress.fold import apply_fold
 from kvcompress.spec import KVSpec
-from kvcompress.stages.fit import fit, pair_transforms
+from kvcompress.stages.fit import PAIR_ANGLES, PAIR_SHIFTS, fit, pair_scores, pair_transforms
 from kvcompress.stages.profile import profile
 
 CALIB = CalibConfig(name="smoke", n_samples=4, seq_len=64, batch_size=4, sample_tokens=64)
@@ -141,3 +141,47 @@ def test_fold_pairs_true_is_refused_where_it_does_not_apply():
     with pytest.raises(ValueError, match="fold_keys=False"):
         _spec("native_fp8", fold_pairs=True, fold_keys=False)
     assert not _spec("native_fp8", fold_keys=False).pairs_folded
+
+
+def test_pair_scores_at_a_serving_context_average_the_scores_of_turned_keys_and_queries():
+    """kv.pair_context: a pair's score is its calibration score averaged over position shifts, keys and
+    queries turned together by RoPE; checked against rotating the sample and the query block by hand.
+    Pair 0 turns 16 pi over the shifts (every shift lands on a measured angle), pair 1 not at all."""
+    g = torch.Generator().manual_seed(0)
+    N, H, D = 512, 2, 4
+    x = torch.randn(N, H, D, generator=g) * torch.tensor([3.0, 0.5, 0.2, 1.0]) + torch.tensor([2.0, 1.0, 0.0, -1.0])
+    q = torch.randn(4 * N, H, D, generator=g) * torch.tensor([2.0, 1.0, 0.5, 1.0])
+    qq = torch.einsum("nhd,nhe->hde", q, q).double() / q.shape[0]
+    P, step, shift, scale = D // 2, math.pi / 2 / PAIR_ANGLES, 1000, 8.0 / 448
+    inv_freq = torch.tensor([2 * PAIR_SHIFTS * step / shift, 0.0])
+    blocks = [torch.diagonal(qq, dim1=-2, dim2=-1)[:, :P], torch.diagonal(qq, dim1=-2, dim2=-1)[:, P:], torch.diagonal(qq[:, :P, P:], dim1=-2, dim2=-1)]
+    got = pair_scores(x.double(), *blocks, scale, "native_fp8", [1.0], inv_freq, shift)[1.0]  # [J, H, P]
+    still = pair_scores(x.double(), *blocks, scale, "native_fp8", [1.0])[1.0]
+    for j in (0, 5):
+        want = torch.zeros(H, P, dtype=torch.float64)
+        for m in range(PAIR_SHIFTS):
+            beta = torch.tensor([(j + 2 * m + 1) * step, j * step], dtype=torch.float64)  # shift (m + 1/2) / S * shift
+            y = ref.pair_rotate(x.double(), beta)
+            dy = ref.native_fake_quant(y.float(), scale, "native_fp8").double() - y
+            c, s_ = beta.cos(), beta.sin()
+            r = torch.zeros(H, P, 2, 2, dtype=torch.float64)
+            r[..., 0, 0], r[..., 0, 1], r[..., 1, 0], r[..., 1, 1] = c, -s_, s_, c
+            qb = torch.stack([torch.stack([blocks[0], blocks[2]], -1), torch.stack([blocks[2], blocks[1]], -1)], -2)  # [H, P, 2, 2]
+            rq = r @ qb @ r.transpose(-1, -2)
+            d2 = torch.stack([dy[..., :P], dy[..., P:]], -1)  # [N, H, P, 2]
+            want += torch.einsum("nhpa,hpab,nhpb->hp", d2, rq, d2) / N
+        torch.testing.assert_close(got[j], want / PAIR_SHIFTS, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got[j, :, 1], still[j, :, 1], rtol=1e-9, atol=0)  # RoPE never turns pair 1
+    assert not torch.allclose(got[:, :, 0], still[:, :, 0], rtol=1e-3)
+
+
+def test_pair_context_averages_the_fit_over_the_serving_positions(stats):
+    """fit records the shift that kv.pair_context asks for; 0 is the calibration-position choice."""
+    base = fit(stats, _spec("native_fp8", fold_pairs=True))
+    far = fit(stats, _spec("native_fp8", fold_pairs=True, pair_context=4096))
+    assert base.fit_info["fold_pairs"]["position_shift"] == 0
+    assert far.fit_info["fold_pairs"]["position_shift"] == 4096 - CALIB.seq_len
+    assert "kv.pair_context=4096" in far.fit_info["fold_pairs"]["rule"]
+    assert not torch.equal(base.tensors["fold_k_rot"], far.tensors["fold_k_rot"])
+    with pytest.raises(ValueError, match="kv.pair_context=4096"):
+        _spec("native_int8", pair_context=4096)

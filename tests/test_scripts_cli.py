@@ -14,6 +14,8 @@ BAD = [
     (["scripts/compare_peers.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
     (["scripts/bench_profile.py", "--calib", "nope"], "calib preset 'nope' does not exist; allowed: default,"),
     (["scripts/bench_onepass_vs_decode.py", "--kv", "nope"], "kv preset 'nope' does not exist; allowed: auto, fp16,"),
+    (["scripts/pair_fold_anatomy.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
+    (["scripts/pair_fold_anatomy.py", "--pair-context", "0"], "--pair-context 0: allowed: a context > 0"),
 ]
 
 
@@ -26,3 +28,17 @@ def test_script_bad_name_is_one_line(args, needle):
     assert len(errors) == 1 and needle in errors[0], p.stderr
     assert "Traceback" not in p.stderr and "Loading weights" not in p.stderr
     assert before == {p: p.stat().st_mtime_ns for p in before}
+
+
+def test_pair_fold_anatomy_runs_on_the_tiny_model():
+    """scripts/pair_fold_anatomy.py: the energy table covers every pair once, and every checkpoint is scored."""
+    p = subprocess.run([sys.executable, "scripts/pair_fold_anatomy.py", "--model", "tiny_llama", "--calib", "smoke", "--eval", "smoke",
+                        "--pair-context", "4096"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    energy = [line.split() for line in lines[2:6]]
+    assert [e[0] for e in energy] == ["0-3", "4-7", "8-11", "12-15"]
+    assert abs(sum(float(e[1]) for e in energy) - 1) < 0.01 and all(0 <= float(e[2]) <= 1 for e in energy)
+    rows = [line for line in lines if line.endswith("x") and "%" in line]
+    assert len(rows) == 7 and rows[0].startswith("default (pair_context=0)") and rows[0].endswith(" 1.00x")
+    assert any(r.startswith("pair_context=4096") for r in rows) and any(r.startswith("default, pairs 12-15 as 4096") for r in rows)

@@ -22,6 +22,7 @@ PAIR_ANGLES = 16  # kv.fold_pairs: rotation angles per RoPE pair, k * (pi/2) / 1
 PAIR_SHRINKS = 4  # kv.fold_pairs on native_fp8: shrinks 2^(-i/4), i < 4 (an octave maps FP8's grid onto itself)
 # On the embedded model (compare_peers, 6 x 1024 held-out tokens) 16 x 4 reached the held-out KL of 64 x 16
 # (7.4e-3 both) with less calibration fit (0.66x vs 0.61x of the unrotated error): finer grids fit the sample, not text
+PAIR_SHIFTS = 256  # kv.pair_context > 0: position shifts each pair's score is averaged over
 HEADROOM_TOL = 0.01  # auto: the largest headroom whose calibration error (keys and values) is within 1% of headroom 1
 
 
@@ -81,20 +82,29 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     rot = torch.zeros(L, H, D // 2)
     if spec.pairs_folded and n:
         per_layer = []
+        inv = stats.tensors.get("rope_inv_freq")
+        context = spec.pair_context
+        calib_len = int(stats.header.get("provenance", {}).get("calib", {}).get("seq_len", 0))
+        shift = max(0, context - calib_len) if inv is not None and context else 0
         for layer in range(L):
             rot[layer], sk[layer], e = pair_transforms(stats["sample_k"][layer].float(), stats.q_second_moment(layer), sk[layer],
-                                                       float(scale[layer]), spec.format, stats["k_pairmax"][layer])
+                                                       float(scale[layer]), spec.format, stats["k_pairmax"][layer],
+                                                       None if inv is None else (inv[layer] if inv.dim() == 2 else inv), shift)
             per_layer.append(e)
         info["fold_pairs"] = {"rotated_pairs": [e["rotated"] for e in per_layer], "shrunk_pairs": [e["shrunk"] for e in per_layer],
                               "key_error_before_after": [[e["before"], e["after"]] for e in per_layer],
+                              "context": context, "position_shift": shift,
                               "rule": f"per RoPE pair, of {PAIR_ANGLES} angles x {PAIR_SHRINKS if spec.format == 'native_fp8' else 1} shrinks the one with the "
-                                      "least q.k score MSE on the calibration sample, among those that keep the pair's calibrated norm unsaturated"}
+                                      "least q.k score MSE on the calibration sample"
+                                      + (f", averaged over shifts of keys and queries by up to {shift} positions (kv.pair_context={context})" if shift else "")
+                                      + ", among those that keep the pair's calibrated norm unsaturated"}
     tensors = {"fold_k": sk, "fold_v": sv, "fold_k_rot": rot, "native_scale": scale, "k_scale": torch.ones(L, H, D), "k_zero": torch.zeros(L, H, D),
                "k_clip": torch.ones(L, H)}
     return tensors, info
 
 
-def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scale: float, fmt: str, pairmax: torch.Tensor):
+def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scale: float, fmt: str, pairmax: torch.Tensor,
+                    inv_freq: torch.Tensor | None = None, shift: int = 0):
     """kv.fold_pairs for one layer: per RoPE pair, the rotation angle and shrink of the folded keys.
 
     RoPE allows one exact transform per pair beyond the tied factor: a planar rotation (it commutes
@@ -106,6 +116,15 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     2x2 block of E[q q^T], y = c R k / sigma what is cached, dy its rounding error); identity is a
     candidate, so the calibration error never rises. A rotated candidate must keep c * pairmax / sigma
     within the format's range: the pair's calibrated norm bounds either channel at every angle and position.
+
+    Serving positions beyond the calibration windows (kv.pair_context; inv_freq [D/2], the RoPE
+    frequencies, and shift > 0): RoPE turns a pair by o * theta more o positions later, keys and
+    queries alike, so where the calibration keys sit on FP8's grid at angle t, the same tokens
+    o positions on sit there at t + o * theta. Each candidate is then scored by the average over
+    shifts o in (0, shift] of its calibration score at t + o * theta (pair_scores). A choice that
+    fits a pair's near-constant key component onto the grid at the calibration positions (what
+    most of the gain at 1K is, on the embedded model) is then weighed against the positions
+    where RoPE has turned it off the grid.
 
     x [N, H, D] keys, qq [H, D, D], sigma [H, D] (tied), pairmax [H, D/2] -> (angles [H, D/2],
     sigma [H, D] (divided by the shrink), {before, after: calibration error summed over pairs,
@@ -122,22 +141,12 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     best = torch.full((H, P), float("inf"), dtype=torch.float64)
     ang, shrink = torch.zeros(H, P, dtype=torch.float64), torch.ones(H, P, dtype=torch.float64)
     shrinks = [2.0 ** (-i / PAIR_SHRINKS) for i in range(PAIR_SHRINKS)] if fmt == "native_fp8" else [1.0]
-    e0 = None
+    scores = pair_scores(xf, qa, qb, qab, scale, fmt, shrinks, inv_freq, shift)  # {c: [J, H, P]}
+    e0 = scores[1.0][0] * sig ** 2
     for j in range(PAIR_ANGLES):
         t = torch.tensor(j * torch.pi / 2 / PAIR_ANGLES, dtype=torch.float64)
-        c_, s_ = torch.cos(t), torch.sin(t)
-        y = pair_rotate(xf, t)
-        ya, yb = y[..., :P], y[..., P:]
-        # R Q R^T for the pair (a, b) -> (a c - b s, a s + b c)
-        raa = qa * c_ * c_ - 2 * qab * c_ * s_ + qb * s_ * s_
-        rbb = qa * s_ * s_ + 2 * qab * c_ * s_ + qb * c_ * c_
-        rab = (qa - qb) * c_ * s_ + qab * (c_ * c_ - s_ * s_)
         for c in shrinks:
-            da = native_fake_quant((c * ya).float(), scale, fmt).double() - c * ya
-            db = native_fake_quant((c * yb).float(), scale, fmt).double() - c * yb
-            e = ((da * da * raa + db * db * rbb + 2 * da * db * rab).mean(0) * (sig / c) ** 2)  # [H, P]
-            if j == 0 and c == 1.0:
-                e0 = e.clone()
+            e = scores[c][j] * (sig / c) ** 2  # [H, P]
             ok = room >= c if j else torch.ones_like(e, dtype=torch.bool)  # a shrink alone never raises a channel
             better = ok & (e < best)
             best = torch.where(better, e, best)
@@ -147,6 +156,74 @@ def pair_transforms(x: torch.Tensor, qq: torch.Tensor, sigma: torch.Tensor, scal
     new_sigma[:, :P] = (sig / shrink).float()
     new_sigma[:, P:] = new_sigma[:, :P]
     return ang.float(), new_sigma, {"before": float(e0.sum()), "after": float(best.sum()), "rotated": int((ang != 0).sum()), "shrunk": int((shrink != 1).sum())}
+
+
+def pair_scores(xf: torch.Tensor, qa, qb, qab, scale: float, fmt: str, shrinks, inv_freq: torch.Tensor | None = None, shift: int = 0) -> dict:
+    """Per shrink c: the q.k score MSE of each pair [J, H, P] at the PAIR_ANGLES angles t_j = j (pi/2) / J,
+    in the folded domain (times (sigma / c)^2 in model units). xf [N, H, D] folded keys, (qa, qb, qab)
+    [H, P] the pairs' 2x2 query blocks. shift > 0 with inv_freq [D/2]: averaged over PAIR_SHIFTS
+    position shifts o in (0, shift] of keys and queries together, at angle t_j + o * theta (the key
+    error second moments interpolated between the measured angles; see pair_transforms)."""
+    H, P = qa.shape
+    # key rounding error second moments at each measured angle: m[c] = (E[da^2], E[db^2], E[da db]) [3, J, H, P]
+    m = {c: torch.zeros(3, PAIR_ANGLES, H, P, dtype=torch.float64) for c in shrinks}
+    for j in range(PAIR_ANGLES):
+        y = pair_rotate(xf, torch.tensor(j * torch.pi / 2 / PAIR_ANGLES, dtype=torch.float64))
+        ya, yb = y[..., :P], y[..., P:]
+        for c in shrinks:
+            da = native_fake_quant((c * ya).float(), scale, fmt).double() - c * ya
+            db = native_fake_quant((c * yb).float(), scale, fmt).double() - c * yb
+            m[c][:, j] = torch.stack([(da * da).mean(0), (db * db).mean(0), (da * db).mean(0)])
+    out = {}
+    for c, mc in m.items():
+        sc = []
+        for j in range(PAIR_ANGLES):
+            t = j * torch.pi / 2 / PAIR_ANGLES
+            if inv_freq is not None and shift > 0:
+                off = (torch.arange(PAIR_SHIFTS, dtype=torch.float64) + 0.5) / PAIR_SHIFTS * shift  # [S]
+                beta = t + off[:, None, None] * inv_freq.double()[:P]  # [S, 1, P]
+                me = _error_at(mc, beta)  # [3, S, H, P]
+            else:
+                beta, me = torch.tensor(t, dtype=torch.float64), mc[:, j]
+            raa, rbb, rab = _rotate_block(qa, qb, qab, beta)  # R Q R^T for the pair (a, b) -> (a c - b s, a s + b c)
+            e = me[0] * raa + me[1] * rbb + 2 * me[2] * rab
+            sc.append(e.mean(0) if e.dim() == 3 else e)
+        out[c] = torch.stack(sc)
+    return out
+
+
+def _rotate_block(qa, qb, qab, t):
+    """The 2x2 block [[qa, qab], [qab, qb]] of a pair turned by angle t: R Q R^T, R = [[c, -s], [s, c]]."""
+    c_, s_ = torch.cos(t), torch.sin(t)
+    return (qa * c_ * c_ - 2 * qab * c_ * s_ + qb * s_ * s_, qa * s_ * s_ + 2 * qab * c_ * s_ + qb * c_ * c_,
+            (qa - qb) * c_ * s_ + qab * (c_ * c_ - s_ * s_))
+
+
+def _error_at(m: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """Key rounding error second moments at arbitrary angles beta [..., P] (broadcast against [H, P]),
+    linearly interpolated between the J measured angles k * (pi/2) / J of m [3, J, H, P]. A quarter turn
+    maps (a, b) to (-b, a): E[da^2] and E[db^2] swap and E[da db] changes sign."""
+    J = m.shape[1]
+    u = beta / (torch.pi / 2 / J)  # in grid steps
+    i0 = torch.floor(u)
+    w = u - i0
+    i0 = i0.long()
+    out = 0
+    for i, wt in ((i0, 1 - w), (i0 + 1, w)):
+        quarter, j = torch.div(i, J, rounding_mode="floor") % 2, i % J  # odd quarter turns swap
+        aa, bb, ab = (_gather(m[k], j) for k in range(3))
+        odd = quarter == 1
+        out = out + wt * torch.stack([torch.where(odd, bb, aa), torch.where(odd, aa, bb), torch.where(odd, -ab, ab)])
+    return out
+
+
+def _gather(mk: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """mk [J, H, P] at grid indices j [..., H or 1, P] -> [..., H, P]."""
+    J, H, P = mk.shape
+    j = j.expand(*j.shape[:-2], H, P)
+    flat = mk.permute(1, 2, 0).reshape(H * P, J)  # [H*P, J]
+    idx = j.reshape(-1, H * P).transpose(0, 1)  # [H*P, K]
+    return flat.gather(1, idx).transpose(0, 1).reshape(j.shape)
 
 
 def _headroom(stats: KVStats, spec: KVSpec, sk, sv, scale, n: int, info: dict) -> torch.Tensor:
