@@ -39,6 +39,22 @@ def rmsnorm_float64(self, h):
     return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def float64_model(lm: LoadedModel, mp: pytest.MonkeyPatch) -> LoadedModel:
+    """lm's model moved to float64, with float64 RMSNorm math (Llama, Qwen2, Mistral) for as long as
+    mp is active. Two paths that compute the same thing with different summation orders (one GEMM over
+    all positions vs one GEMV per decoding step) differ by ~1e-7 in float32, and by how much depends on
+    the CPU's BLAS kernels: enough to flip the rounding of a K/V element on a rounding midpoint. In
+    float64 they agree to ~1e-12 on any CPU."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm):
+        mp.setattr(cls, "forward", rmsnorm_float64)
+    lm.model.double()
+    return lm
+
+
 def fitted_book(lm: LoadedModel, **spec_kw):
     spec = KVSpec(name=spec_kw.pop("name", "test"), **spec_kw)
     stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)

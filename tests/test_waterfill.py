@@ -116,16 +116,14 @@ def test_onepass_equals_decoding_through_the_compressed_cache(name, kw):
     """Token-grouped keys in the real cache (a group encoded whole when its first token leaves the window,
     variable-width codes in one bitstream per row) give the validation path's logits, sinks before the
     groups; float64 as tests/test_rotated.py (a flipped code would exceed the tolerance)."""
-    from conftest import rmsnorm_float64, tiny_lm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from conftest import float64_model, tiny_lm
 
     lm = tiny_lm("llama")
     book = fitted_book(lm, name=name, window=32, sink_tokens=3, **kw)
-    lm.model.double()
     T = 110  # 110 - 3 - 32 = 75 compressed tokens: two whole groups of 32 and a third written ahead of its last tokens
     ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LlamaRMSNorm, "forward", rmsnorm_float64)
+        float64_model(lm, mp)
         cache = CompressedCache(book)
         dec = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(T)], 1)
         with compressed_attention(lm.model, book) as kw_:
