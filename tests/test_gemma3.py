@@ -6,14 +6,14 @@ import hashlib
 import pytest
 import torch
 
-from conftest import fitted_book, tiny_lm
+from conftest import fitted_book, float64_model, tiny_lm
 from kvcompress.config import ModelConfig
 from kvcompress.errors import UserError
 from kvcompress.models.gguf import join_parts
 from kvcompress.reference import spec_cache_nbytes
 from kvcompress.spec import KVSpec, LayerFormat
 from kvcompress.stages.profile import rope_inv_freq
-from test_eval_equivalence import TOL, decode_logits, onepass_logits
+from test_eval_equivalence import TOL, decode_logits, onepass_logits, with_spec
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,17 @@ def test_geometry_reads_sliding_layers_and_per_layer_rope(gemma):
     assert g.stored_tokens(0, 100) == 16 and g.stored_tokens(2, 100) == 100 and g.stored_tokens(0, 10) == 10
 
 
-def test_onepass_equals_decode_with_sliding_layers(gemma):
-    book = fitted_book(gemma, window=5, sink_tokens=2, outlier_channels=1)
+def test_onepass_equals_decode_with_sliding_layers():
+    """In float64, as the other one-pass vs decode tests (conftest.float64_model); a fresh model, since it is converted."""
+    lm = tiny_lm("gemma3", layers=3, heads=4, kv_heads=1, head_dim=32)
+    book = fitted_book(lm, window=5, sink_tokens=2, outlier_channels=1)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))  # 40 > window 16
-    dec, _ = decode_logits(gemma.model, book, ids)
-    torch.testing.assert_close(onepass_logits(gemma.model, book, ids), dec, **TOL)
+    with pytest.MonkeyPatch.context() as mp:
+        float64_model(lm, mp)
+        dec, _ = decode_logits(lm.model, book, ids)
+        torch.testing.assert_close(onepass_logits(lm.model, book, ids), dec, **TOL)
+        off_by_one = onepass_logits(lm.model, with_spec(book, window=6), ids)
+        assert float((off_by_one - dec).abs().max()) > 1e-3
 
 
 def test_self_check_passes_and_the_window_matters(gemma):
