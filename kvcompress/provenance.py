@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import platform
 import functools
 import subprocess
@@ -36,10 +37,29 @@ def git_sha() -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def machine() -> dict:
+    """The CPU a run computed on: float32 GEMMs round differently across CPUs (PyTorch picks kernels by
+    the instruction set), which moves rounding ties of the quantized K/V and so the metrics' last digits."""
+    import torch
+
+    name = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"arch": platform.machine(), "cpu": name or platform.processor() or None, "cores": os.cpu_count(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def base_provenance() -> dict:
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": package_versions(),
         "python": platform.python_version(),
         "git_sha": git_sha(),
+        "machine": machine(),
     }
