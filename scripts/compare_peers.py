@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--eval", default="default", help="eval preset of part 1 (its held-out windows)")
     ap.add_argument("--pair-context", type=int, default=0, help="part 1 also scores native_fp8 with kv.pair_context set to this (0: not)")
     a = ap.parse_args()
+    if a.pair_context < 0:
+        ap.error(f"--pair-context {a.pair_context}: allowed: 0 (no extra row) or a context > 0")
     mcfg = model_config(a.model)
     calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())

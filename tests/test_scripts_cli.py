@@ -14,6 +14,7 @@ BAD = [
     (["scripts/compare_peers.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
     (["scripts/bench_profile.py", "--calib", "nope"], "calib preset 'nope' does not exist; allowed: default,"),
     (["scripts/bench_onepass_vs_decode.py", "--kv", "nope"], "kv preset 'nope' does not exist; allowed: auto, fp16,"),
+    (["scripts/compare_peers.py", "--pair-context", "-1"], "--pair-context -1: allowed: 0 (no extra row) or a context > 0"),
     (["scripts/pair_fold_anatomy.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
     (["scripts/pair_fold_anatomy.py", "--pair-context", "0"], "--pair-context 0: allowed: a context > 0"),
 ]
