@@ -165,3 +165,22 @@ def test_softcapping_models_are_refused_before_any_work():
     lm.model.config.attn_logit_softcapping = 50.0
     with pytest.raises(UserError, match="soft-caps attention logits"):
         check_supported(lm.model, "tiny")
+
+
+def test_a_model_that_drops_the_attention_keywords_is_a_clear_error():
+    """Some modeling code (transformers' StableLM) calls the attention interface without the forward's
+    keywords: the evaluation context never arrives. One line naming the module, not a traceback."""
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    from kvcompress.errors import UserError
+    from kvcompress.models.base import Geometry, LoadedModel
+    from kvcompress.models.tokenizer import ByteTokenizer
+    from kvcompress.stages.validate import self_check
+
+    cfg = StableLmConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    lm = LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": "tiny_stablelm"})
+    with pytest.raises(UserError) as e:
+        self_check(lm, torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)), "tiny_stablelm")
+    assert "StableLmAttention does not pass the forward's keyword arguments" in str(e.value) and "\n" not in str(e.value)

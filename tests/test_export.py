@@ -156,6 +156,40 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
         sys.modules.pop("build_engine", None)
 
 
+def test_a_mistral_model_exports_as_the_llama_checkpoint_it_is(tmp_path):
+    """A Mistral model without a sliding window is a Llama forward: it exports (TensorRT-LLM maps
+    MistralForCausalLM to its Llama class), the written checkpoints re-measure like validate, and the
+    manifest names both architectures."""
+    p, run = _export_run(tmp_path, "model.tiny.arch=mistral", "kv=native_int8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    trt = manifest["artifacts"]["trtllm_ckpt"]
+    assert trt["architecture"] == {"source": "MistralForCausalLM", "written": "LlamaForCausalLM"}
+    assert json.loads((run / "export" / "trtllm_ckpt" / "tp2" / "config.json").read_text())["architecture"] == "LlamaForCausalLM"
+    assert trt["remeasured"]["passed"] and manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
+    assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
+
+
+def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
+    from kvcompress.errors import UserError
+    from kvcompress.models.tiny import build_tiny
+    from kvcompress.stages.export import check_exportable
+
+    mistral = build_tiny("mistral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, max_position=4096)
+    check_exportable(mistral)  # sliding_window None
+    mistral.config.sliding_window = 4096  # a window as long as the context changes nothing
+    check_exportable(mistral)
+    mistral.config.sliding_window = 1024
+    with pytest.raises(UserError, match="sliding_window=1024 < max_position_embeddings=4096: add export=none"):
+        check_exportable(mistral)
+    llama = build_tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    llama.config.hidden_act = "gelu"
+    with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
+        check_exportable(llama)
+    with pytest.raises(UserError, match="this model is Qwen2ForCausalLM"):
+        check_exportable(build_tiny("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+
+
 def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, monkeypatch):
     """One layer's kv_cache_scaling_factor 8x too small in the written checkpoint (its K/V saturate):
     the re-measurement no longer matches what validate measured, the export fails with one line

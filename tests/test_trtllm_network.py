@@ -48,6 +48,16 @@ def test_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
 
 
+def test_network_graph_of_a_mistral_model_decodes_like_the_validated_cache(tmp_path):
+    """export takes MistralForCausalLM (no sliding window): the custom-tier graph reads its HF directory as Llama's."""
+    lm = tiny_lm("mistral")
+    assert type(lm.model).__name__ == "MistralForCausalLM"
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    res = no.check_network(bundle, hf, lm.model, book, lm.tokenizer.encode("The plugin owns its cache.")[:12], max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+
+
 def test_a_wrong_rope_convention_is_caught(tmp_path):
     """Negative: the check is not vacuous -- the graph with a reversed RoPE frequency table (a wiring
     error an engine could ship) is separated from fp16 rounding by more than 10x in KL, on the same

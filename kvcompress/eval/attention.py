@@ -151,8 +151,9 @@ def _count_clips(ctx: EvalContext, layer: int, k_hp: torch.Tensor, v_hp: torch.T
 def _eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # query: [B, Hq, T, D]; key, value: [B, Hkv, S, D] post-RoPE (S == T: one teacher-forced pass)
     ctx: EvalContext | None = kwargs.pop("kvc_ctx", None)
-    if ctx is None:
-        raise RuntimeError("kvcompress_eval attention called without kvc_ctx (use compressed_attention)")
+    if ctx is None:  # compressed_attention passes it through the model's forward; some modeling code drops the keywords
+        raise UserError(f"validate: {type(module).__name__} does not pass the forward's keyword arguments to transformers' attention "
+                        "interface, so the evaluation context never reaches it; kvcompress cannot evaluate this model")
     if kwargs.get("softcap") is not None:
         raise UserError("validate: this model soft-caps attention logits, which the evaluation does not simulate")
     layer = module.layer_idx

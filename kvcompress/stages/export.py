@@ -44,15 +44,24 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
-SUPPORTED_ARCH = ("LlamaForCausalLM",)
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
 FORMAT_VERSION = 2
 
 
 def check_exportable(model) -> None:
-    """export=trtllm writes Llama-family checkpoints only: say so before profiling, not after validating."""
-    arch = type(model).__name__
+    """export=trtllm writes Llama-family checkpoints only: say so before profiling, not after validating.
+    A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
+    the Llama checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class)."""
+    arch, cfg = type(model).__name__, model.config
     if arch not in SUPPORTED_ARCH:
         raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
+    window, positions = getattr(cfg, "sliding_window", None), getattr(cfg, "max_position_embeddings", None)
+    if window is not None and (positions is None or window < positions):
+        raise UserError(f"export=trtllm writes Llama checkpoints, which have no attention window; this {arch} has sliding_window={window} "
+                        f"< max_position_embeddings={positions}: add export=none to profile, fit and validate it")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")
 
 
 def engine_status(policy: str) -> tuple[bool, str]:
@@ -417,6 +426,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
         "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": trt_guard, "remeasured": c_trt,
+        "architecture": {"source": type(lm.model).__name__, "written": "LlamaForCausalLM"},
     }
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "

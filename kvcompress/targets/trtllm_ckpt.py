@@ -53,7 +53,7 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
     if scaling is not None:
         scaling["type"] = rope["rope_type"]
     return {
-        "architecture": "LlamaForCausalLM",
+        "architecture": "LlamaForCausalLM",  # also for a Mistral model without a sliding window (export.check_exportable): the same forward
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": geom.vocab_size,
