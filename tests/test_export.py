@@ -156,18 +156,59 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
         sys.modules.pop("build_engine", None)
 
 
-def test_a_mistral_model_exports_as_the_llama_checkpoint_it_is(tmp_path):
-    """A Mistral model without a sliding window is a Llama forward: it exports (TensorRT-LLM maps
-    MistralForCausalLM to its Llama class), the written checkpoints re-measure like validate, and the
-    manifest names both architectures."""
-    p, run = _export_run(tmp_path, "model.tiny.arch=mistral", "kv=native_int8")
+@pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM")])
+def test_mistral_and_qwen2_models_export_and_remeasure(tmp_path, arch, source, written):
+    """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
+    MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
+    Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. The written checkpoints
+    re-measure like validate (the reader adds the biases), and the manifest names both architectures."""
+    p, run = _export_run(tmp_path, f"model.tiny.arch={arch}", "kv=native_int8")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     trt = manifest["artifacts"]["trtllm_ckpt"]
-    assert trt["architecture"] == {"source": "MistralForCausalLM", "written": "LlamaForCausalLM"}
-    assert json.loads((run / "export" / "trtllm_ckpt" / "tp2" / "config.json").read_text())["architecture"] == "LlamaForCausalLM"
+    assert trt["architecture"] == {"source": source, "written": written}
+    cfg = json.loads((run / "export" / "trtllm_ckpt" / "tp2" / "config.json").read_text())
+    assert cfg["architecture"] == written and cfg["attn_bias"] == (arch == "qwen2") and cfg.get("qwen_type") == ("qwen2" if arch == "qwen2" else None)
+    from safetensors import safe_open
+
+    with safe_open(str(run / "export" / "trtllm_ckpt" / "tp1" / "rank0.safetensors"), "pt") as f:
+        assert ("transformer.layers.0.attention.qkv.bias" in f.keys()) == (arch == "qwen2")
     assert trt["remeasured"]["passed"] and manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
+
+
+def test_a_qwen2_checkpoint_directory_exports_in_memory_and_streamed(tmp_path):
+    """A Qwen2 Hugging Face directory with non-zero q/k/v biases, run as a user would (model.path), in memory
+    and streamed: every export check passes, including the custom-tier graph (it runs for an HF directory
+    in memory) and the streamed re-measure through transformers' Qwen2."""
+    from kvcompress.models.synthetic import byte_tokenizer
+    from kvcompress.models.tiny import build_tiny
+
+    model = build_tiny("qwen2", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for layer in model.model.layers:
+            for n in "qkv":
+                b = getattr(layer.self_attn, f"{n}_proj").bias
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    ckpt = tmp_path / "qwen2"
+    model.save_pretrained(str(ckpt))
+    byte_tokenizer().save_pretrained(str(ckpt))
+    for streaming in ("false", "true"):
+        run = tmp_path / f"run_{streaming}"
+        p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=qwen2_dir", "model.device=cpu", "model.dtype=float32",
+                    f"model.streaming={streaming}", "calib=smoke", "eval=smoke", "export.archs=[sm_90]", f"hydra.run.dir={run}",
+                    cache_dir=tmp_path / "cache", timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        manifest = json.loads((run / "export" / "manifest.json").read_text())
+        checks = {c["check"]: c for c in manifest["checks"]}
+        assert all(c["status"] == "passed" for c in checks.values() if "network graph" not in c["check"]), checks
+        net = next(c for n, c in checks.items() if "network graph" in n)
+        assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
+        if streaming == "true":
+            assert any("into transformers' Qwen2ForCausalLM" in n for n in checks)
+        assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == "Qwen2ForCausalLM"
 
 
 def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
@@ -186,8 +227,13 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     llama.config.hidden_act = "gelu"
     with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
         check_exportable(llama)
-    with pytest.raises(UserError, match="this model is Qwen2ForCausalLM"):
-        check_exportable(build_tiny("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    qwen2 = build_tiny("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    check_exportable(qwen2)
+    qwen2.config.layer_types = ["sliding_attention"]  # Qwen2's use_sliding_window
+    with pytest.raises(UserError, match="add export=none"):
+        check_exportable(qwen2)
+    with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
+        check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 
 
 def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, monkeypatch):

@@ -48,14 +48,27 @@ def test_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
 
 
-def test_network_graph_of_a_mistral_model_decodes_like_the_validated_cache(tmp_path):
-    """export takes MistralForCausalLM (no sliding window): the custom-tier graph reads its HF directory as Llama's."""
-    lm = tiny_lm("mistral")
-    assert type(lm.model).__name__ == "MistralForCausalLM"
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_network_graph_of_mistral_and_qwen2_decodes_like_the_validated_cache(tmp_path, monkeypatch, arch):
+    """export takes MistralForCausalLM (no sliding window) and Qwen2ForCausalLM: the custom-tier graph reads
+    their HF directories (Qwen2's q/k/v biases added after the projections). Negative: the same graph with
+    the biases dropped is far outside the tolerance."""
+    lm = tiny_lm(arch)
+    if arch == "qwen2":
+        assert lm.model.model.layers[0].self_attn.k_proj.bias is not None
+        with torch.no_grad():  # random-init biases are zero: make them matter
+            for layer in lm.model.model.layers:
+                for n in "qkv":
+                    getattr(layer.self_attn, f"{n}_proj").bias.normal_(0.0, 0.5)
     book = fitted_book(lm, **SPEC)
     bundle, hf = _bundle(tmp_path, lm, book)
-    res = no.check_network(bundle, hf, lm.model, book, lm.tokenizer.encode("The plugin owns its cache.")[:12], max_new_tokens=8)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    if arch == "qwen2":
+        monkeypatch.setattr(tn, "_proj", lambda g, h, W, i, n: g.matmul(h, g.const(W[f"{i}.w{n}"]), transpose_b=True))
+        dropped = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+        assert dropped["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (dropped["kl_mean"], res["kl_mean"])
 
 
 def test_a_wrong_rope_convention_is_caught(tmp_path):

@@ -40,24 +40,26 @@ from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
 from kvcompress.targets.hf_ckpt import HFWriter
-from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp
+from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, trtllm_architecture
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
-SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FORMAT_VERSION = 2
 
 
 def check_exportable(model) -> None:
-    """export=trtllm writes Llama-family checkpoints only: say so before profiling, not after validating.
+    """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
-    the Llama checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class)."""
+    the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Qwen2 is the
+    Llama layer with q/k/v biases (TensorRT-LLM's QWen class, the same tensor names)."""
     arch, cfg = type(model).__name__, model.config
     if arch not in SUPPORTED_ARCH:
         raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
     window, positions = getattr(cfg, "sliding_window", None), getattr(cfg, "max_position_embeddings", None)
-    if window is not None and (positions is None or window < positions):
-        raise UserError(f"export=trtllm writes Llama checkpoints, which have no attention window; this {arch} has sliding_window={window} "
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if sliding or (window is not None and (positions is None or window < positions)):
+        raise UserError(f"export=trtllm writes checkpoints without an attention window; this {arch} has sliding_window={window} "
                         f"< max_position_embeddings={positions}: add export=none to profile, fit and validate it")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -403,7 +405,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
     bs, g = cfg.eval.batch_size, books["primary"].geometry
     streamed = lm.streamer is not None  # a model that does not fit is re-measured layer by layer, never loaded whole
-    how = "streamed layer by layer into transformers' Llama" if streamed else "reader"
+    how = f"streamed layer by layer into transformers' {type(lm.model).__name__}" if streamed else "reader"
     v_trt = _validated(report, trt_book.spec.name)
     m_trt = recheck.remeasure_trtllm_streamed(tp_dirs[0], lm.model.config, g, windows, base, bs, lm.device) if streamed \
         else recheck.remeasure_trtllm(tp_dirs[0], windows, base, bs)
@@ -426,7 +428,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
         "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": trt_guard, "remeasured": c_trt,
-        "architecture": {"source": type(lm.model).__name__, "written": "LlamaForCausalLM"},
+        "architecture": {"source": type(lm.model).__name__, "written": trtllm_architecture(lm.model.config)},
     }
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "

@@ -47,13 +47,20 @@ def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
     return w.unflatten(0, (nkv, -1)).repeat_interleave(tp // nkv, dim=0).flatten(0, 1)
 
 
+def trtllm_architecture(hf_cfg) -> str:
+    """The checkpoint's `architecture`: Qwen2 keeps its own (TensorRT-LLM's QWen class, qwen_type qwen2: the
+    Llama layer with q/k/v biases, the same tensor names); Llama and Mistral without a sliding window
+    (export.check_exportable) are written as Llama, the same forward."""
+    return "Qwen2ForCausalLM" if getattr(hf_cfg, "model_type", None) == "qwen2" else "LlamaForCausalLM"
+
+
 def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")} if rope.get("rope_type", "default") != "default" else None
     if scaling is not None:
         scaling["type"] = rope["rope_type"]
-    return {
-        "architecture": "LlamaForCausalLM",  # also for a Mistral model without a sliding window (export.check_exportable): the same forward
+    cfg = {
+        "architecture": trtllm_architecture(hf_cfg),
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": geom.vocab_size,
@@ -75,6 +82,9 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
     }
+    if cfg["architecture"] == "Qwen2ForCausalLM":  # QWenConfig's fields (tensorrt_llm/models/qwen/config.py): q/k/v biases, no dense bias
+        cfg |= {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
+    return cfg
 
 
 def rank_weights(state: dict[str, torch.Tensor], geom, tp: int, rank: int, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:

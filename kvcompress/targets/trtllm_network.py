@@ -133,7 +133,8 @@ def load_spec(bundle: Path) -> dict:
 
 
 def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
-    """The Llama weights of an HF directory (*.safetensors) as fp16 numpy arrays under short names."""
+    """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases) as fp16
+    numpy arrays under short names."""
     import torch  # bf16 checkpoints: numpy cannot read them
     from safetensors.torch import load_file
 
@@ -159,8 +160,11 @@ def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
               f"{i}.wq": get(t + "self_attn.q_proj.weight"), f"{i}.wk": get(t + "self_attn.k_proj.weight"),
               f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight"),
               f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
-        if any(f"{t}self_attn.{n}_proj.bias" in raw for n in "qkvo"):
-            raise ValueError(f"{hf_dir}: attention biases are not in this network (Llama without biases only)")
+        if f"{t}self_attn.o_proj.bias" in raw:
+            raise ValueError(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2)")
+        for n in "qkv":  # Qwen2's q/k/v biases (folded with the weights)
+            if f"{t}self_attn.{n}_proj.bias" in raw:
+                w[f"{i}.b{n}"] = get(f"{t}self_attn.{n}_proj.bias")[None]
     return w
 
 
@@ -187,6 +191,12 @@ def _rope(g, x, cos, sin, R):
     return g.cast(g.add(g.mul(x32, cos), g.mul(g.matmul(x32, R), sin)), "float16")
 
 
+def _proj(g, h, W, i: int, n: str):
+    """h @ W_n^T (+ the bias where the checkpoint has one: Qwen2's q/k/v), fp16."""
+    y = g.matmul(h, g.const(W[f"{i}.w{n}"]), transpose_b=True)
+    return g.add(y, g.const(W[f"{i}.b{n}"])) if f"{i}.b{n}" in W else y
+
+
 def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
     """One generation step: ids [B] int32, lens [B] int32 (tokens cached before this one), past[layer] =
     the layer's cache buffers (cache_names). Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
@@ -204,9 +214,10 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         v = layer_variant(spec, i)
         ns = v.get("namespace", NAMESPACE)
         h = _rms_norm(g, x, W[f"{i}.ln1"], eps)
-        q = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wq"]), transpose_b=True), (0, H, D)), cos, sin, R)
-        k = _rope(g, g.reshape(g.matmul(h, g.const(W[f"{i}.wk"]), transpose_b=True), (0, HKV, D)), cos, sin, R)
-        vv = g.reshape(g.matmul(h, g.const(W[f"{i}.wv"]), transpose_b=True), (0, HKV, D))
+        q, k, vv = (_proj(g, h, W, i, n) for n in "qkv")
+        q = _rope(g, g.reshape(q, (0, H, D)), cos, sin, R)
+        k = _rope(g, g.reshape(k, (0, HKV, D)), cos, sin, R)
+        vv = g.reshape(vv, (0, HKV, D))
         if grouped(v):  # the per-channel key widths and their bit offsets (plugin_params k_bits, k_offsets)
             wr = rd = [g.const(P[n][i]) for n in ("k_bits", "k_offsets")]
         elif per_token(v):  # no key parameters; the decode also reads the query in the keys' basis (plugin_params q_rotation)
