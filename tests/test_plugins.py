@@ -336,3 +336,46 @@ def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(
 def test_per_token_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     """The per-token kit's goldens are what kv_append_rot / decode_split_rot compute (interpreter)."""
     _kit_agrees_with_the_kernels(_per_token_kit(tmp_path))
+
+
+@needs_trt
+@pytest.mark.skipif(not __import__("shutil").which("cmake"), reason="cmake not on PATH")
+def test_cmake_builds_one_library_of_every_family(tmp_path):
+    """plugins/CMakeLists.txt (what a GPU host builds with) for a static, a grouped and a per-token variant in one
+    library: each family's launch symbols are bound and defined, each variant in its own namespace. TensorRT's
+    and driver libraries are stubs here (empty libnvinfer.so, libcuda.so): their symbols stay undefined until load time, as with
+    plugin_lib."""
+    import json
+    import shutil
+
+    names = ["d64_g3_int8k_int4v", "d64_g3_wf4", "d128_g8_rot8k_int4v"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    vs = json.dumps([{"name": n, **VARIANTS[n]} for n in names])
+    k = tmp_path / "k"
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(k), "--variant-json", vs],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    launchers.generate(k)
+    root = tmp_path / "trt"
+    (root / "lib").mkdir(parents=True)
+    shutil.copytree(TRT, root / "include")
+    (tmp_path / "empty.c").write_text("")
+    for stub in ("libnvinfer.so", "libcuda.so"):  # TensorRT's library and the CUDA driver: stubs (no GPU stack here)
+        subprocess.run(["gcc", "-shared", "-o", str(root / "lib" / stub), str(tmp_path / "empty.c")], check=True)
+    src = Path(__file__).resolve().parents[1] / "plugins"
+    for argv in (["cmake", "-S", str(src), "-B", str(tmp_path / "build"), f"-DTENSORRT_ROOT={root}", f"-DKVC_KERNELS={k}", f"-DKVC_VARIANTS={';'.join(names)}",
+                  f"-DCUDA_cuda_driver_LIBRARY={root / 'lib' / 'libcuda.so'}"],
+                 ["cmake", "--build", str(tmp_path / "build"), "-j", "2"]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    lib = tmp_path / "build" / "libkvcompress_trt.so"
+    defined = set(defined_symbols(lib))
+    for n in names:
+        fam = "_grp" if "key_group_tokens" in VARIANTS[n] else "_rot" if "key_group" in VARIANTS[n] else ""
+        assert {f"kvc_decode_split{fam}_{n}_launch", f"kvc_decode_reduce_{n}_launch", f"kvc_kv_append{fam}_{n}_launch"} <= defined
+    undefined = {s.split("@")[0] for s in undefined_symbols(lib)}
+    assert not {s for s in undefined if s.startswith("kvc_")}, undefined  # every launcher the plugins call is in the library
+    text = subprocess.run(["strings", str(lib)], capture_output=True, text=True).stdout
+    assert all(f"kvcompress.{n}" in text for n in names)
+    demangled = subprocess.run(["nm", "-C", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    assert all(f"kvc_{n}::" in demangled for n in names)
