@@ -55,8 +55,9 @@ class ValueSpec(Frozen):
     bits: Literal[4, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
-    # symmetric=True or rotate=hadamard: Triton kernels with per-token or token-grouped keys only (scale = amax / (2**(bits-1) - 1), no min;
-    # v @ H per head before quantizing, undone after attention)
+    # symmetric=True: Triton kernels with per-token or token-grouped keys only (scale = amax / (2**(bits-1) - 1), no min).
+    # rotate=hadamard: v @ H per head before quantizing, undone after attention; beside static per-channel keys
+    # (int8k_int4v, asymmetric values, fp16 min) it ships folded into the weights (value_rotation_folded)
     symmetric: bool = False
     rotate: Literal["none", "hadamard"] = "none"
     # "code" (asymmetric values, per-token keys only): each group's min is a uint8 code, -w * scale / 16 for
@@ -166,7 +167,7 @@ class KVSpec(Frozen):
         if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
             raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
                              f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
-        if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
+        if (self.validate_only or self.key.group_tokens or self.token_keys or self.value_rotation_folded) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
                              f"need format=kvcompress without kv.layers")
         if self.pair_context and not self.pairs_folded:
@@ -186,9 +187,18 @@ class KVSpec(Frozen):
         kv=rot8k_int4v) and the grouped family (kv=wf4) ship; rotated or symmetric values beside static
         per-channel keys do not (no kernel reads them)."""
         why = []
-        if self.rotated_values and not (self.key.group_tokens or self.token_keys):
+        if self.rotated_values and not (self.key.group_tokens or self.token_keys or self.value_rotation_folded):
             why.append(f"values symmetric={self.value.symmetric} rotate={self.value.rotate} min={self.value.min}")
         return ", ".join(why)
+
+    @property
+    def value_rotation_folded(self) -> bool:
+        """Hadamard-rotated asymmetric values (fp16 min) beside static per-channel keys: the custom tier ships the
+        rotation folded into the weights (W_v' = H W_v and its bias per kv head, W_o' = W_o H per query head:
+        exact, H orthogonal and symmetric), so the static-family kernels, which quantize whatever values they
+        are given with reference.encode_values, store encode_values(v H) as validate simulates."""
+        return (self.value.rotate != "none" and not self.value.symmetric and self.value.min == "fp16" and not self.is_native
+                and not (self.token_keys or self.key.group_tokens))
 
     @property
     def token_keys(self) -> bool:

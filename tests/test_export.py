@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,29 +178,55 @@ def test_mistral_and_qwen2_models_export_and_remeasure(tmp_path, arch, source, w
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
 
 
-def test_a_qwen2_checkpoint_directory_exports_in_memory_and_streamed(tmp_path):
-    """A Qwen2 Hugging Face directory with non-zero q/k/v biases, run as a user would (model.path), in memory
-    and streamed: every export check passes, including the custom-tier graph (it runs for an HF directory
-    in memory) and the streamed re-measure through transformers' Qwen2."""
+def _hf_dir(tmp_path, arch: str) -> Path:
+    """A tiny model of `arch` saved as a Hugging Face directory with a byte tokenizer (model.path runs);
+    Qwen2's q/k/v biases non-zero."""
     from kvcompress.models.synthetic import byte_tokenizer
     from kvcompress.models.tiny import build_tiny
 
-    model = build_tiny("qwen2", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    model = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for layer in model.model.layers:
             for n in "qkv":
                 b = getattr(layer.self_attn, f"{n}_proj").bias
-                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    ckpt = tmp_path / "qwen2"
+                if b is not None:
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    model.config.architectures = [type(model).__name__]
+    ckpt = tmp_path / arch
     model.save_pretrained(str(ckpt))
     byte_tokenizer().save_pretrained(str(ckpt))
+    return ckpt
+
+
+def _dir_run(tmp_path, ckpt: Path, name: str, *extra):
+    run = tmp_path / name
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=hf_dir", "model.device=cpu", "model.dtype=float32",
+                "calib=smoke", "eval=smoke", "export.archs=[sm_90]", *extra, f"hydra.run.dir={run}", cache_dir=tmp_path / "cache", timeout=600)
+    return p, run
+
+
+def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_path):
+    """kv=int8k_int4v kv.value.rotate=hadamard exports (no longer a comparison format): network.json carries the
+    rotation, the manifest says where it lives, and the custom-tier graph with the folded W_v/W_o decodes like
+    the validated cache (an HF directory in memory, so the check runs)."""
+    p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama"), "run", "kv.value.rotate=hadamard")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert "folded into W_v and W_o" in manifest["artifacts"]["plugin_bundle"]["value_rotation"]
+    assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["value_rotation"] == "hadamard"
+    net = next(c for c in manifest["checks"] if "network graph" in c["check"])
+    assert net["status"] == "passed" and net["detail"]["crossed_into_store"], net
+    assert all(c["status"] == "passed" for c in manifest["checks"])
+
+
+def test_a_qwen2_checkpoint_directory_exports_in_memory_and_streamed(tmp_path):
+    """A Qwen2 Hugging Face directory with non-zero q/k/v biases, run as a user would (model.path), in memory
+    and streamed: every export check passes, including the custom-tier graph (it runs for an HF directory
+    in memory) and the streamed re-measure through transformers' Qwen2."""
+    ckpt = _hf_dir(tmp_path, "qwen2")
     for streaming in ("false", "true"):
-        run = tmp_path / f"run_{streaming}"
-        p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=qwen2_dir", "model.device=cpu", "model.dtype=float32",
-                    f"model.streaming={streaming}", "calib=smoke", "eval=smoke", "export.archs=[sm_90]", f"hydra.run.dir={run}",
-                    cache_dir=tmp_path / "cache", timeout=600)
+        p, run = _dir_run(tmp_path, ckpt, f"run_{streaming}", f"model.streaming={streaming}")
         assert p.returncode == 0, p.stderr[-3000:]
         manifest = json.loads((run / "export" / "manifest.json").read_text())
         checks = {c["check"]: c for c in manifest["checks"]}

@@ -106,9 +106,13 @@ def test_refusals(tmp_path):
         KVSpec(name="x", key={"bits": 4, "granularity": "token", "symmetric": False})
     with pytest.raises(ValidationError, match="kv.value.min=code .* got symmetric=False, granularity=channel"):
         KVSpec(name="x", value={"min": "code"})
-    # rotated values beside static per-channel keys: validated, but no kernel family reads them
-    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=int8k_int4v", "+kv.value.rotate=hadamard", cache_dir=tmp_path / "c")
+    # symmetric rotated values beside static per-channel keys: validated, but no kernel family reads them (asymmetric
+    # rotated values with an fp16 min ship, the rotation folded into W_v/W_o: tests/test_trtllm_network.py)
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=int8k_int4v", "kv.value.rotate=hadamard", "kv.value.symmetric=true",
+                cache_dir=tmp_path / "c")
     assert r.returncode != 0 and "validated but never shipped: add export=none" in r.stderr and "Traceback" not in r.stderr
+    assert KVSpec(name="x", value={"rotate": "hadamard"}).value_rotation_folded
+    assert not KVSpec(name="x", value={"rotate": "hadamard", "symmetric": True}).value_rotation_folded
 
 
 @pytest.mark.slow

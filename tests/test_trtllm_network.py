@@ -71,6 +71,35 @@ def test_network_graph_of_mistral_and_qwen2_decodes_like_the_validated_cache(tmp
         assert dropped["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (dropped["kl_mean"], res["kl_mean"])
 
 
+def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache(tmp_path, monkeypatch):
+    """int8k_int4v with kv.value.rotate=hadamard: the static-family plugins store whatever values the graph gives
+    them, and the graph's W_v/W_o carry the rotation (network.json value_rotation): it decodes like
+    CompressedCache, which rotates the values itself. Negatives: the same bundle without the fold (the plugins
+    then quantize unrotated values: another format's error, > 10x), and a fold of W_v without W_o (a wiring
+    error: another model, > 100x)."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **(SPEC | {"value": {**SPEC["value"], "rotate": "hadamard"}}))
+    assert book.spec.value_rotation_folded and not book.spec.validate_only
+    bundle, hf = _bundle(tmp_path, lm, book)
+    assert tn.load_spec(bundle)["value_rotation"] == "hadamard"
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    unfolded, _ = _bundle(tmp_path / "unfolded", lm, book, {"value_rotation": "none"})
+    other = no.check_network(unfolded, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert other["kl_mean"] > 10 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])
+    real = tn._fold_value_rotation
+
+    def without_wo(w, raw, t, i, a, how):
+        wo = w[f"{i}.wo"]
+        real(w, raw, t, i, a, how)
+        w[f"{i}.wo"] = wo
+
+    monkeypatch.setattr(tn, "_fold_value_rotation", without_wo)
+    wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
+
+
 def test_a_wrong_rope_convention_is_caught(tmp_path):
     """Negative: the check is not vacuous -- the graph with a reversed RoPE frequency table (a wiring
     error an engine could ship) is separated from fp16 rounding by more than 10x in KL, on the same

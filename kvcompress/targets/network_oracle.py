@@ -124,6 +124,8 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
         **({"layers": [{**_variant_fields(v), "namespace": v["namespace"]} for v in layers]} if layers else {}),
         "splits": splits,
         "format": book.spec.name,
+        # int8k_int4v with kv.value.rotate=hadamard: the values' rotation lives in W_v/W_o (load_hf_weights folds it)
+        "value_rotation": book.spec.value.rotate if book.spec.value_rotation_folded else "none",
         "weights": {"hf_dir": identity.get("weights_cache") or identity.get("path"), "identity": identity},
     }
 

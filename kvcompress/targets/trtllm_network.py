@@ -165,7 +165,27 @@ def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
         for n in "qkv":  # Qwen2's q/k/v biases (folded with the weights)
             if f"{t}self_attn.{n}_proj.bias" in raw:
                 w[f"{i}.b{n}"] = get(f"{t}self_attn.{n}_proj.bias")[None]
+        if spec.get("value_rotation", "none") != "none":
+            _fold_value_rotation(w, raw, t, i, a, spec["value_rotation"])
     return w
+
+
+def _fold_value_rotation(w: dict, raw: dict, t: str, i: int, a: dict, how: str) -> None:
+    """The values' rotation folded into the weights (kv.value.rotate beside static keys): each kv head's v = x W_v^T
+    becomes v H (rows of W_v and the bias mixed by H), and W_o's columns of each query head are mixed by H, so
+    o = (attn H) (W_o H)^T = attn W_o^T: the same output, the cache holding the rotated values. From the
+    checkpoint's weights in float32 (reference.rotate's H), rounded to fp16 once."""
+    import torch
+
+    from kvcompress.reference import rotate
+
+    D, HKV = a["head_dim"], a["n_kv_heads"]
+    wv = raw[f"{t}self_attn.v_proj.weight"].float()  # [HKV*D, hidden]: rotate each head's D output rows
+    w[f"{i}.wv"] = rotate(wv.T.reshape(-1, HKV, D), how).reshape(wv.shape[1], -1).T.to(torch.float16).numpy()
+    if f"{t}self_attn.v_proj.bias" in raw:
+        w[f"{i}.bv"] = rotate(raw[f"{t}self_attn.v_proj.bias"].float().reshape(HKV, D), how).reshape(1, -1).to(torch.float16).numpy()
+    wo = raw[f"{t}self_attn.o_proj.weight"].float()  # [hidden, H*D]: each query head's D input columns
+    w[f"{i}.wo"] = rotate(wo.reshape(wo.shape[0], -1, D), how).reshape(wo.shape).to(torch.float16).numpy()
 
 
 def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
