@@ -81,7 +81,7 @@ def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache
     book = fitted_book(lm, **(SPEC | {"value": {**SPEC["value"], "rotate": "hadamard"}}))
     assert book.spec.value_rotation_folded and not book.spec.validate_only
     bundle, hf = _bundle(tmp_path, lm, book)
-    assert tn.load_spec(bundle)["value_rotation"] == "hadamard"
+    assert tn.load_spec(bundle)["value_rotation"] == "hadamard" and tn.load_plugin_params(bundle)["v_rotation"].shape == (32, 32)
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
     res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
@@ -90,9 +90,9 @@ def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache
     assert other["kl_mean"] > 10 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])
     real = tn._fold_value_rotation
 
-    def without_wo(w, raw, t, i, a, how):
+    def without_wo(w, raw, t, i, a, R):
         wo = w[f"{i}.wo"]
-        real(w, raw, t, i, a, how)
+        real(w, raw, t, i, a, R)
         w[f"{i}.wo"] = wo
 
     monkeypatch.setattr(tn, "_fold_value_rotation", without_wo)

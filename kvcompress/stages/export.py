@@ -396,7 +396,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         pb = artifacts["plugin_bundle"]
         if primary.spec.value_rotation_folded:
             pb["value_rotation"] = (f"{primary.spec.value.rotate}, folded into W_v and W_o per head by trtllm_network.load_hf_weights "
-                                    "(network.json value_rotation); the kernels store the rotated values")
+                                    "(network.json value_rotation, plugin_params v_rotation); the kernels store the rotated values")
         layers = [pb["variants"][n] for n in pb["layer_variants"]] if "layer_variants" in pb else None
         pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 

@@ -93,8 +93,11 @@ def plugin_params(book) -> dict[str, np.ndarray]:
     per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
     n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
     idx = [torch.nn.functional.pad(p[3], (0, n_out - p[3].shape[-1])) for p in per]
-    return {"k_scale": torch.stack([p[0] for p in per]).numpy(), "k_zero": torch.stack([p[1] for p in per]).numpy(),
-            "k_zero_masked": torch.stack([p[2] for p in per]).numpy(), "outlier_idx": torch.stack(idx).numpy()}
+    out = {"k_scale": torch.stack([p[0] for p in per]).numpy(), "k_zero": torch.stack([p[1] for p in per]).numpy(),
+           "k_zero_masked": torch.stack([p[2] for p in per]).numpy(), "outlier_idx": torch.stack(idx).numpy()}
+    if book.spec.value_rotation_folded:  # the values' rotation (v -> v @ v_rotation), folded into W_v/W_o by the network
+        out["v_rotation"] = ref.rotate(torch.eye(D), book.spec.value.rotate).float().contiguous().numpy()
+    return out
 
 
 def _variant_fields(v: dict) -> dict:
@@ -124,7 +127,7 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
         **({"layers": [{**_variant_fields(v), "namespace": v["namespace"]} for v in layers]} if layers else {}),
         "splits": splits,
         "format": book.spec.name,
-        # int8k_int4v with kv.value.rotate=hadamard: the values' rotation lives in W_v/W_o (load_hf_weights folds it)
+        # int8k_int4v with kv.value.rotate=hadamard: the values' rotation lives in W_v/W_o (load_hf_weights folds plugin_params' v_rotation)
         "value_rotation": book.spec.value.rotate if book.spec.value_rotation_folded else "none",
         "weights": {"hf_dir": identity.get("weights_cache") or identity.get("path"), "identity": identity},
     }
@@ -173,7 +176,8 @@ def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int]
     window into the compressed store."""
     t0 = time.time()
     spec = tn.load_spec(bundle)
-    W, P = tn.load_hf_weights(hf_dir, spec), tn.load_plugin_params(bundle)
+    P = tn.load_plugin_params(bundle)
+    W = tn.load_hf_weights(hf_dir, spec, P)
     n = len(prompt_ids) + max_new_tokens
     toks, logits = oracle_generate(spec, W, P, [prompt_ids], max_new_tokens, max_seq_len=n + 1)
     ref_logits = validated_logits(model, book, toks[0][:-1])

@@ -132,9 +132,10 @@ def load_spec(bundle: Path) -> dict:
     return json.loads(p.read_text())
 
 
-def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
+def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases) as fp16
-    numpy arrays under short names."""
+    numpy arrays under short names; with network.json's value_rotation, the plugin_params' v_rotation folded into
+    W_v and W_o."""
     import torch  # bf16 checkpoints: numpy cannot read them
     from safetensors.torch import load_file
 
@@ -166,32 +167,33 @@ def load_hf_weights(hf_dir: Path, spec: dict) -> dict[str, np.ndarray]:
             if f"{t}self_attn.{n}_proj.bias" in raw:
                 w[f"{i}.b{n}"] = get(f"{t}self_attn.{n}_proj.bias")[None]
         if spec.get("value_rotation", "none") != "none":
-            _fold_value_rotation(w, raw, t, i, a, spec["value_rotation"])
+            if params is None or "v_rotation" not in params:
+                raise ValueError(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
+            _fold_value_rotation(w, raw, t, i, a, params["v_rotation"])
     return w
 
 
-def _fold_value_rotation(w: dict, raw: dict, t: str, i: int, a: dict, how: str) -> None:
-    """The values' rotation folded into the weights (kv.value.rotate beside static keys): each kv head's v = x W_v^T
-    becomes v H (rows of W_v and the bias mixed by H), and W_o's columns of each query head are mixed by H, so
-    o = (attn H) (W_o H)^T = attn W_o^T: the same output, the cache holding the rotated values. From the
-    checkpoint's weights in float32 (reference.rotate's H), rounded to fp16 once."""
-    import torch
-
-    from kvcompress.reference import rotate
-
+def _fold_value_rotation(w: dict, raw: dict, t: str, i: int, a: dict, R: np.ndarray) -> None:
+    """The values' rotation folded into the weights (kv.value.rotate beside static keys; R = plugin_params
+    v_rotation [D, D], orthogonal, v -> v @ R): each kv head's v = x W_v^T becomes v R (W_v_h' = R^T W_v_h, its
+    bias b_h R), and each query head's columns of W_o become W_o_h R, so o = (attn R) (W_o R)^T = attn W_o^T:
+    the same output, the cache holding the rotated values. float32 from the checkpoint's weights, fp16 once."""
     D, HKV = a["head_dim"], a["n_kv_heads"]
-    wv = raw[f"{t}self_attn.v_proj.weight"].float()  # [HKV*D, hidden]: rotate each head's D output rows
-    w[f"{i}.wv"] = rotate(wv.T.reshape(-1, HKV, D), how).reshape(wv.shape[1], -1).T.to(torch.float16).numpy()
+    R = np.asarray(R, np.float32)
+    f32 = lambda name: raw[name].float().numpy()  # noqa: E731  (bf16 checkpoints: through torch)
+    wv = f32(f"{t}self_attn.v_proj.weight").reshape(HKV, D, -1)  # [HKV, D, hidden]
+    w[f"{i}.wv"] = np.einsum("dc,hdk->hck", R, wv).reshape(HKV * D, -1).astype(np.float16)
     if f"{t}self_attn.v_proj.bias" in raw:
-        w[f"{i}.bv"] = rotate(raw[f"{t}self_attn.v_proj.bias"].float().reshape(HKV, D), how).reshape(1, -1).to(torch.float16).numpy()
-    wo = raw[f"{t}self_attn.o_proj.weight"].float()  # [hidden, H*D]: each query head's D input columns
-    w[f"{i}.wo"] = rotate(wo.reshape(wo.shape[0], -1, D), how).reshape(wo.shape).to(torch.float16).numpy()
+        w[f"{i}.bv"] = (f32(f"{t}self_attn.v_proj.bias").reshape(HKV, D) @ R).reshape(1, -1).astype(np.float16)
+    wo = f32(f"{t}self_attn.o_proj.weight")  # [hidden, H*D]
+    w[f"{i}.wo"] = (wo.reshape(wo.shape[0], -1, D) @ R).reshape(wo.shape).astype(np.float16)
 
 
 def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
     """Per-layer plugin constants written by the export: k_scale, k_zero, k_zero_masked [L, H, D] fp32, outlier_idx [L, H, N] int32;
     for the grouped family k_bits, k_offsets [L, H, D] int32 (each key channel's width and bit offset in a row); for the
-    per-token family q_rotation [D, D] fp32 (x @ q_rotation is the keys' Hadamard basis; the identity without rotation)."""
+    per-token family q_rotation [D, D] fp32 (x @ q_rotation is the keys' Hadamard basis; the identity without rotation); for the
+    static family with kv.value.rotate, v_rotation [D, D] fp32 (v @ v_rotation is what the cache stores; load_hf_weights folds it)."""
     from safetensors.numpy import load_file
 
     return load_file(str(Path(bundle) / PARAMS_FILE))
@@ -353,7 +355,8 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
     from tensorrt_llm.network import net_guard
 
     spec = load_spec(bundle)
-    W, P = load_hf_weights(hf_dir, spec), load_plugin_params(bundle)
+    P = load_plugin_params(bundle)
+    W = load_hf_weights(hf_dir, spec, P)
     cap = store_capacity(spec, max_seq_len)
     splits = splits or spec["splits"]
     ctypes.CDLL(str(plugin_lib), mode=ctypes.RTLD_GLOBAL)  # the library's static registrar adds both creators
