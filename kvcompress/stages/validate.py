@@ -137,6 +137,12 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
+    rot = Geometry.rotary_dim(lm.model.config, lm.geometry.head_dim)
+    if rot < lm.geometry.head_dim:  # the measured numbers stand; the pair-based protections do not fit this model
+        notes.append(f"RoPE rotates {rot} of {lm.geometry.head_dim} channels per head: kvcompress ties key scales and folds pairs as "
+                     "(i, i + head_dim/2) over the whole head, not this model's rotary pairs, so the rotation-invariant key bound "
+                     "(no clipping growth past the calibrated positions) does not hold for it")
+        log.warning(notes[-1])
     if eval_cfg.tasks.names and lm.streamer is not None and eval_cfg.tasks.greedy:
         notes.append("greedy cross-check not run: the model is streamed layer by layer (generation decodes token by token); tasks are scored through the same executor")
     if eval_cfg.tasks.names:
