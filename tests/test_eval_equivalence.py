@@ -189,24 +189,25 @@ def test_a_model_that_drops_the_attention_keywords_is_a_clear_error():
 def test_partial_rotary_models_are_validated_with_a_note():
     """Models whose RoPE rotates only part of each head (Phi, GPT-NeoX, StableLM) validate as any other, and the
     report says that the pair-based key protections (ties and folds over (i, i + D/2)) do not fit them."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, PhiConfig
+    from transformers import AutoModelForCausalLM, PhiConfig
 
     from kvcompress.config import EvalConfig, TasksConfig
     from kvcompress.models.base import Geometry, LoadedModel
     from kvcompress.models.tokenizer import ByteTokenizer
     from kvcompress.stages.fit import fit
-    from kvcompress.stages.profile import profile
+    from kvcompress.stages.profile import profile, rotary_dim
     from kvcompress.stages.validate import validate
 
     from conftest import SMOKE_CALIB
 
-    assert Geometry.rotary_dim(LlamaConfig(), 128) == 128
-    assert Geometry.rotary_dim(PhiConfig(partial_rotary_factor=0.5), 64) == 32
-    assert Geometry.rotary_dim(type("NeoX", (), {"rotary_pct": 0.25})(), 128) == 32
+    for arch in ("llama", "gemma3"):  # full rotary (Gemma 3: per layer type)
+        full = tiny_lm(arch, heads=4, kv_heads=1, head_dim=32)
+        assert rotary_dim(full.model, full.geometry) == 32
     cfg = PhiConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=512, partial_rotary_factor=0.5, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     lm = LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": "tiny_phi"})
+    assert rotary_dim(lm.model, lm.geometry) == 16
     book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
     ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
     report = validate(lm, {"primary": book}, ecfg, progress=False)[0]

@@ -251,6 +251,10 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     with pytest.raises(UserError, match="sliding_window=1024 < max_position_embeddings=4096: add export=none"):
         check_exportable(mistral)
     llama = build_tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    llama.config.attention_bias = True  # Llama's flag puts a bias on o_proj too
+    with pytest.raises(UserError, match="has attention_bias=True: add export=none"):
+        check_exportable(llama)
+    llama.config.attention_bias = False
     llama.config.hidden_act = "gelu"
     with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
         check_exportable(llama)

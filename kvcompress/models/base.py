@@ -50,18 +50,6 @@ class Geometry:
             sliding_windows=sliding,
         )
 
-    @staticmethod
-    def rotary_dim(cfg: Any, head_dim: int) -> int:
-        """Channels per head that RoPE rotates (partial_rotary_factor, GPT-NeoX's rotary_pct, rotary_dim); head_dim
-        when it rotates them all, which kvcompress's RoPE-pair logic assumes (pairs (i, i + head_dim/2))."""
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        for frac in (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None, getattr(cfg, "partial_rotary_factor", None),
-                     getattr(cfg, "rotary_pct", None)):
-            if frac is not None and float(frac) < 1.0:
-                return int(head_dim * float(frac))
-        dim = getattr(cfg, "rotary_dim", None)
-        return int(dim) if isinstance(dim, int) and 0 < dim < head_dim else head_dim
-
     def layer(self, i: int) -> "Geometry":
         """The one-layer geometry of layer i (its own sliding window), for per-layer accounting."""
         return replace(self, n_layers=1, sliding_windows=self.sliding_windows[i:i + 1])

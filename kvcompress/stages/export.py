@@ -61,6 +61,9 @@ def check_exportable(model) -> None:
     if sliding or (window is not None and (positions is None or window < positions)):
         raise UserError(f"export=trtllm writes checkpoints without an attention window; this {arch} has sliding_window={window} "
                         f"< max_position_embeddings={positions}: add export=none to profile, fit and validate it")
+    biases = [n for n in ("attention_bias", "mlp_bias") if getattr(cfg, n, False)]
+    if biases:  # Llama's attention_bias also puts a bias on o_proj: neither the checkpoint writer nor the custom-tier graph carries it
+        raise UserError(f"export=trtllm writes q/k/v biases only (Qwen2's); this {arch} has {' and '.join(f'{n}=True' for n in biases)}: add export=none")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")

@@ -67,6 +67,20 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     return acc.finish(header)
 
 
+def rotary_dim(model, g) -> int:
+    """Channels per head the model's RoPE rotates: twice its inverse frequencies (the rotary module transformers
+    built, wherever the model keeps it); head_dim when it has none. Fewer than head_dim (Phi, GPT-NeoX): partial
+    rotary, which kvcompress's RoPE-pair logic ((i, i + head_dim/2) over the whole head) does not model."""
+    rotary = next((m for n, m in model.named_modules() if n.split(".")[-1] == "rotary_emb"), None)
+    if rotary is None:
+        return g.head_dim
+    inv = getattr(rotary, "inv_freq", None)
+    if inv is None:  # per layer type (Gemma 3): every type rotates the same channels
+        inv = next((getattr(rotary, f"{t}_inv_freq") for t in getattr(model.config, "layer_types", None) or ()
+                    if getattr(rotary, f"{t}_inv_freq", None) is not None), None)
+    return g.head_dim if inv is None else 2 * inv.numel()
+
+
 def rope_inv_freq(model, g) -> torch.Tensor | None:
     """The model's RoPE inverse frequencies: [D/2], or [L, D/2] when layer types use different
     RoPE bases (Gemma 3: local and global layers); None when the model has no standard rotary."""

@@ -25,6 +25,7 @@ from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logp
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls
+from kvcompress.stages.profile import rotary_dim
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
 from kvcompress.report_schema import FormatResult, Memory, Quality, Report
@@ -137,7 +138,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
-    rot = Geometry.rotary_dim(lm.model.config, lm.geometry.head_dim)
+    rot = rotary_dim(lm.model, lm.geometry)
     if rot < lm.geometry.head_dim:  # the measured numbers stand; the pair-based protections do not fit this model
         notes.append(f"RoPE rotates {rot} of {lm.geometry.head_dim} channels per head: kvcompress ties key scales and folds pairs as "
                      "(i, i + head_dim/2) over the whole head, not this model's rotary pairs, so the rotation-invariant key bound "
