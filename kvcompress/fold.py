@@ -11,6 +11,8 @@ key pairs (kv.fold_pairs, native_fp8): each RoPE pair (d, d + D/2) of W_k and of
         rotated by its own angle (reference.pair_rotate), k' = R k / sigma, q' = R q * sigma; planar
         rotations commute with RoPE's, so q'.k' = q.k exactly. fit may then also shrink a pair's
         keys (sigma up to 2) to move them on FP8's grid; see stages/fit.pair_transforms.
+key norms (Qwen3: RMSNorm of each head's q and k before RoPE) undo any scaling of W_q/W_k: the key factors
+        go into the q_norm/k_norm weights instead (key_norm_weights), shared by every head, with no rotation.
 """
 from __future__ import annotations
 
@@ -70,8 +72,13 @@ def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.d
     D, H = geom.head_dim, geom.n_kv_heads
     g = geom.n_heads // H
     p = f"model.layers.{L}.self_attn."
-    wk = state[p + "k_proj.weight"].float().abs().amax(1).view(H, D)  # [H, D] row max
-    wq = state[p + "q_proj.weight"].float().abs().amax(1).view(H, g, D).amin(1)  # smallest row max of the group
+    if p + "k_norm.weight" in state:  # the factors live in the q/k norm weights (key_norm_weights)
+        wk = state[p + "k_norm.weight"].float().abs().expand(H, D) if state[p + "k_norm.weight"].numel() == D else state[p + "k_norm.weight"].float().abs().view(H, D)
+        wq = state[p + "q_norm.weight"].float().abs()
+        wq = wq.expand(H, D) if wq.numel() == D else wq.view(H, g, D).amin(1)
+    else:
+        wk = state[p + "k_proj.weight"].float().abs().amax(1).view(H, D)  # [H, D] row max
+        wq = state[p + "q_proj.weight"].float().abs().amax(1).view(H, g, D).amin(1)  # smallest row max of the group
     lo_over = wk * margin / fi.max  # sigma >= this keeps W_k / sigma finite
     lo_under = fi.tiny * 16.0 / wq.clamp(min=fi.tiny)  # sigma >= this keeps W_q * sigma normal
     lo = torch.maximum(lo_over, lo_under)
@@ -105,7 +112,9 @@ def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch
     out = {}
     g = geom.n_heads // geom.n_kv_heads
     p = f"model.layers.{L}.self_attn."
-    if sigma is not None:
+    if sigma is not None and p + "k_norm.weight" in state:
+        out |= key_norm_weights(state, p, sigma[L], g, rot is not None and bool(rot[L].any()))
+    elif sigma is not None:
         s = sigma[L].reshape(-1).float()  # [H*D]
         sq = sigma[L].repeat_interleave(g, 0).reshape(-1).float()  # every query head of the group
         names = ["k_proj.weight", "q_proj.weight"] + (["k_proj.bias", "q_proj.bias"] if p + "k_proj.bias" in state else [])
@@ -125,6 +134,23 @@ def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch
             out[p + "v_proj.bias"] = state[p + "v_proj.bias"].float() / t
         out[p + "o_proj.weight"] = state[p + "o_proj.weight"].float() * tau[L].repeat_interleave(g, 0).reshape(1, -1).float()
     return out
+
+
+def key_norm_weights(state: dict, p: str, sigma_l: torch.Tensor, g: int, rotated: bool) -> dict:
+    """The key factors of a model that normalises each head's keys before RoPE (Qwen3's q_norm/k_norm; a
+    standard RMSNorm weight): k' = k / sigma is k_norm's weight divided by sigma, q' = q * sigma is q_norm's
+    times sigma; scaling W_k instead would be undone by the norm. A weight of head_dim serves every head, so
+    the factors must be the same for every head (fit makes them so: profile.key_norm "shared"); a weight over
+    all heads (OLMo 2) takes per-head factors. No RoPE-pair rotation can live in an elementwise weight."""
+    if rotated:
+        raise ValueError(f"{p}k_norm: RoPE-pair rotations cannot be folded into a key norm's weight")
+    H, D = sigma_l.shape
+    wk, wq = state[p + "k_norm.weight"].float(), state[p + "q_norm.weight"].float()
+    if wk.numel() == D:
+        if not torch.equal(sigma_l, sigma_l[:1].expand(H, D)):
+            raise ValueError(f"{p}k_norm: one weight serves every head, but the key factors differ between heads")
+        return {p + "k_norm.weight": wk / sigma_l[0].float(), p + "q_norm.weight": wq * sigma_l[0].float()}
+    return {p + "k_norm.weight": wk / sigma_l.reshape(-1).float(), p + "q_norm.weight": wq * sigma_l.repeat_interleave(g, 0).reshape(-1).float()}
 
 
 def check_range(state: dict, dtype: torch.dtype) -> list[str]:

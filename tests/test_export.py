@@ -157,30 +157,34 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
         sys.modules.pop("build_engine", None)
 
 
-@pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM")])
-def test_mistral_and_qwen2_models_export_and_remeasure(tmp_path, arch, source, written):
+@pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"),
+                                                 ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM")])
+def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, written):
     """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
     MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
-    Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. The written checkpoints
-    re-measure like validate (the reader adds the biases), and the manifest names both architectures."""
+    Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. Qwen3 is the Llama layer with a
+    per-head q/k RMSNorm before RoPE: qwen_type qwen3, no biases, its (folded) norms in attention.q_layernorm/
+    k_layernorm. The written checkpoints re-measure like validate (the reader adds the biases and the norms),
+    and the manifest names both architectures."""
     p, run = _export_run(tmp_path, f"model.tiny.arch={arch}", "kv=native_int8")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     trt = manifest["artifacts"]["trtllm_ckpt"]
     assert trt["architecture"] == {"source": source, "written": written}
     cfg = json.loads((run / "export" / "trtllm_ckpt" / "tp2" / "config.json").read_text())
-    assert cfg["architecture"] == written and cfg["attn_bias"] == (arch == "qwen2") and cfg.get("qwen_type") == ("qwen2" if arch == "qwen2" else None)
+    assert cfg["architecture"] == written and cfg["attn_bias"] == (arch == "qwen2") and cfg.get("qwen_type") == (arch if arch.startswith("qwen") else None)
     from safetensors import safe_open
 
     with safe_open(str(run / "export" / "trtllm_ckpt" / "tp1" / "rank0.safetensors"), "pt") as f:
         assert ("transformer.layers.0.attention.qkv.bias" in f.keys()) == (arch == "qwen2")
+        assert ("transformer.layers.0.attention.k_layernorm.weight" in f.keys()) == (arch == "qwen3")
     assert trt["remeasured"]["passed"] and manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
 
 
 def _hf_dir(tmp_path, arch: str) -> Path:
     """A tiny model of `arch` saved as a Hugging Face directory with a byte tokenizer (model.path runs);
-    Qwen2's q/k/v biases non-zero."""
+    Qwen2's q/k/v biases non-zero, Qwen3's q/k norm weights not all ones."""
     from kvcompress.models.synthetic import byte_tokenizer
     from kvcompress.models.tiny import build_tiny
 
@@ -192,6 +196,10 @@ def _hf_dir(tmp_path, arch: str) -> Path:
                 b = getattr(layer.self_attn, f"{n}_proj").bias
                 if b is not None:
                     b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+            for n in ("q_norm", "k_norm"):
+                if hasattr(layer.self_attn, n):
+                    w = getattr(layer.self_attn, n).weight
+                    w.copy_(torch.rand(w.shape, generator=g) * 1.5 + 0.25)
     model.config.architectures = [type(model).__name__]
     ckpt = tmp_path / arch
     model.save_pretrained(str(ckpt))
@@ -220,22 +228,34 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert all(c["status"] == "passed" for c in manifest["checks"])
 
 
-def test_a_qwen2_checkpoint_directory_exports_in_memory_and_streamed(tmp_path):
-    """A Qwen2 Hugging Face directory with non-zero q/k/v biases, run as a user would (model.path), in memory
-    and streamed: every export check passes, including the custom-tier graph (it runs for an HF directory
-    in memory) and the streamed re-measure through transformers' Qwen2."""
-    ckpt = _hf_dir(tmp_path, "qwen2")
+@pytest.mark.parametrize("arch,cls", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_a_qwen_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls):
+    """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones), run as a
+    user would (model.path), in memory and streamed: every export check passes, including the custom-tier graph
+    (it runs for an HF directory in memory) and the streamed re-measure through transformers' own class. Qwen3
+    (kv=native_fp8 streamed): the key fold is in the written k_norm weight, one factor per channel."""
+    ckpt = _hf_dir(tmp_path, arch)
     for streaming in ("false", "true"):
-        p, run = _dir_run(tmp_path, ckpt, f"run_{streaming}", f"model.streaming={streaming}")
+        kv = ["kv=native_fp8"] if (arch, streaming) == ("qwen3", "true") else []
+        p, run = _dir_run(tmp_path, ckpt, f"run_{streaming}", f"model.streaming={streaming}", *kv)
         assert p.returncode == 0, p.stderr[-3000:]
         manifest = json.loads((run / "export" / "manifest.json").read_text())
         checks = {c["check"]: c for c in manifest["checks"]}
         assert all(c["status"] == "passed" for c in checks.values() if "network graph" not in c["check"]), checks
-        net = next(c for n, c in checks.items() if "network graph" in n)
-        assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
+        if not kv:
+            net = next(c for n, c in checks.items() if "network graph" in n)
+            assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
         if streaming == "true":
-            assert any("into transformers' Qwen2ForCausalLM" in n for n in checks)
-        assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == "Qwen2ForCausalLM"
+            assert any(f"into transformers' {cls}" in n for n in checks)
+        assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == cls
+    if arch == "qwen3":
+        from safetensors.torch import load_file
+
+        src, out = load_file(str(ckpt / "model.safetensors")), load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
+        name = "model.layers.0.self_attn.k_norm.weight"
+        sigma = src[name].float() / out[name].float()  # k_norm' = k_norm / sigma
+        assert (sigma < 0.9).any() and torch.allclose(sigma[: sigma.numel() // 2], sigma[sigma.numel() // 2 :], rtol=2e-3)  # tied RoPE pairs
+        assert torch.allclose(out["model.layers.0.self_attn.k_proj.weight"].float(), src["model.layers.0.self_attn.k_proj.weight"].float(), atol=1e-3)
 
 
 def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
@@ -263,6 +283,7 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     qwen2.config.layer_types = ["sliding_attention"]  # Qwen2's use_sliding_window
     with pytest.raises(UserError, match="add export=none"):
         check_exportable(qwen2)
+    check_exportable(build_tiny("qwen3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
         check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 

@@ -44,7 +44,7 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
-SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FORMAT_VERSION = 2
 
 
@@ -52,7 +52,8 @@ def check_exportable(model) -> None:
     """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
     the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Qwen2 is the
-    Llama layer with q/k/v biases (TensorRT-LLM's QWen class, the same tensor names)."""
+    Llama layer with q/k/v biases, Qwen3 the Llama layer with a per-head q/k RMSNorm before RoPE (TensorRT-LLM's
+    QWen class, the same tensor names)."""
     arch, cfg = type(model).__name__, model.config
     if arch not in SUPPORTED_ARCH:
         raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")

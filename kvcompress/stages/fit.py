@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.errors import UserError
 from kvcompress.fold import fold_factors
 from kvcompress.observers import OBSERVERS
 from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pairs
@@ -11,7 +12,6 @@ from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
 from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant, pair_rotate, waterfill_bits
 from kvcompress.scalebook import ScaleBook
-from kvcompress.errors import UserError
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
 from kvcompress.stats import KVStats
 
@@ -57,6 +57,9 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     L, H, D = stats["k_absmax"].shape
     k_abs, v_abs = stats["k_absmax"], stats["v_absmax"]
     target = torch.maximum(k_abs.amax(dim=(1, 2)), v_abs.amax(dim=(1, 2)))  # [L] the shared K/V amax
+    knorm = stats.header.get("key_norm", "none")  # profile.key_norm: where the key fold can live
+    if knorm == "shared":  # one k_norm weight for every head (Qwen3): the key factors must be head-independent
+        k_abs = k_abs.amax(1, keepdim=True).expand_as(k_abs)
     scale = (target / NATIVE_QMAX[spec.format]).float()
     n = stats["sample_k"].shape[1] if "sample_k" in stats.tensors else 0
     sk, sv = torch.ones(L, H, D), torch.ones(L, H, D)
@@ -80,7 +83,13 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     headroom = _headroom(stats, spec, sk, sv, scale, n, info)
     scale = scale * headroom
     rot = torch.zeros(L, H, D // 2)
-    if spec.pairs_folded and n:
+    if knorm != "none":
+        if spec.fold_pairs is True:
+            raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "
+                            "rotation can be folded; allowed: kv.fold_pairs=auto or false")
+        info["key_norm"] = (f"{knorm}: the model normalises each head's keys before RoPE, so the key factors fold into its q/k norm weights"
+                            + (" (one per channel, shared by every head)" if knorm == "shared" else "") + "; no RoPE-pair rotation can fold there")
+    if spec.pairs_folded and n and knorm == "none":
         per_layer = []
         inv = stats.tensors.get("rope_inv_freq")
         context = spec.pair_context

@@ -51,6 +51,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
         acc.t["rope_inv_freq"] = inv_freq  # lets fit rotate keys to other positions
     header = {
         "geometry": g.to_dict(),
+        "key_norm": key_norm(lm.model, g),
         "provenance": {
             **base_provenance(),
             "model": lm.identity,
@@ -79,6 +80,22 @@ def rotary_dim(model, g) -> int:
         inv = next((getattr(rotary, f"{t}_inv_freq") for t in getattr(model.config, "layer_types", None) or ()
                     if getattr(rotary, f"{t}_inv_freq", None) is not None), None)
     return g.head_dim if inv is None else 2 * inv.numel()
+
+
+KEY_NORMS = ("none", "shared", "per_head")
+
+
+def key_norm(model, g) -> str:
+    """Where an exact key fold can live. "none": the keys are the k projection's output, so factors and RoPE-pair
+    rotations fold into W_q/W_k. A norm on each head's keys before RoPE (Qwen3, Gemma 3, OLMo 2: k_norm) undoes any
+    scaling of W_k, so a factor must go into the norms' weights instead, and no rotation can (an elementwise weight
+    does not commute with one): "shared" when one weight of head_dim serves every head (Qwen3, Gemma 3: the
+    factors must be the same for every head), "per_head" when the weight spans all heads (OLMo 2)."""
+    norm = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
+    if norm is None:
+        return "none"
+    w = getattr(norm, "weight", None)
+    return "per_head" if w is not None and w.numel() == g.n_kv_heads * g.head_dim and g.n_kv_heads > 1 else "shared"
 
 
 def rope_inv_freq(model, g) -> torch.Tensor | None:

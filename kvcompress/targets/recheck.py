@@ -48,7 +48,7 @@ def _score_streamed(streamer, book: ScaleBook, windows: torch.Tensor, base: list
 
 def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
     """The TensorRT-LLM checkpoint read back layer by layer under HF names (trtllm_reader.TrtllmAsHF)
-    into transformers' model of the source config (Llama, Mistral, Qwen2; float32 math on the stored values), K/V quantized with its stored
+    into transformers' model of the source config (Llama, Mistral, Qwen2, Qwen3; float32 math on the stored values), K/V quantized with its stored
     kv_cache_quant_algo and per-layer scales."""
     src = trtllm_reader.TrtllmAsHF(ckpt)
     fmt = ALGO_FORMAT[src.cfg["quantization"]["kv_cache_quant_algo"]]

@@ -7,6 +7,7 @@ converter `tensorrt_llm/models/llama/convert.py` (1.2 line), read through the pr
     transformer.layers.{i}.input_layernorm.weight           [hidden]               replicated
     transformer.layers.{i}.attention.qkv.weight             [(nh+2nkv)*hd/tp, hidden]  q|k|v of this rank's heads
     transformer.layers.{i}.attention.dense.weight           [hidden, nh*hd/tp]     split on columns
+    transformer.layers.{i}.attention.{q,k}_layernorm.weight [hd]                   Qwen3's q_norm/k_norm, replicated
     transformer.layers.{i}.attention.kv_cache_scaling_factor [1] fp32 dequant scale (amax/127 INT8, amax/448 FP8)
     transformer.layers.{i}.post_layernorm.weight            [hidden]
     transformer.layers.{i}.mlp.fc.weight   <- HF gate_proj  [inter/tp, hidden]     (the naming trap:
@@ -47,11 +48,15 @@ def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
     return w.unflatten(0, (nkv, -1)).repeat_interleave(tp // nkv, dim=0).flatten(0, 1)
 
 
+QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def trtllm_architecture(hf_cfg) -> str:
-    """The checkpoint's `architecture`: Qwen2 keeps its own (TensorRT-LLM's QWen class, qwen_type qwen2: the
-    Llama layer with q/k/v biases, the same tensor names); Llama and Mistral without a sliding window
+    """The checkpoint's `architecture`: Qwen2 and Qwen3 keep their own (TensorRT-LLM's QWen class: qwen_type qwen2
+    is the Llama layer with q/k/v biases, qwen3 the Llama layer with an RMSNorm on each head's q and k before RoPE,
+    the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window
     (export.check_exportable) are written as Llama, the same forward."""
-    return "Qwen2ForCausalLM" if getattr(hf_cfg, "model_type", None) == "qwen2" else "LlamaForCausalLM"
+    return QWEN_TYPES.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
 def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
@@ -84,6 +89,8 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
     }
     if cfg["architecture"] == "Qwen2ForCausalLM":  # QWenConfig's fields (tensorrt_llm/models/qwen/config.py): q/k/v biases, no dense bias
         cfg |= {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
+    if cfg["architecture"] == "Qwen3ForCausalLM":  # no biases; QWenDecoderLayer turns on qk_layernorm (RmsNorm) for qwen3
+        cfg |= {"qwen_type": "qwen3", "attn_bias": False, "mlp_bias": False, "use_logn_attn": False}
     return cfg
 
 
@@ -121,6 +128,9 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
         bk, bv = (_dup_kv(b.unsqueeze(1), nkv, tp).squeeze(1) for b in (bk, bv))
         out[t + "attention.qkv.bias"] = torch.cat([_split(bq, tp, rank, 0), _split(bk, tp, rank, 0), _split(bv, tp, rank, 0)])
     out[t + "attention.dense.weight"] = _split(state[p + "self_attn.o_proj.weight"], tp, rank, 1)
+    if p + "self_attn.k_norm.weight" in state:  # Qwen3: one [head_size] weight per layer for every head, replicated
+        out[t + "attention.q_layernorm.weight"] = state[p + "self_attn.q_norm.weight"]
+        out[t + "attention.k_layernorm.weight"] = state[p + "self_attn.k_norm.weight"]
     out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
     out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)

@@ -133,7 +133,8 @@ def load_spec(bundle: Path) -> dict:
 
 
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
-    """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases) as fp16
+    """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
+    per-head q/k norms) as fp16
     numpy arrays under short names; with network.json's value_rotation, the plugin_params' v_rotation folded into
     W_v and W_o."""
     import torch  # bf16 checkpoints: numpy cannot read them
@@ -162,10 +163,15 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
               f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight"),
               f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
         if f"{t}self_attn.o_proj.bias" in raw:
-            raise ValueError(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2)")
+            raise ValueError(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2, Qwen3)")
         for n in "qkv":  # Qwen2's q/k/v biases (folded with the weights)
             if f"{t}self_attn.{n}_proj.bias" in raw:
                 w[f"{i}.b{n}"] = get(f"{t}self_attn.{n}_proj.bias")[None]
+        if f"{t}self_attn.k_norm.weight" in raw:  # Qwen3's per-head q/k norms (the key fold lives in their weights)
+            qn, kn = get(f"{t}self_attn.q_norm.weight"), get(f"{t}self_attn.k_norm.weight")
+            if qn.size != a["head_dim"] or kn.size != a["head_dim"]:
+                raise ValueError(f"{hf_dir}: q/k norm weights of {qn.size}/{kn.size} values; this network takes one [head_dim] weight for every head (Qwen3)")
+            w[f"{i}.qn"], w[f"{i}.kn"] = qn, kn
         if spec.get("value_rotation", "none") != "none":
             if params is None or "v_rotation" not in params:
                 raise ValueError(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
@@ -199,12 +205,13 @@ def load_plugin_params(bundle: Path) -> dict[str, np.ndarray]:
     return load_file(str(Path(bundle) / PARAMS_FILE))
 
 
-def _rms_norm(g, x, w, eps: float):
-    """Llama RMSNorm: fp32 statistics, the normalised row cast back to fp16, times the fp16 weight."""
+def _rms_norm(g, x, w, eps: float, rank: int = 2):
+    """Llama RMSNorm over the last axis of a rank-`rank` x: fp32 statistics, the normalised row cast back to fp16,
+    times the fp16 weight. The constants take x's rank (TensorRT's elementwise layers broadcast only from 1)."""
     x32 = g.cast(x, "float32")
     var = g.mean_last(g.mul(x32, x32))
-    r = g.div(x32, g.sqrt(g.add(var, g.const(np.full((1, 1), eps, np.float32)))))
-    return g.mul(g.cast(r, "float16"), g.const(w))
+    r = g.div(x32, g.sqrt(g.add(var, g.const(np.full((1,) * rank, eps, np.float32)))))
+    return g.mul(g.cast(r, "float16"), g.const(np.asarray(w).reshape((1,) * (rank - 1) + (-1,))))
 
 
 def _rope(g, x, cos, sin, R):
@@ -237,8 +244,10 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         ns = v.get("namespace", NAMESPACE)
         h = _rms_norm(g, x, W[f"{i}.ln1"], eps)
         q, k, vv = (_proj(g, h, W, i, n) for n in "qkv")
-        q = _rope(g, g.reshape(q, (0, H, D)), cos, sin, R)
-        k = _rope(g, g.reshape(k, (0, HKV, D)), cos, sin, R)
+        q, k = g.reshape(q, (0, H, D)), g.reshape(k, (0, HKV, D))
+        if f"{i}.kn" in W:  # Qwen3: RMSNorm of each head's q and k (one [D] weight for every head) before RoPE
+            q, k = _rms_norm(g, q, W[f"{i}.qn"], eps, 3), _rms_norm(g, k, W[f"{i}.kn"], eps, 3)
+        q, k = _rope(g, q, cos, sin, R), _rope(g, k, cos, sin, R)
         vv = g.reshape(vv, (0, HKV, D))
         if grouped(v):  # the per-channel key widths and their bit offsets (plugin_params k_bits, k_offsets)
             wr = rd = [g.const(P[n][i]) for n in ("k_bits", "k_offsets")]
@@ -259,7 +268,7 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         up = g.matmul(h, g.const(W[f"{i}.wu"]), transpose_b=True)
         x = g.add(x, g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), g.const(W[f"{i}.wd"]), transpose_b=True))
         present.append(new)
-    x = _rms_norm(g, x, W["norm"][0], eps)
+    x = _rms_norm(g, x, W["norm"], eps)
     return g.cast(g.matmul(x, g.const(W["lm_head"]), transpose_b=True), "float32"), present
 
 

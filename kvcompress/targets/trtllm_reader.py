@@ -1,8 +1,8 @@
 """A pure-PyTorch reader of a TensorRT-LLM Llama checkpoint: the CPU proof of the weight mapping.
 
 It merges the rank shards back (any tp size) and runs the Llama forward from TensorRT-LLM's
-names and layouts alone (fused q|k|v per rank, GPT-NeoX RoPE, GQA, SiLU-gated MLP with
-fc = gate and gate = up), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
+names and layouts alone (fused q|k|v per rank, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
+before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
 compare its logits with the Hugging Face model's.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ HF_NAMES = {"attention.q.weight": "self_attn.q_proj.weight", "attention.k.weight
             "attention.q.bias": "self_attn.q_proj.bias", "attention.k.bias": "self_attn.k_proj.bias", "attention.v.bias": "self_attn.v_proj.bias",
             "attention.dense.weight": "self_attn.o_proj.weight", "input_layernorm.weight": "input_layernorm.weight",
             "post_layernorm.weight": "post_attention_layernorm.weight", "mlp.fc.weight": "mlp.gate_proj.weight", "mlp.gate.weight": "mlp.up_proj.weight",
-            "mlp.proj.weight": "mlp.down_proj.weight"}
+            "mlp.proj.weight": "mlp.down_proj.weight", "attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "attention.k_layernorm.weight": "self_attn.k_norm.weight"}
 
 
 class TrtllmAsHF:
@@ -172,6 +173,8 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
         q = F.linear(h, w[t + "attention.q.weight"], w.get(t + "attention.q.bias")).view(B, T, nh, hd).transpose(1, 2)
         k = F.linear(h, w[t + "attention.k.weight"], w.get(t + "attention.k.bias")).view(B, T, nkv, hd).transpose(1, 2)
         v = F.linear(h, w[t + "attention.v.weight"], w.get(t + "attention.v.bias")).view(B, T, nkv, hd).transpose(1, 2)
+        if t + "attention.k_layernorm.weight" in w:  # Qwen3: RMSNorm of each head's q and k before RoPE
+            q, k = _rms(q, w[t + "attention.q_layernorm.weight"], eps), _rms(k, w[t + "attention.k_layernorm.weight"], eps)
         q, k = _rope(q, pos, cfg["rotary_base"], cfg.get("rotary_scaling")), _rope(k, pos, cfg["rotary_base"], cfg.get("rotary_scaling"))
         if simulate_kv_quant and algo:
             s = w[t + "attention.kv_cache_scaling_factor"].item()
