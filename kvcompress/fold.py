@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.reference import pair_rotate
+from kvcompress.reference import pair_halves, pair_rotate, pair_spread
 
 FLOOR = 1e-4  # smallest factor: a dead channel is not blown up by more than 1e4
 
 
-def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, tie_pairs: bool) -> torch.Tensor:
-    """absmax [L, H, D], target [L] (>= absmax) -> factors [L, H, D] in (0, 1], tied across (d, d + D/2)."""
+def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, tie_pairs: bool, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """absmax [L, H, D], target [L] (>= absmax) -> factors [L, H, D] in (0, 1], tied across each RoPE pair
+    (reference.rope_pairs; None: (d, d + D/2))."""
     a = absmax.float().clamp(min=1e-8)
     if tie_pairs:
-        D = a.shape[-1]
-        pair = torch.maximum(a[..., : D // 2], a[..., D // 2 :])
-        a = torch.cat([pair, pair], -1)
+        a = pair_spread(torch.maximum(*pair_halves(a, pairs)), pairs)
     f = (a / target.float().view(-1, 1, 1)) ** strength
     return f.clamp(min=FLOOR, max=1.0)
 

@@ -149,9 +149,47 @@ def fake_quant_keys(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
 KEY_CHANNEL_BITS = (1, 8)  # kv.key.alloc=waterfill: the fewest and most bits one key channel gets
 
 
-def waterfill_bits(weight: torch.Tensor, mean_bits: int, lo: int = KEY_CHANNEL_BITS[0], hi: int = KEY_CHANNEL_BITS[1]) -> torch.Tensor:
+def rope_pairs(head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """[2, head_dim/2] int64: the channels (a[j], b[j]) of pair j, the two channels RoPE rotates together.
+    Full rotary (GPT-NeoX layout, Llama, Qwen, Mistral): (j, j + D/2). Partial rotary (Phi, GPT-NeoX, StableLM:
+    only the first r channels rotate): (j, j + r/2) for j < r/2, then the D - r pass-through channels paired among
+    themselves, (r + m, r + (D - r)/2 + m). A pass-through pair never rotates, so tying or rotating it is exact too."""
+    D, r = head_dim, rotary_dim or head_dim
+    if D % 2 or r % 2 or (D - r) % 2 or not 0 < r <= D:
+        raise ValueError(f"rope_pairs: needs even head_dim and rotary_dim with 0 < rotary_dim <= head_dim; got {D}, {r}")
+    h, p = r // 2, (D - r) // 2
+    a = torch.cat([torch.arange(h), r + torch.arange(p)])
+    return torch.stack([a, torch.cat([torch.arange(h) + h, r + p + torch.arange(p)])])
+
+
+def is_half_split(pairs: torch.Tensor | None) -> bool:
+    """Whether `pairs` (rope_pairs) is the full-rotary layout (j, j + D/2) (None: it is, by default)."""
+    return pairs is None or torch.equal(pairs, rope_pairs(2 * pairs.shape[-1]))
+
+
+def pair_halves(x: torch.Tensor, pairs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x[..., a], x[..., b]) [..., D/2] each: the first and second channel of every RoPE pair."""
+    if pairs is None:
+        D = x.shape[-1]
+        return x[..., : D // 2], x[..., D // 2 :]
+    return x[..., pairs[0].to(x.device)], x[..., pairs[1].to(x.device)]
+
+
+def pair_spread(p: torch.Tensor, pairs: torch.Tensor | None = None, other: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., D] with both channels of pair j set to p[..., j] (or the second to other[..., j])."""
+    q = p if other is None else other
+    if pairs is None:
+        return torch.cat([p, q], -1)
+    out = p.new_empty(*p.shape[:-1], 2 * p.shape[-1])
+    out[..., pairs[0].to(p.device)] = p
+    out[..., pairs[1].to(p.device)] = q
+    return out
+
+
+def waterfill_bits(weight: torch.Tensor, mean_bits: int, lo: int = KEY_CHANNEL_BITS[0], hi: int = KEY_CHANNEL_BITS[1],
+                   pairs: torch.Tensor | None = None) -> torch.Tensor:
     """Bits per key channel (kv.key.alloc=waterfill): int64 [..., D] with the two channels of a RoPE pair
-    (d, d + D/2) equal, each in [lo, hi], mean exactly mean_bits.
+    (rope_pairs; default (d, d + D/2)) equal, each in [lo, hi], mean exactly mean_bits.
 
     weight [..., D]: the q.k score error each channel adds per unit of squared step, E[q_d^2] * E[range_d^2]
     (calibration queries' second moment times the squared range of the channel's token groups). A channel
@@ -160,13 +198,14 @@ def waterfill_bits(weight: torch.Tensor, mean_bits: int, lo: int = KEY_CHANNEL_B
     D = weight.shape[-1]
     if D % 2 or not lo <= mean_bits <= hi:
         raise ValueError(f"waterfill_bits: needs an even head dim and lo <= mean_bits <= hi; got D={D}, mean_bits={mean_bits}, [{lo}, {hi}]")
-    wp = (weight[..., : D // 2] + weight[..., D // 2 :]).double()
+    wa, wb = pair_halves(weight, pairs)
+    wp = (wa + wb).double()
     b = torch.full(wp.shape, lo, dtype=torch.int64)
     for _ in range((mean_bits - lo) * (D // 2)):
         gain = (wp * torch.pow(4.0, -b.double())).masked_fill(b >= hi, -1.0)
         idx = gain.argmax(-1, keepdim=True)
         b.scatter_add_(-1, idx, torch.ones_like(idx))
-    return torch.cat([b, b], -1)
+    return pair_spread(b, pairs)
 
 
 def quantize_keys_grouped(k: torch.Tensor, bits, group_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,9 +4,10 @@ Per layer x kv-head x channel: absmax, min, max, sum, sum of squares, a fixed hi
 |x|; per layer x kv-head a histogram of per-token L2 norms; token counts; the second moment of
 the post-RoPE queries per kv-head group (q_gram = sum of q q^T over every calibration position and
 query head of the group: all the fit's q.k score-error objective needs of the queries, [L, H_kv,
-D, D] whatever the number of query heads); per RoPE pair (d, d + D/2) the largest norm
-sqrt(k_d^2 + k_{d+D/2}^2) of the post-RoPE keys (k_pairmax [L, H, D/2]: RoPE rotates each pair, so
-this norm is the same at every position and bounds either channel at any position); per key channel
+D, D] whatever the number of query heads); per RoPE pair (a, b) (rope_pairs [2, D/2], reference.rope_pairs:
+(d, d + D/2), or a partial-rotary model's own pairs) the largest norm sqrt(k_a^2 + k_b^2) of the post-RoPE
+keys (k_pairmax [L, H, D/2]: RoPE rotates each pair, so this norm is the same at every position and bounds
+either channel at any position); per key channel
 the mean squared range (max - min) over aligned groups of G tokens of each window, G in
 spec.GROUP_RANGE_TOKENS (k_grange_sq [L, n_G, H, D] summed, k_grange_n [L, n_G] groups: what
 kv.key.alloc=waterfill weighs channels by); and a small bounded sample of raw (k, v) rows per layer
@@ -21,9 +22,10 @@ import torch
 
 from kvcompress.artifacts import load_artifact, save_artifact
 from kvcompress.errors import ArtifactError, UserError
+from kvcompress.reference import pair_halves, rope_pairs
 from kvcompress.spec import GROUP_RANGE_TOKENS
 
-FORMAT_VERSION = 5  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq
+FORMAT_VERSION = 6  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq; 6: rope_pairs
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -93,8 +95,9 @@ class KVStats:
 class StatsAccumulator:
     """Streams K/V (and a q/k/v row sample) into KVStats. One instance per profiling run."""
 
-    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int):
+    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int, rotary_dim: int | None = None):
         L, H, D = n_layers, n_kv_heads, head_dim
+        self.pairs = rope_pairs(D, rotary_dim)
         self.shape = (L, H, D)
         self.t: dict[str, torch.Tensor] = {"count": torch.zeros(L, dtype=torch.int64)}
         for w in ("k", "v"):
@@ -107,6 +110,7 @@ class StatsAccumulator:
             self.t[f"{w}_norm_hist"] = torch.zeros(L, H, N_NORM_BINS, dtype=torch.int64)
         self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
         self.t["k_pairmax"] = torch.zeros(L, H, D // 2)
+        self.t["rope_pairs"] = self.pairs.clone()  # the channels of each pair (reference.rope_pairs): k_pairmax's and fit's
         self.t["k_grange_sq"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), H, D, dtype=torch.float64)
         self.t["k_grange_n"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), dtype=torch.int64)
         self.t["q_gram"] = torch.zeros(L, H, D, D, dtype=torch.float64)
@@ -156,8 +160,8 @@ class StatsAccumulator:
     def observe_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, H_kv, T, D] post-RoPE, exactly what the model caches."""
         k, v = k.detach().float(), v.detach().float()
-        D = k.shape[-1]
-        pair = (k[..., : D // 2].square() + k[..., D // 2 :].square()).sqrt().amax(dim=(0, 2)).cpu()  # [H, D/2]
+        ka, kb = pair_halves(k, self.pairs)
+        pair = (ka.square() + kb.square()).sqrt().amax(dim=(0, 2)).cpu()  # [H, D/2]
         self.t["k_pairmax"][layer] = torch.maximum(self.t["k_pairmax"][layer], pair)
         for i, G in enumerate(GROUP_RANGE_TOKENS):  # aligned groups of G tokens of each window (a partial tail is left out)
             n = k.shape[2] // G

@@ -188,7 +188,7 @@ def test_a_model_that_drops_the_attention_keywords_is_a_clear_error():
 
 def test_partial_rotary_models_are_validated_with_a_note():
     """Models whose RoPE rotates only part of each head (Phi, GPT-NeoX, StableLM) validate as any other, and the
-    report says that the pair-based key protections (ties and folds over (i, i + D/2)) do not fit them."""
+    report says how the pair logic follows their own pairs (tests/test_partial_rotary.py checks it does)."""
     from transformers import AutoModelForCausalLM, PhiConfig
 
     from kvcompress.config import EvalConfig, TasksConfig
@@ -211,5 +211,6 @@ def test_partial_rotary_models_are_validated_with_a_note():
     book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
     ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
     report = validate(lm, {"primary": book}, ecfg, progress=False)[0]
-    assert any(n.startswith("RoPE rotates 16 of 32 channels per head") for n in report.notes), report.notes
+    assert any(n.startswith("RoPE rotates 16 of 32 channels per head: key scales are tied over the model's own RoPE pairs (i, i + 8)")
+               for n in report.notes), report.notes
     assert report.quality.kl_mean > 0

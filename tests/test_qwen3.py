@@ -130,8 +130,8 @@ def test_network_graph_of_qwen3_decodes_like_the_validated_cache(tmp_path, monke
 
 
 def test_the_oracle_enforces_tensorrts_rank_rules():
-    """TensorRT's elementwise and matrix-multiply layers take inputs of equal rank (broadcast only from 1); the
-    oracle refuses what TensorRT would, so a graph that runs here does not rely on numpy's rank promotion."""
+    """TensorRT's elementwise and matrix-multiply layers take inputs of equal rank (broadcast only from 1) and one
+    type; the oracle refuses what TensorRT would, so a graph that runs here relies on no rank or type promotion."""
     g = no.TorchGraph()
     x = torch.ones(2, 4)
     assert g.mul(x, torch.ones(1, 4)).shape == (2, 4)
@@ -139,3 +139,7 @@ def test_the_oracle_enforces_tensorrts_rank_rules():
         g.mul(x, torch.ones(4))
     with pytest.raises(ValueError, match="same rank"):
         g.matmul(torch.ones(2, 3, 4), torch.ones(4, 4))
+    with pytest.raises(ValueError, match="one type"):
+        g.add(x, torch.ones(1, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="one type"):
+        g.matmul(x, torch.ones(4, 4, dtype=torch.float16))

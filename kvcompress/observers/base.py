@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.reference import pair_halves, pair_spread
+
 
 @dataclass(frozen=True)
 class KeyRanges:
@@ -27,8 +29,9 @@ def pick_outliers(half: torch.Tensor, k: int) -> torch.Tensor:
     return half.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
-def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor, pair_norm: torch.Tensor | None = None) -> KeyRanges:
-    """Make channel d and d + D/2 share one range, ignoring channels kept in fp16.
+def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor, pair_norm: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> KeyRanges:
+    """Make the two channels of each RoPE pair share one range, ignoring channels kept in fp16. `pairs`
+    (reference.rope_pairs, [2, D/2]; None: (d, d + D/2)) names them: a partial-rotary model's pairs are its own.
 
     With `pair_norm` ([L, H, D/2], the largest post-RoPE norm of each pair; symmetric ranges only)
     the shared half-range is that norm: RoPE rotates a pair's energy between its two channels as
@@ -38,20 +41,20 @@ def tie_rope_pairs(r: KeyRanges, outliers: torch.Tensor, pair_norm: torch.Tensor
     A pair whose one member is an outlier takes the other member's range (or the pair norm); the
     outlier's own scale is then unused (it is stored in fp16) but still equal to its partner's.
     """
-    D = r.half.shape[-1]
     if pair_norm is not None:
-        half = torch.cat([pair_norm, pair_norm], -1).to(r.half)
+        half = pair_spread(pair_norm, pairs).to(r.half)
         return KeyRanges(torch.zeros_like(half), half)
     lo, hi = r.center - r.half, r.center + r.half
     is_out = torch.zeros_like(r.half, dtype=torch.bool).scatter_(-1, outliers, True)
     big = torch.finfo(lo.dtype).max
     lo_m = torch.where(is_out, torch.full_like(lo, big), lo)
     hi_m = torch.where(is_out, torch.full_like(hi, -big), hi)
-    a, b = slice(0, D // 2), slice(D // 2, D)
-    plo = torch.minimum(lo_m[..., a], lo_m[..., b])
-    phi = torch.maximum(hi_m[..., a], hi_m[..., b])
-    both_out = is_out[..., a] & is_out[..., b]
-    plo = torch.where(both_out, torch.minimum(lo[..., a], lo[..., b]), plo)
-    phi = torch.where(both_out, torch.maximum(hi[..., a], hi[..., b]), phi)
-    lo_t, hi_t = torch.cat([plo, plo], -1), torch.cat([phi, phi], -1)
+    h = lambda x: pair_halves(x, pairs)  # noqa: E731
+    plo = torch.minimum(*h(lo_m))
+    phi = torch.maximum(*h(hi_m))
+    oa, ob = h(is_out)
+    both_out = oa & ob
+    plo = torch.where(both_out, torch.minimum(*h(lo)), plo)
+    phi = torch.where(both_out, torch.maximum(*h(hi)), phi)
+    lo_t, hi_t = pair_spread(plo, pairs), pair_spread(phi, pairs)
     return KeyRanges((hi_t + lo_t) / 2, (hi_t - lo_t) / 2)

@@ -16,22 +16,22 @@ from __future__ import annotations
 import torch
 
 from kvcompress.observers import OBSERVERS
-from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax
+from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax, pair_halves, pair_spread
 
 ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
 AUGMENT_SEED = 0
 
 
-def rotate_to_random_positions(k: torch.Tensor, inv_freq: torch.Tensor, max_position: int, seed: int = AUGMENT_SEED) -> torch.Tensor:
+def rotate_to_random_positions(k: torch.Tensor, inv_freq: torch.Tensor, max_position: int, seed: int = AUGMENT_SEED,
+                               pairs: torch.Tensor | None = None) -> torch.Tensor:
     """k: [H, N, D] post-RoPE keys -> the same keys moved by a random position offset per row
-    (rotate_half convention: channel pairs (d, d + D/2) rotate by delta * inv_freq[d])."""
+    (rotate_half convention: pair j, channels (d, d + D/2) or `pairs` (reference.rope_pairs), rotates by delta * inv_freq[j])."""
     g = torch.Generator().manual_seed(seed)
     delta = torch.randint(0, max(1, max_position), (k.shape[1],), generator=g).float()  # [N]
     ang = delta[:, None] * inv_freq[None, :].float()  # [N, D/2]
     cos, sin = ang.cos(), ang.sin()
-    D = k.shape[-1]
-    x, y = k[..., : D // 2], k[..., D // 2 :]
-    return torch.cat([x * cos - y * sin, y * cos + x * sin], -1)
+    x, y = pair_halves(k, pairs)
+    return pair_spread(x * cos - y * sin, pairs, y * cos + x * sin)
 
 
 def gram_score_error(dk: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,8 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
         k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
         if "rope_inv_freq" in stats.tensors and spec.key.tie_rope_pairs:
             inv = stats["rope_inv_freq"]
-            k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, stats.geometry["max_position"], AUGMENT_SEED + layer)
+            k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, stats.geometry["max_position"], AUGMENT_SEED + layer,
+                                           stats.tensors.get("rope_pairs"))
         q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():

@@ -10,7 +10,7 @@ from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pa
 from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
-from kvcompress.reference import NATIVE_QMAX, key_qmax, native_fake_quant, pair_rotate, waterfill_bits
+from kvcompress.reference import NATIVE_QMAX, is_half_split, key_qmax, native_fake_quant, pair_rotate, waterfill_bits
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
 from kvcompress.stats import KVStats
@@ -58,6 +58,7 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     k_abs, v_abs = stats["k_absmax"], stats["v_absmax"]
     target = torch.maximum(k_abs.amax(dim=(1, 2)), v_abs.amax(dim=(1, 2)))  # [L] the shared K/V amax
     knorm = stats.header.get("key_norm", "none")  # profile.key_norm: where the key fold can live
+    pairs = stats.tensors.get("rope_pairs")  # the model's RoPE pairs (partial rotary: its own)
     if knorm == "shared":  # one k_norm weight for every head (Qwen3): the key factors must be head-independent
         k_abs = k_abs.amax(1, keepdim=True).expand_as(k_abs)
     scale = (target / NATIVE_QMAX[spec.format]).float()
@@ -68,7 +69,7 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     for layer in range(L):
         for w, abs_, flag, tie, out in (("k", k_abs, spec.fold_keys, True, sk), ("v", v_abs, spec.fold_values, False, sv)):
             cands = _strengths(flag, spec.fold_strength)
-            facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie)[0] for a in cands}
+            facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie, pairs=pairs)[0] for a in cands}
             if n and len(cands) > 1:
                 x = stats[f"sample_{w}"][layer].float()
                 q = stats.q_second_moment(layer) if w == "k" else None
@@ -83,13 +84,19 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     headroom = _headroom(stats, spec, sk, sv, scale, n, info)
     scale = scale * headroom
     rot = torch.zeros(L, H, D // 2)
+    half_split = is_half_split(pairs)
+    if not half_split and spec.fold_pairs is True:
+        raise UserError(f"kv.fold_pairs=true: this model's RoPE rotates {2 * int(pairs[1, 0] - pairs[0, 0])} of {D} channels per head; the pair "
+                        "rotations are chosen for full-rotary pairs (i, i + head_dim/2); allowed: kv.fold_pairs=auto or false")
+    if not half_split and spec.pairs_folded:
+        info["fold_pairs"] = "off: partial rotary (the key factors are tied over the model's own RoPE pairs; no pair rotation is chosen)"
     if knorm != "none":
         if spec.fold_pairs is True:
             raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "
                             "rotation can be folded; allowed: kv.fold_pairs=auto or false")
         info["key_norm"] = (f"{knorm}: the model normalises each head's keys before RoPE, so the key factors fold into its q/k norm weights"
                             + (" (one per channel, shared by every head)" if knorm == "shared" else "") + "; no RoPE-pair rotation can fold there")
-    if spec.pairs_folded and n and knorm == "none":
+    if spec.pairs_folded and n and knorm == "none" and half_split:
         per_layer = []
         inv = stats.tensors.get("rope_inv_freq")
         context = spec.pair_context
@@ -272,7 +279,7 @@ def waterfill_tensors(stats: KVStats, spec: KVSpec) -> tuple[torch.Tensor, str]:
     windows' aligned groups of kv.key.group_tokens tokens: the q.k score error its quantization step adds."""
     L = stats["k_absmax"].shape[0]
     w = torch.stack([torch.diagonal(stats.q_second_moment(i), dim1=-2, dim2=-1) * stats.group_range_sq(i, spec.key.group_tokens) for i in range(L)])
-    bits = waterfill_bits(w, spec.key.bits)
+    bits = waterfill_bits(w, spec.key.bits, pairs=stats.tensors.get("rope_pairs"))
     hist = torch.bincount(bits.flatten(), minlength=9).tolist()
     return bits, f"waterfill: mean {spec.key.bits} bits per key channel; channels with 1..8 bits: {hist[1:]}"
 
@@ -320,7 +327,7 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     if spec.key.tie_rope_pairs:
         # the rotation-invariant pair-norm bound (symmetric keys; percentile clipping keeps its histogram ranges)
         bound = stats.tensors.get("k_pairmax") if spec.key.symmetric and spec.key.clip != "percentile" else None
-        ranges = tie_rope_pairs(ranges, outliers, bound)
+        ranges = tie_rope_pairs(ranges, outliers, bound, stats.tensors.get("rope_pairs"))
     tensors = {"k_outliers": outliers, "k_range": ranges.half.float()}
     if spec.is_native:
         native, info = native_tensors(stats, spec)

@@ -27,7 +27,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     """Stream statistics of the K/V the model caches over calibration windows -> KVStats."""
     g = lm.geometry
     windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)  # [N, T]
-    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens)
+    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens, rotary_dim(lm.model, g))
     per_row = math.ceil(calib.sample_tokens / calib.n_samples) if calib.sample_tokens else 0
     gen = torch.Generator().manual_seed(calib.seed)
     batches = [windows[lo : lo + calib.batch_size] for lo in range(0, windows.shape[0], calib.batch_size)]
@@ -71,7 +71,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
 def rotary_dim(model, g) -> int:
     """Channels per head the model's RoPE rotates: twice its inverse frequencies (the rotary module transformers
     built, wherever the model keeps it); head_dim when it has none. Fewer than head_dim (Phi, GPT-NeoX): partial
-    rotary, which kvcompress's RoPE-pair logic ((i, i + head_dim/2) over the whole head) does not model."""
+    rotary, whose pairs are (i, i + rotary_dim/2) (reference.rope_pairs; the stats record them)."""
     rotary = next((m for n, m in model.named_modules() if n.split(".")[-1] == "rotary_emb"), None)
     if rotary is None:
         return g.head_dim
@@ -99,14 +99,18 @@ def key_norm(model, g) -> str:
 
 
 def rope_inv_freq(model, g) -> torch.Tensor | None:
-    """The model's RoPE inverse frequencies: [D/2], or [L, D/2] when layer types use different
-    RoPE bases (Gemma 3: local and global layers); None when the model has no standard rotary."""
+    """The model's RoPE inverse frequencies per pair of reference.rope_pairs: [D/2], or [L, D/2] when layer types
+    use different RoPE bases (Gemma 3: local and global layers); a partial-rotary model's pass-through pairs get 0
+    (they never turn). None when the model has no standard rotary."""
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:
         return None
     inv = getattr(rotary, "inv_freq", None)
     if inv is not None:
-        return inv.detach().float().cpu() if inv.numel() == g.head_dim // 2 else None
+        inv = inv.detach().float().cpu().flatten()
+        if inv.numel() < g.head_dim // 2 and inv.numel() == rotary_dim(model, g) // 2:  # partial rotary
+            inv = torch.cat([inv, inv.new_zeros(g.head_dim // 2 - inv.numel())])
+        return inv if inv.numel() == g.head_dim // 2 else None
     types = getattr(model.config, "layer_types", None)
     per = [getattr(rotary, f"{t}_inv_freq", None) for t in types] if types else []
     if per and all(p is not None and p.numel() == g.head_dim // 2 for p in per):

@@ -42,6 +42,8 @@ class TorchGraph:
     def matmul(self, a, b, transpose_b: bool = False):
         if a.dim() != b.dim() or a.dim() < 2:  # IMatrixMultiplyLayer: equal ranks >= 2, batch dims broadcast only from 1
             raise ValueError(f"TensorRT matrix multiply needs two inputs of the same rank >= 2; got {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            raise ValueError(f"TensorRT matrix multiply needs two inputs of one type; got {a.dtype} and {b.dtype}")
         b = b.transpose(-1, -2) if transpose_b else b
         if a.dtype == torch.float16:  # fp16 inputs, fp32 accumulation, fp16 result (as a GPU GEMM)
             return (a.float() @ b.float()).half()
@@ -49,10 +51,12 @@ class TorchGraph:
 
     @staticmethod
     def _same_rank(a, b):
-        """IElementWiseLayer broadcasts only dimensions of length 1 between inputs of the same rank (no numpy-style
-        rank promotion): a graph that relies on it would build here and fail in TensorRT."""
+        """IElementWiseLayer broadcasts only dimensions of length 1 between inputs of the same rank and type (no
+        numpy-style rank or type promotion): a graph that relies on either would run here and fail in TensorRT."""
         if a.dim() != b.dim() or any(x != y and 1 not in (x, y) for x, y in zip(a.shape, b.shape)):
             raise ValueError(f"TensorRT elementwise needs inputs of the same rank, broadcast only from 1; got {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.dtype != b.dtype:  # no implicit promotion either (torch would promote fp16 * fp32 to fp32)
+            raise ValueError(f"TensorRT elementwise needs inputs of one type; got {a.dtype} and {b.dtype}")
 
     def add(self, a, b):
         self._same_rank(a, b)

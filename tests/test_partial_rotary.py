@@ -1,0 +1,103 @@
+"""Partial rotary (Phi, GPT-NeoX, StableLM: RoPE rotates the first r of D channels, pairs (i, i + r/2)): the
+RoPE-pair logic follows the model's own pairs (reference.rope_pairs), so the rotation-invariant key bound holds
+for it as for a full-rotary model. The pass-through channels are paired among themselves (never rotated)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SMOKE_CALIB
+
+from kvcompress import reference as ref
+from kvcompress.data import load_texts
+from kvcompress.errors import UserError
+from kvcompress.fold import fold_factors
+from kvcompress.spec import KVSpec, native_spec
+from kvcompress.stages.fit import fit
+from kvcompress.stages.profile import profile
+
+
+def test_rope_pairs_layouts():
+    assert ref.rope_pairs(8).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and ref.is_half_split(ref.rope_pairs(8))
+    p = ref.rope_pairs(12, 8)  # rotary pairs (i, i + 4), then the pass-through channels 8..11 as (8, 10), (9, 11)
+    assert p.tolist() == [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]] and not ref.is_half_split(p)
+    assert sorted(p.flatten().tolist()) == list(range(12))
+    x = torch.randn(3, 12)
+    xa, xb = ref.pair_halves(x, p)
+    assert torch.equal(ref.pair_spread(xa, p, xb), x)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ref.rope_pairs(12, 7)
+
+
+def test_ties_follow_the_pairs():
+    p = ref.rope_pairs(12, 8)
+    a = torch.rand(2, 3, 12) + 0.1
+    f = fold_factors(a, a.amax(dim=(1, 2)), 1.0, tie_pairs=True, pairs=p)
+    assert torch.equal(f[..., p[0]], f[..., p[1]]) and not torch.equal(f[..., :6], f[..., 6:])
+    w = torch.rand(2, 12)
+    bits = ref.waterfill_bits(w, 4, pairs=p)
+    assert torch.equal(bits[..., p[0]], bits[..., p[1]]) and bits.float().mean() == 4
+
+
+def _phi():
+    from transformers import AutoModelForCausalLM, PhiConfig
+
+    from kvcompress.models.base import Geometry, LoadedModel
+    from kvcompress.models.tokenizer import ByteTokenizer
+
+    cfg = PhiConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=4096, partial_rotary_factor=0.5, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": "tiny_phi"})
+
+
+def test_partial_rotary_keys_do_not_clip_at_positions_the_calibration_never_saw():
+    """A tiny Phi (rotary 16 of 32 channels): the sampled calibration keys, turned by RoPE to arbitrary angles on the
+    model's own pairs (what later positions do), never exceed the tied symmetric key range. Negative: the ranges tied
+    over (i, i + D/2), as before, let them exceed it."""
+    lm = _phi()
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    pairs = stats["rope_pairs"]
+    assert torch.equal(pairs, ref.rope_pairs(32, 16))
+    spec = KVSpec(name="kv", key={"bits": 8, "granularity": "channel", "symmetric": True, "clip": "minmax", "tie_rope_pairs": True})
+    book = fit(stats, spec)
+    half = book.tensors["k_scale"] * ref.key_qmax(8)  # [L, H, D]
+    k = stats["sample_k"].double()  # [L, N, H, D]
+    g = torch.Generator().manual_seed(0)
+    ang = torch.rand(k.shape[1], 1, 16, generator=g, dtype=torch.float64) * 2 * torch.pi
+    ang[..., 8:] = 0.0  # the pass-through pairs do not turn
+    a, b = ref.pair_halves(k, pairs)
+    turned = ref.pair_spread(a * ang.cos() - b * ang.sin(), pairs, a * ang.sin() + b * ang.cos())
+    assert (turned.abs() <= half[:, None].double() * (1 + 1e-6)).all()
+    # the same bound over (i, i + D/2): the sample's own pair norms, tied the old way
+    ka, kb = ref.pair_halves(k)
+    old = torch.cat([(ka.square() + kb.square()).sqrt().amax(1)] * 2, -1)  # [L, H, D]
+    assert (turned.abs() > old[:, None] * 1.01).any()
+
+
+def test_native_formats_choose_no_pair_rotation_for_partial_rotary():
+    lm = _phi()
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    book = fit(stats, native_spec("native_fp8"))
+    assert not book.tensors["fold_k_rot"].any() and book.fit_info["fold_pairs"].startswith("off: partial rotary")
+    fk, p = book.tensors["fold_k"], stats["rope_pairs"]
+    assert torch.equal(fk[..., p[0]], fk[..., p[1]])
+    with pytest.raises(UserError, match="kv.fold_pairs=true: this model's RoPE rotates 16 of 32 channels"):
+        fit(stats, native_spec("native_fp8").model_copy(update={"fold_pairs": True}))
+
+
+def test_the_clipping_search_turns_keys_on_the_models_own_pairs():
+    """The MSE clipping search moves its key sample to random positions: a partial-rotary model's stats carry its
+    inverse frequencies per pair of rope_pairs (0 for the pass-through pairs), and the rotation keeps each pair's norm
+    on those pairs (the pass-through channels unchanged)."""
+    from kvcompress.observers.mse import rotate_to_random_positions
+
+    lm = _phi()
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    inv, pairs = stats["rope_inv_freq"], stats["rope_pairs"]
+    assert inv.shape == (16,) and (inv[:8] > 0).all() and (inv[8:] == 0).all()
+    k = stats["sample_k"][0].transpose(0, 1).double()  # [H, N, D]
+    turned = rotate_to_random_positions(k, inv, 4096, pairs=pairs)
+    assert torch.equal(turned[..., 16:], k[..., 16:]) and not torch.allclose(turned[..., :16], k[..., :16])
+    norm = lambda x: sum(h.square() for h in ref.pair_halves(x, pairs)).sqrt()  # noqa: E731
+    torch.testing.assert_close(norm(turned), norm(k))
