@@ -143,3 +143,13 @@ def test_the_oracle_enforces_tensorrts_rank_rules():
         g.add(x, torch.ones(1, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="one type"):
         g.matmul(x, torch.ones(4, 4, dtype=torch.float16))
+
+
+def test_the_report_says_where_the_native_key_fold_lives(lm):
+    from kvcompress.config import EvalConfig, TasksConfig
+    from kvcompress.stages.validate import validate
+
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
+    report = validate(lm, {"primary": fit(stats, native_spec("native_int8"))}, ecfg, progress=False)[0]
+    assert any(n.startswith("native formats: key_norm=shared: the model normalises each head's keys before RoPE") for n in report.notes), report.notes

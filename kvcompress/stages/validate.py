@@ -144,6 +144,9 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
                      f"pairs (i, i + {rot // 2}), the pass-through channels in pairs of their own; native formats choose no pair rotation "
                      "(kv.fold_pairs)")
         log.info(notes[-1])
+    knorm = next((b.fit_info.get("key_norm") for b in books.values() if b.spec.is_native and b.fit_info.get("key_norm")), None)
+    if knorm:  # Qwen3, Gemma 3: where the native key fold lives (profile.key_norm)
+        notes.append(f"native formats: key_norm={knorm}")
     if eval_cfg.tasks.names and lm.streamer is not None and eval_cfg.tasks.greedy:
         notes.append("greedy cross-check not run: the model is streamed layer by layer (generation decodes token by token); tasks are scored through the same executor")
     if eval_cfg.tasks.names:
