@@ -95,9 +95,9 @@ class KVStats:
 class StatsAccumulator:
     """Streams K/V (and a q/k/v row sample) into KVStats. One instance per profiling run."""
 
-    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int, rotary_dim: int | None = None):
+    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int, pairs: torch.Tensor | None = None):
         L, H, D = n_layers, n_kv_heads, head_dim
-        self.pairs = rope_pairs(D, rotary_dim)
+        self.pairs = rope_pairs(D) if pairs is None else pairs.long().cpu()
         self.shape = (L, H, D)
         self.t: dict[str, torch.Tensor] = {"count": torch.zeros(L, dtype=torch.int64)}
         for w in ("k", "v"):

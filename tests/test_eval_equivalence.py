@@ -211,6 +211,6 @@ def test_partial_rotary_models_are_validated_with_a_note():
     book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
     ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
     report = validate(lm, {"primary": book}, ecfg, progress=False)[0]
-    assert any(n.startswith("RoPE rotates 16 of 32 channels per head: key scales are tied over the model's own RoPE pairs (i, i + 8)")
+    assert any(n.startswith("RoPE pairs of this model are (i, i + 8), over 16 of 32 channels: key scales are tied over them")
                for n in report.notes), report.notes
     assert report.quality.kl_mean > 0

@@ -1,6 +1,7 @@
-"""Partial rotary (Phi, GPT-NeoX, StableLM: RoPE rotates the first r of D channels, pairs (i, i + r/2)): the
-RoPE-pair logic follows the model's own pairs (reference.rope_pairs), so the rotation-invariant key bound holds
-for it as for a full-rotary model. The pass-through channels are paired among themselves (never rotated)."""
+"""RoPE layouts other than Llama's half-split (i, i + D/2): partial rotary (Phi, GPT-NeoX, StableLM: RoPE rotates
+the first r of D channels, pairs (i, i + r/2)) and interleaved (Cohere, GLM, ERNIE: pairs (2i, 2i + 1)). profile
+reads the model's own pairs by probing its RoPE (profile.rope_pairs_of) and the RoPE-pair logic follows them, so the
+rotation-invariant key bound holds as for a Llama. Pass-through channels are paired among themselves (never rotated)."""
 from __future__ import annotations
 
 import pytest
@@ -38,34 +39,62 @@ def test_ties_follow_the_pairs():
     assert torch.equal(bits[..., p[0]], bits[..., p[1]]) and bits.float().mean() == 4
 
 
-def _phi():
-    from transformers import AutoModelForCausalLM, PhiConfig
+def _model(kind: str = "phi"):
+    """Tiny random models of three RoPE layouts: Phi (half-split, 16 of 32 channels), Cohere (interleaved (2i, 2i + 1),
+    every channel), GLM (interleaved, 16 of 32 channels)."""
+    import transformers
 
     from kvcompress.models.base import Geometry, LoadedModel
     from kvcompress.models.tokenizer import ByteTokenizer
 
-    cfg = PhiConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    max_position_embeddings=4096, partial_rotary_factor=0.5, pad_token_id=0)
+    cls, extra = {"phi": ("PhiConfig", {"partial_rotary_factor": 0.5}), "cohere": ("CohereConfig", {}),
+                  "glm": ("GlmConfig", {"head_dim": 32, "partial_rotary_factor": 0.5})}[kind]
+    cfg = getattr(transformers, cls)(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=256, eos_token_id=256, **extra)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": "tiny_phi"})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": f"tiny_{kind}"})
 
 
-def test_partial_rotary_keys_do_not_clip_at_positions_the_calibration_never_saw():
-    """A tiny Phi (rotary 16 of 32 channels): the sampled calibration keys, turned by RoPE to arbitrary angles on the
-    model's own pairs (what later positions do), never exceed the tied symmetric key range. Negative: the ranges tied
-    over (i, i + D/2), as before, let them exceed it."""
-    lm = _phi()
+def _phi():
+    return _model("phi")
+
+
+def test_rope_pairs_are_read_from_the_models_own_rope():
+    """profile.rope_pairs_of probes the model's RoPE: half-split, interleaved and partial layouts alike."""
+    from conftest import tiny_lm
+
+    from kvcompress.stages.profile import rope_pairs_of
+
+    llama = tiny_lm("llama")
+    assert torch.equal(rope_pairs_of(llama.model, llama.geometry), ref.rope_pairs(32))
+    inter = torch.stack([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
+    expect = {"phi": ref.rope_pairs(32, 16), "cohere": torch.stack([torch.arange(0, 32, 2), torch.arange(1, 32, 2)]),
+              "glm": torch.cat([inter, ref.rope_pairs(32, 16)[:, 8:]], 1)}
+    for kind, pairs in expect.items():
+        lm = _model(kind)
+        assert torch.equal(rope_pairs_of(lm.model, lm.geometry), pairs), kind
+
+
+@pytest.mark.parametrize("kind", ["phi", "cohere", "glm"])
+def test_keys_do_not_clip_at_positions_the_calibration_never_saw(kind):
+    """Tiny Phi (rotary 16 of 32 channels), Cohere (interleaved) and GLM (both): the sampled calibration keys, turned
+    by RoPE to arbitrary angles on the model's own pairs (what later positions do), never exceed the tied symmetric
+    key range. Negative: the ranges tied over (i, i + D/2), as before, let them exceed it."""
+    from kvcompress.stages.profile import rope_pairs_of
+
+    lm = _model(kind)
     stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
     pairs = stats["rope_pairs"]
-    assert torch.equal(pairs, ref.rope_pairs(32, 16))
+    assert torch.equal(pairs, rope_pairs_of(lm.model, lm.geometry)) and not ref.is_half_split(pairs)
+    rotated = 16 if kind != "cohere" else 32
     spec = KVSpec(name="kv", key={"bits": 8, "granularity": "channel", "symmetric": True, "clip": "minmax", "tie_rope_pairs": True})
     book = fit(stats, spec)
     half = book.tensors["k_scale"] * ref.key_qmax(8)  # [L, H, D]
     k = stats["sample_k"].double()  # [L, N, H, D]
     g = torch.Generator().manual_seed(0)
     ang = torch.rand(k.shape[1], 1, 16, generator=g, dtype=torch.float64) * 2 * torch.pi
-    ang[..., 8:] = 0.0  # the pass-through pairs do not turn
+    ang[..., rotated // 2 :] = 0.0  # the pass-through pairs do not turn
     a, b = ref.pair_halves(k, pairs)
     turned = ref.pair_spread(a * ang.cos() - b * ang.sin(), pairs, a * ang.sin() + b * ang.cos())
     assert (turned.abs() <= half[:, None].double() * (1 + 1e-6)).all()
@@ -79,10 +108,10 @@ def test_native_formats_choose_no_pair_rotation_for_partial_rotary():
     lm = _phi()
     stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
     book = fit(stats, native_spec("native_fp8"))
-    assert not book.tensors["fold_k_rot"].any() and book.fit_info["fold_pairs"].startswith("off: partial rotary")
+    assert not book.tensors["fold_k_rot"].any() and book.fit_info["fold_pairs"].startswith("off: partial or interleaved rotary")
     fk, p = book.tensors["fold_k"], stats["rope_pairs"]
     assert torch.equal(fk[..., p[0]], fk[..., p[1]])
-    with pytest.raises(UserError, match="kv.fold_pairs=true: this model's RoPE rotates 16 of 32 channels"):
+    with pytest.raises(UserError, match=r"kv.fold_pairs=true: this model's RoPE pairs are not \(i, i \+ head_dim/2\) \(partial or interleaved rotary: first pair \(0, 8\)\)"):
         fit(stats, native_spec("native_fp8").model_copy(update={"fold_pairs": True}))
 
 
@@ -101,3 +130,14 @@ def test_the_clipping_search_turns_keys_on_the_models_own_pairs():
     assert torch.equal(turned[..., 16:], k[..., 16:]) and not torch.allclose(turned[..., :16], k[..., :16])
     norm = lambda x: sum(h.square() for h in ref.pair_halves(x, pairs)).sqrt()  # noqa: E731
     torch.testing.assert_close(norm(turned), norm(k))
+
+
+def test_the_report_names_an_interleaved_layout():
+    from kvcompress.config import EvalConfig, TasksConfig
+    from kvcompress.stages.validate import validate
+
+    lm = _model("cohere")
+    book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
+    ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
+    report = validate(lm, {"primary": book}, ecfg, progress=False)[0]
+    assert "RoPE pairs of this model are (2i, 2i + 1), interleaved: key scales are tied over them; native formats choose no pair rotation (kv.fold_pairs)" in report.notes

@@ -86,10 +86,10 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     rot = torch.zeros(L, H, D // 2)
     half_split = is_half_split(pairs)
     if not half_split and spec.fold_pairs is True:
-        raise UserError(f"kv.fold_pairs=true: this model's RoPE rotates {2 * int(pairs[1, 0] - pairs[0, 0])} of {D} channels per head; the pair "
-                        "rotations are chosen for full-rotary pairs (i, i + head_dim/2); allowed: kv.fold_pairs=auto or false")
+        raise UserError(f"kv.fold_pairs=true: this model's RoPE pairs are not (i, i + head_dim/2) (partial or interleaved rotary: first pair "
+                        f"{tuple(pairs[:, 0].tolist())}); the pair rotations are for that layout only; allowed: kv.fold_pairs=auto or false")
     if not half_split and spec.pairs_folded:
-        info["fold_pairs"] = "off: partial rotary (the key factors are tied over the model's own RoPE pairs; no pair rotation is chosen)"
+        info["fold_pairs"] = "off: partial or interleaved rotary (the key factors are tied over the model's own RoPE pairs; no pair rotation is chosen)"
     if knorm != "none":
         if spec.fold_pairs is True:
             raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "

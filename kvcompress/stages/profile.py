@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from tqdm.auto import tqdm
 
 from kvcompress.data import TextSet, token_windows
+from kvcompress.reference import rope_pairs
 from kvcompress.models.base import LoadedModel
 from kvcompress.models.streaming import Pass
 from kvcompress.models.observe import ObservingCache, attention_hook, prerope_key_hooks
@@ -27,7 +29,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     """Stream statistics of the K/V the model caches over calibration windows -> KVStats."""
     g = lm.geometry
     windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)  # [N, T]
-    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens, rotary_dim(lm.model, g))
+    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens, rope_pairs_of(lm.model, g))
     per_row = math.ceil(calib.sample_tokens / calib.n_samples) if calib.sample_tokens else 0
     gen = torch.Generator().manual_seed(calib.seed)
     batches = [windows[lo : lo + calib.batch_size] for lo in range(0, windows.shape[0], calib.batch_size)]
@@ -96,6 +98,44 @@ def key_norm(model, g) -> str:
         return "none"
     w = getattr(norm, "weight", None)
     return "per_head" if w is not None and w.numel() == g.n_kv_heads * g.head_dim and g.n_kv_heads > 1 else "shared"
+
+
+def rope_pairs_of(model, g) -> torch.Tensor:
+    """[2, D/2]: the channels each RoPE pair of the model rotates together, found by probing the model's own RoPE:
+    its rotary module's cos/sin at position 1 and its modeling code's apply_rotary_pos_emb applied to the unit
+    vectors of the rotated channels. Each unit vector comes out on its own channel and its partner's. This reads
+    the half-split layout (Llama, Qwen: (i, i + r/2)), the interleaved one (Cohere, GLM, ERNIE: (2i, 2i + 1)) and
+    partial rotary (r < D: the rotated channels first) alike. Pairs are ordered by their first channel (pair j
+    turns at the rotary module's inv_freq[j] in both layouts); the pass-through channels follow, paired among
+    themselves (reference.rope_pairs). Without a recognisable RoPE: reference.rope_pairs(D, rotary_dim)."""
+    D, r = g.head_dim, rotary_dim(model, g)
+    default = rope_pairs(D, r)
+    rotary = next((m for n, m in model.named_modules() if n.split(".")[-1] == "rotary_emb"), None)
+    attn = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("self_attn", "attention", "attn")), None)
+    fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn is not None else None
+    if rotary is None or fn is None:
+        return default
+    try:
+        x = torch.eye(r, dtype=torch.float32)[None, None]  # [1, 1 head, r tokens, r]: token t is the unit vector e_t
+        pos = torch.ones(1, r, dtype=torch.long)
+        try:
+            cos, sin = rotary(x, pos)
+        except TypeError:  # per layer type (Gemma 3): every type rotates the same channels
+            cos, sin = rotary(x, pos, layer_type=(getattr(model.config, "layer_types", None) or ["full_attention"])[0])
+        out = fn(x, x, cos.float(), sin.float())[0][0, 0].cpu()  # row t: e_t turned by RoPE
+    except Exception:  # a RoPE this probe cannot drive: the half-split default
+        return default
+    if out.shape != (r, r) or out.is_meta:
+        return default
+    off = (out != 0) & ~torch.eye(r, dtype=torch.bool)
+    if not bool((off.sum(1) == 1).all()):
+        return default
+    partner = off.float().argmax(1)
+    if not torch.equal(partner[partner], torch.arange(r)):
+        return default
+    first = torch.nonzero(torch.arange(r) < partner).flatten()
+    pairs = torch.stack([first, partner[first]])
+    return torch.cat([pairs, default[:, r // 2 :]], 1) if r < D else pairs
 
 
 def rope_inv_freq(model, g) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logp
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls
-from kvcompress.stages.profile import rotary_dim
+from kvcompress.stages.profile import rope_pairs_of, rotary_dim
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
 from kvcompress.report_schema import FormatResult, Memory, Quality, Report
@@ -138,11 +138,12 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
-    rot = rotary_dim(lm.model, lm.geometry)
-    if rot < lm.geometry.head_dim:  # partial rotary: the pair logic follows the model's own pairs (reference.rope_pairs)
-        notes.append(f"RoPE rotates {rot} of {lm.geometry.head_dim} channels per head: key scales are tied over the model's own RoPE "
-                     f"pairs (i, i + {rot // 2}), the pass-through channels in pairs of their own; native formats choose no pair rotation "
-                     "(kv.fold_pairs)")
+    pairs, rot, D = rope_pairs_of(lm.model, lm.geometry), rotary_dim(lm.model, lm.geometry), lm.geometry.head_dim
+    if not ref.is_half_split(pairs):  # partial or interleaved rotary: the pair logic follows the model's own pairs (profile.rope_pairs_of)
+        step = int(pairs[1, 0] - pairs[0, 0])
+        layout = ("(2i, 2i + 1), interleaved" if step == 1 else f"(i, i + {step})") + (f", over {rot} of {D} channels" if rot < D else "")
+        notes.append(f"RoPE pairs of this model are {layout}: key scales are tied over them"
+                     + (", the pass-through channels in pairs of their own" if rot < D else "") + "; native formats choose no pair rotation (kv.fold_pairs)")
         log.info(notes[-1])
     knorm = next((b.fit_info.get("key_norm") for b in books.values() if b.spec.is_native and b.fit_info.get("key_norm")), None)
     if knorm:  # Qwen3, Gemma 3: where the native key fold lives (profile.key_norm)
