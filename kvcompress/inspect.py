@@ -14,6 +14,7 @@ import sys
 import torch
 
 from kvcompress.errors import UserError
+from kvcompress.reference import is_half_split, pair_halves
 from kvcompress.stats import KVStats
 
 
@@ -27,8 +28,7 @@ def top_ratios(absmax: torch.Tensor, top: int) -> list[tuple[int, float]]:
 def outlier_table(stats: KVStats, top: int = 3) -> list[dict]:
     post = stats["k_absmax"]  # [L, H, D]
     pre = stats["k_prerope_absmax"]
-    D = post.shape[-1]
-    pairs = torch.maximum(post[..., : D // 2], post[..., D // 2 :])  # [L, H, D/2]
+    pairs = torch.maximum(*pair_halves(post, stats.tensors.get("rope_pairs")))  # [L, H, D/2], pair j = the model's own (profile.rope_pairs_of)
     rows = []
     for layer in range(post.shape[0]):
         for head in range(post.shape[1]):
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     g = stats.geometry
     print(f"key outlier channels: {g['architecture']} ({g['n_layers']} layers, {g['n_kv_heads']} kv heads, head dim {g['head_dim']})")
-    print("channel:absmax/median-channel; pairs are (d, d+D/2) with d < D/2")
+    pairs = stats.tensors.get("rope_pairs")
+    if pairs is None or is_half_split(pairs):
+        print("channel:absmax/median-channel; pairs are (d, d+D/2) with d < D/2")
+    else:  # the model's own RoPE pairs (profile.rope_pairs_of): pair j is (a[j], b[j])
+        print("channel:absmax/median-channel; pair j is the model's own RoPE pair (" + ", ".join(f"{j}=({a},{b})" for j, (a, b) in enumerate(pairs.t().tolist()[:4])) + ", ...)")
     print(f"{'layer':>5} {'head':>4} | {'pre-RoPE channels':<34} | {'post-RoPE channels':<34} | post-RoPE pairs")
     for r in outlier_table(stats, a.top):
         print(f"{r['layer']:>5} {r['kv_head']:>4} | {_fmt(r['pre_rope']):<34} | {_fmt(r['post_rope']):<34} | {_fmt(r['post_rope_pairs'])}")

@@ -141,3 +141,18 @@ def test_the_report_names_an_interleaved_layout():
     ecfg = EvalConfig(name="smoke", split="heldout", n_windows=1, seq_len=64, batch_size=1, tasks=TasksConfig(names=[]))
     report = validate(lm, {"primary": book}, ecfg, progress=False)[0]
     assert "RoPE pairs of this model are (2i, 2i + 1), interleaved: key scales are tied over them; native formats choose no pair rotation (kv.fold_pairs)" in report.notes
+
+
+def test_inspect_prints_the_models_own_pairs(tmp_path, capsys):
+    """python -m kvcompress.inspect: the key outlier table per layer and head, post-RoPE pairs over the model's own
+    RoPE pairs (named for an interleaved model); a missing file is one line and exit 2."""
+    from kvcompress.inspect import main
+
+    stats = profile(_model("cohere"), SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    stats.save(tmp_path / "kv_stats.safetensors")
+    assert main([str(tmp_path / "kv_stats.safetensors"), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pair j is the model's own RoPE pair (0=(0,1), 1=(2,3)" in out and len(out.splitlines()) == 3 + 2 * 2
+    assert main([str(tmp_path / "missing.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcompress: error:") and len(err.strip().splitlines()) == 1
