@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import cache_dir, eval_config, model_config
+from _common import cache_dir, eval_config
 from transformers import DynamicCache
 
 from kvcompress.cache import CompressedCache
+from kvcompress.config import ModelConfig
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import load_model
 from kvcompress.scalebook import ScaleBook
@@ -43,7 +44,7 @@ def main() -> None:
         sys.exit(f"kvcompress: error: {str(a.run_dir)!r} is not a validated run directory (missing {', '.join(missing)})")
     report = json.loads((a.run_dir / "report.json").read_text())
     cfg = json.loads((a.run_dir / "config.json").read_text())
-    lm = load_model(model_config(cfg["model"]["name"]), cache_dir())
+    lm = load_model(ModelConfig.model_validate(cfg["model"]), cache_dir())  # the run's own model (its model.path, dtype, device)
     book = ScaleBook.load(a.run_dir / "scalebook.safetensors", lm.geometry.to_dict())
     windows = token_windows(lm.tokenizer, load_texts(eval_config("default")), a.windows, a.seq_len, seed=a.seed)
     nll_b = nll_c = kl = agree = n = 0.0

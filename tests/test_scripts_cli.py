@@ -43,3 +43,37 @@ def test_pair_fold_anatomy_runs_on_the_tiny_model():
     rows = [line for line in lines if line.endswith("x") and "%" in line]
     assert len(rows) == 7 and rows[0].startswith("default (pair_context=0)") and rows[0].endswith(" 1.00x")
     assert any(r.startswith("pair_context=4096") for r in rows) and any(r.startswith("default, pairs 12-15 as 4096") for r in rows)
+
+
+def test_make_text_corpus_regenerates_the_committed_text_byte_for_byte(tmp_path, monkeypatch):
+    """scripts/make_text_corpus.py (README: it regenerates both splits) writes exactly the committed files."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import make_text_corpus
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(make_text_corpus, "OUT", tmp_path)
+    make_text_corpus.main()
+    for name in ("calib.txt", "heldout.txt"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "kvcompress" / "data" / "text" / name).read_bytes(), name
+
+
+def test_check_cache_eval_reloads_the_runs_own_model(tmp_path):
+    """scripts/check_cache_eval.py on a run of a model given by model.path (not a preset): it reloads that model from
+    the run's resolved config and decodes through the real CompressedCache beside report.json. A directory that is not
+    a validated run is one line and a non-zero exit."""
+    from conftest import run_cli
+    from test_export import _hf_dir
+
+    run = tmp_path / "run"
+    p = run_cli("model=llama3_8b", f"model.path={_hf_dir(tmp_path, 'llama')}", "model.name=hf_dir", "model.device=cpu", "model.dtype=float32",
+                "calib=smoke", "eval=smoke", "export=none", "kv.window=8", "kv.sink_tokens=2", f"hydra.run.dir={run}",
+                cache_dir=tmp_path / "cache", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "scripts/check_cache_eval.py", str(run), "--windows", "1", "--seq-len", "40"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "KVCOMPRESS_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    kl = next(line for line in p.stdout.splitlines() if line.startswith("KL mean"))
+    assert float(kl.split()[-1]) > 0 and "tokens: report" in p.stdout
+    p = subprocess.run([sys.executable, "scripts/check_cache_eval.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "is not a validated run directory" in p.stderr and "Traceback" not in p.stderr
