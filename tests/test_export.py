@@ -275,6 +275,14 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     with pytest.raises(UserError, match="has attention_bias=True: add export=none"):
         check_exportable(llama)
     llama.config.attention_bias = False
+    theta = llama.config.rope_parameters["rope_theta"]
+    llama.config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 1024}
+    check_exportable(llama)  # the reader re-measures default, linear and llama3 RoPE
+    llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": 1024}
+    with pytest.raises(UserError, match="RoPE scaling of type default, linear, llama3; this LlamaForCausalLM has rope_type='yarn': add export=none"):
+        check_exportable(llama)  # before: a ValueError traceback from the re-measure, after profile, fit and validate
+    llama.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     llama.config.hidden_act = "gelu"
     with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
         check_exportable(llama)

@@ -44,6 +44,7 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
+EXPORT_ROPE_TYPES = ("default", "linear", "llama3")  # targets.trtllm_reader.rope_inv_freq re-measures these
 SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FORMAT_VERSION = 2
 
@@ -65,6 +66,10 @@ def check_exportable(model) -> None:
     biases = [n for n in ("attention_bias", "mlp_bias") if getattr(cfg, n, False)]
     if biases:  # Llama's attention_bias also puts a bias on o_proj: neither the checkpoint writer nor the custom-tier graph carries it
         raise UserError(f"export=trtllm writes q/k/v biases only (Qwen2's); this {arch} has {' and '.join(f'{n}=True' for n in biases)}: add export=none")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
+        raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")
