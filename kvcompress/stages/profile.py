@@ -8,11 +8,11 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.data import TextSet, token_windows
-from kvcompress.reference import rope_pairs
 from kvcompress.models.base import LoadedModel
 from kvcompress.models.streaming import Pass
 from kvcompress.models.observe import ObservingCache, attention_hook, prerope_key_hooks
 from kvcompress.provenance import base_provenance
+from kvcompress.reference import rope_pairs
 from kvcompress.stats import KVStats, StatsAccumulator
 
 
@@ -82,9 +82,6 @@ def rotary_dim(model, g) -> int:
         inv = next((getattr(rotary, f"{t}_inv_freq") for t in getattr(model.config, "layer_types", None) or ()
                     if getattr(rotary, f"{t}_inv_freq", None) is not None), None)
     return g.head_dim if inv is None else 2 * inv.numel()
-
-
-KEY_NORMS = ("none", "shared", "per_head")
 
 
 def key_norm(model, g) -> str:
