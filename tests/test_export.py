@@ -2,6 +2,7 @@
 import copy
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -280,7 +281,12 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
                                     "original_max_position_embeddings": 1024}
     check_exportable(llama)  # the reader re-measures default, linear and llama3 RoPE
     llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": 1024}
-    with pytest.raises(UserError, match="RoPE scaling of type default, linear, llama3; this LlamaForCausalLM has rope_type='yarn': add export=none"):
+    check_exportable(llama)  # YaRN as transformers and TensorRT-LLM both compute it by default
+    llama.config.rope_parameters |= {"attention_factor": 1.2}  # transformers takes it; TensorRT-LLM has no such field
+    with pytest.raises(UserError, match="differs from transformers' for attention_factor=1.2: add export=none"):
+        check_exportable(llama)
+    llama.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": theta, "factor": 4.0}
+    with pytest.raises(UserError, match="RoPE scaling of type default, linear, llama3, yarn; this LlamaForCausalLM has rope_type='dynamic': add export=none"):
         check_exportable(llama)  # before: a ValueError traceback from the re-measure, after profile, fit and validate
     llama.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     llama.config.hidden_act = "gelu"
@@ -527,6 +533,42 @@ def test_reader_applies_llama3_rope_scaling(tmp_path):
     c = json.loads((tmp_path / "config.json").read_text())
     c["rotary_scaling"] = None  # what ignoring the scaling computes: clearly different
     (tmp_path / "config.json").write_text(json.dumps(c))
+    assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2
+
+
+def test_reader_applies_yarn_as_tensorrt_llm_and_transformers_compute_it(tmp_path):
+    """A YaRN checkpoint (Qwen2.5/Qwen3 at long context): the reader follows TensorRT-LLM's YaRN (its ramp over the
+    channels between beta_fast and beta_slow rotations, and cos/sin scaled by 0.1 ln(factor) + 1), which reproduces
+    transformers' YaRN. Negatives: without the cos/sin scale, or without the ramp, clearly different."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcompress.models.base import Geometry
+
+    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # peaked attention: positions matter
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    write_checkpoint(model, Geometry.from_hf_config(cfg), tmp_path, 1, "float32", None, None)
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["rotary_scaling"] == {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=5e-5, rtol=5e-5)
+    assert trtllm_reader.rope_scale(c["rotary_scaling"]) == pytest.approx(0.1 * math.log(4.0) + 1)
+    real = trtllm_reader.rope_scale
+    try:
+        trtllm_reader.rope_scale = lambda scaling: 1.0
+        assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2
+    finally:
+        trtllm_reader.rope_scale = real
+    c["rotary_scaling"] = {"type": "linear", "factor": 4.0} | {k: v for k, v in c["rotary_scaling"].items() if k != "type"}
+    (tmp_path / "config.json").write_text(json.dumps(c))  # every pair interpolated: no ramp
     assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2
 
 

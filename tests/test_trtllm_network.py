@@ -283,3 +283,27 @@ def test_per_token_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     no.write_network_files(tmp_path / "bad", spec, {"q_rotation": np.eye(lm.geometry.head_dim, dtype=np.float32)})
     with pytest.raises(ValueError, match="qr is not the query in the keys' basis"):
         no.check_network(tmp_path / "bad", hf, lm.model, book, prompt, max_new_tokens=8)
+
+
+def test_network_graph_of_a_yarn_model_decodes_like_the_validated_cache(tmp_path):
+    """YaRN (network.json rope_scale, the graph's cos/sin tables scaled by it, frequencies from the reader's YaRN):
+    the graph decodes like transformers' YaRN model through CompressedCache. Negative: without the scale, far off."""
+    from conftest import tiny_lm
+
+    lm = tiny_lm("llama")
+    lm.model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    lm.model.model.rotary_emb.__init__(lm.model.config)  # the model's own YaRN frequencies and attention scaling
+    with torch.no_grad():
+        for layer in lm.model.model.layers:  # peaked attention: the scores' scale matters
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    assert spec["rope_scale"] == pytest.approx(0.1 * np.log(4.0) + 1)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    unscaled, _ = _bundle(tmp_path / "unscaled", lm, book, {"rope_scale": 1.0})
+    other = no.check_network(unscaled, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert other["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])

@@ -44,7 +44,7 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
-EXPORT_ROPE_TYPES = ("default", "linear", "llama3")  # targets.trtllm_reader.rope_inv_freq re-measures these
+EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_reader.rope_inv_freq re-measures these
 SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FORMAT_VERSION = 2
 
@@ -70,6 +70,13 @@ def check_exportable(model) -> None:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
         raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
+    if kind == "yarn":  # where transformers' YaRN and TensorRT-LLM's differ (TensorRT-LLM reads factor, beta_fast/slow, mscale, mscale_all_dim only)
+        odd = [f"{k}={rope.get(k)!r}" for k, bad in (("factor", rope.get("factor") is None), ("attention_factor", rope.get("attention_factor") is not None),
+                                                   ("truncate", rope.get("truncate", True) is False),
+                                                   ("mscale", bool(rope.get("mscale")) and not rope.get("mscale_all_dim") and rope.get("mscale") != 1))
+               if bad]
+        if odd:
+            raise UserError(f"export=trtllm writes YaRN as TensorRT-LLM computes it, which differs from transformers' for {', '.join(odd)}: add export=none")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")

@@ -109,11 +109,12 @@ def store_capacity(spec: dict, max_seq_len: int) -> int:
     return -(-n // gt) * gt  # the grouped family stores whole key groups
 
 
-def rope_tables(inv_freq: np.ndarray, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [n_pos, D] float32 for GPT-NeoX rotation (channel pairs (d, d + D/2))."""
+def rope_tables(inv_freq: np.ndarray, n_pos: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_pos, D] float32 for GPT-NeoX rotation (channel pairs (d, d + D/2)), times `scale` (YaRN's
+    attention scaling, network.json rope_scale; 1 otherwise)."""
     ang = np.arange(n_pos, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
     ang = np.concatenate([ang, ang], axis=1)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (np.cos(ang) * scale).astype(np.float32), (np.sin(ang) * scale).astype(np.float32)
 
 
 def rotate_half_matrix(D: int) -> np.ndarray:
@@ -232,7 +233,7 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
     a = spec["arch"]
     H, HKV, D, L = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["n_layers"]
     eps = float(a["rms_eps"])
-    cos_t, sin_t = rope_tables(np.asarray(spec["rope_inv_freq"], np.float32), n_pos)
+    cos_t, sin_t = rope_tables(np.asarray(spec["rope_inv_freq"], np.float32), n_pos, float(spec.get("rope_scale", 1.0)))
     R = g.const(rotate_half_matrix(D))
     x = g.gather(g.const(W["embed"]), ids)  # [B, hidden]
     cos = g.reshape(g.gather(g.const(cos_t), lens), (0, 1, D))

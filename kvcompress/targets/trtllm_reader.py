@@ -124,8 +124,9 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inv_freq(D: int, base: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [D/2] of the checkpoint's RoPE, with its `rotary_scaling` applied:
-    none, "linear" (all frequencies / factor) or "llama3" (Llama-3.1's published rule: low
-    frequencies / factor, high ones kept, a smooth ramp between). Other types are refused."""
+    none, "linear" (all frequencies / factor), "llama3" (Llama-3.1's published rule: low
+    frequencies / factor, high ones kept, a smooth ramp between) or "yarn" (TensorRT-LLM's rule, a ramp
+    over the channel range beta_fast..beta_slow; cos and sin also scaled, rope_scale). Other types are refused."""
     inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
     kind = (scaling or {}).get("type")
     if kind is None:
@@ -140,7 +141,31 @@ def rope_inv_freq(D: int, base: float, scaling: dict | None) -> torch.Tensor:
         smooth = (old / wavelen - lo) / (hi - lo)
         mid = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(mid, (1 - smooth) * scaled / f + smooth * scaled, scaled)
-    raise ValueError(f"trtllm_reader: rotary_scaling type {kind!r} is not implemented (none, linear, llama3)")
+    if kind == "yarn":  # TensorRT-LLM's RopeEmbeddingUtils.create_sinusoidal_positions_yarn (transformers' default YaRN)
+        orig = float(scaling.get("original_max_position_embeddings", 4096))
+        fast, slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
+
+        def corr(rot: float) -> float:  # the channel index at which a pair turns `rot` times over the original context
+            return D * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), D - 1)
+        ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+        return inv / f * ramp + inv * (1 - ramp)  # fast pairs keep their frequency, slow ones are interpolated
+    raise ValueError(f"trtllm_reader: rotary_scaling type {kind!r} is not implemented (none, linear, llama3, yarn)")
+
+
+def rope_scale(scaling: dict | None) -> float:
+    """The factor on cos and sin of the checkpoint's RoPE: YaRN's attention scaling as TensorRT-LLM computes it,
+    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) with 0.1 * m * ln(factor) + 1 (1 if factor <= 1);
+    1 for every other type."""
+    if (scaling or {}).get("type") != "yarn":
+        return 1.0
+    f = float(scaling["factor"])
+
+    def get(m: float) -> float:
+        return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+
+    return get(float(scaling.get("mscale", 1.0))) / get(float(scaling.get("mscale_all_dim", 0.0)))
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, base: float, scaling: dict | None = None) -> torch.Tensor:
@@ -148,7 +173,8 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, base: float, scaling: dict | None 
     D = x.shape[-1]
     inv = rope_inv_freq(D, base, scaling)
     ang = pos.float()[:, None] * inv[None, :]  # [T, D/2]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    m = rope_scale(scaling)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1) * m, torch.cat([ang.sin(), ang.sin()], -1) * m
     rot = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
     return x * cos + rot * sin
 
