@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from conftest import ROOT, run_cli, tiny_lm
 from kvcompress.fold import apply_fold, fold_factors
+from kvcompress.models.base import Geometry
 from kvcompress.targets import launchers, trtllm_reader
 from kvcompress.targets.trtllm_ckpt import rank_weights, write_checkpoint
 
@@ -506,25 +507,27 @@ def test_reader_reproduces_smollm2(tmp_path, tp):
     torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=2e-4, rtol=2e-4)
 
 
-def test_reader_applies_llama3_rope_scaling(tmp_path):
-    """A Llama-3.1-style checkpoint (rope_type llama3): the reader's RoPE follows the written
-    rotary_scaling, so the re-measurement of such an export runs the model it claims to."""
+def _peaked_llama(rope_parameters: dict):
+    """A tiny float32 Llama with the given RoPE and peaked attention (q/k weights x20: positions matter)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcompress.models.base import Geometry
-
     cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False, rope_parameters=rope_parameters)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        for layer in model.model.layers:  # peaked attention: positions matter
+        for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(20)
             layer.self_attn.k_proj.weight.mul_(20)
-    geom = Geometry.from_hf_config(cfg)
-    write_checkpoint(model, geom, tmp_path, 1, "float32", None, None)
+    return model
+
+
+def test_reader_applies_llama3_rope_scaling(tmp_path):
+    """A Llama-3.1-style checkpoint (rope_type llama3): the reader's RoPE follows the written
+    rotary_scaling, so the re-measurement of such an export runs the model it claims to."""
+    model = _peaked_llama({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    write_checkpoint(model, Geometry.from_hf_config(model.config), tmp_path, 1, "float32", None, None)
     assert json.loads((tmp_path / "config.json").read_text())["rotary_scaling"]["type"] == "llama3"
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -540,20 +543,8 @@ def test_reader_applies_yarn_as_tensorrt_llm_and_transformers_compute_it(tmp_pat
     """A YaRN checkpoint (Qwen2.5/Qwen3 at long context): the reader follows TensorRT-LLM's YaRN (its ramp over the
     channels between beta_fast and beta_slow rotations, and cos/sin scaled by 0.1 ln(factor) + 1), which reproduces
     transformers' YaRN. Negatives: without the cos/sin scale, or without the ramp, clearly different."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcompress.models.base import Geometry
-
-    cfg = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:  # peaked attention: positions matter
-            layer.self_attn.q_proj.weight.mul_(20)
-            layer.self_attn.k_proj.weight.mul_(20)
-    write_checkpoint(model, Geometry.from_hf_config(cfg), tmp_path, 1, "float32", None, None)
+    model = _peaked_llama({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
+    write_checkpoint(model, Geometry.from_hf_config(model.config), tmp_path, 1, "float32", None, None)
     c = json.loads((tmp_path / "config.json").read_text())
     assert c["rotary_scaling"] == {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
