@@ -71,9 +71,9 @@ def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.d
     D, H = geom.head_dim, geom.n_kv_heads
     g = geom.n_heads // H
     p = f"model.layers.{L}.self_attn."
-    if p + "k_norm.weight" in state:  # the factors live in the q/k norm weights (key_norm_weights)
-        wk = state[p + "k_norm.weight"].float().abs().expand(H, D) if state[p + "k_norm.weight"].numel() == D else state[p + "k_norm.weight"].float().abs().view(H, D)
-        wq = state[p + "q_norm.weight"].float().abs()
+    if p + "k_norm.weight" in state:  # the factors live in the q/k norm weights (key_norm_weights): one [D] weight, or one per head
+        wk, wq = (state[p + n].float().abs() for n in ("k_norm.weight", "q_norm.weight"))
+        wk = wk.expand(H, D) if wk.numel() == D else wk.view(H, D)
         wq = wq.expand(H, D) if wq.numel() == D else wq.view(H, g, D).amin(1)
     else:
         wk = state[p + "k_proj.weight"].float().abs().amax(1).view(H, D)  # [H, D] row max

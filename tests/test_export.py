@@ -278,18 +278,24 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
         check_exportable(llama)
     llama.config.attention_bias = False
     theta = llama.config.rope_parameters["rope_theta"]
-    llama.config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 1024}
-    check_exportable(llama)  # the reader re-measures default, linear and llama3 RoPE
-    llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": 1024}
-    check_exportable(llama)  # YaRN as transformers and TensorRT-LLM both compute it by default
-    llama.config.rope_parameters |= {"attention_factor": 1.2}  # transformers takes it; TensorRT-LLM has no such field
-    with pytest.raises(UserError, match="differs from transformers' for attention_factor=1.2: add export=none"):
-        check_exportable(llama)
-    llama.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": theta, "factor": 4.0}
+
+    def rope(**p):  # the config and the model's own rotary module, as a checkpoint with that RoPE loads them
+        llama.config.rope_parameters = {"rope_theta": theta, **p}
+        llama.model.rotary_emb.__init__(llama.config)
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    for ok in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+               yarn, yarn | {"mscale": None, "beta_fast": None}, yarn | {"mscale": 0.7, "mscale_all_dim": 0.7}):
+        rope(**ok)
+        check_exportable(llama)  # the reader (TensorRT-LLM's rule) computes the model's own RoPE
+    for bad in (yarn | {"attention_factor": 1.2}, yarn | {"mscale_all_dim": 1.0}, yarn | {"truncate": False}):
+        rope(**bad)  # transformers and TensorRT-LLM read these differently: the checkpoint would serve another model
+        with pytest.raises(UserError, match="export=trtllm writes RoPE yarn as TensorRT-LLM computes it, which differs from this LlamaForCausalLM's own"):
+            check_exportable(llama)
+    rope(rope_type="dynamic", factor=4.0)
     with pytest.raises(UserError, match="RoPE scaling of type default, linear, llama3, yarn; this LlamaForCausalLM has rope_type='dynamic': add export=none"):
         check_exportable(llama)  # before: a ValueError traceback from the re-measure, after profile, fit and validate
-    llama.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    rope(rope_type="default")
     llama.config.hidden_act = "gelu"
     with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
         check_exportable(llama)

@@ -70,16 +70,37 @@ def check_exportable(model) -> None:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
         raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
-    if kind == "yarn":  # where transformers' YaRN and TensorRT-LLM's differ (TensorRT-LLM reads factor, beta_fast/slow, mscale, mscale_all_dim only)
-        odd = [f"{k}={rope.get(k)!r}" for k, bad in (("factor", rope.get("factor") is None), ("attention_factor", rope.get("attention_factor") is not None),
-                                                   ("truncate", rope.get("truncate", True) is False),
-                                                   ("mscale", bool(rope.get("mscale")) and not rope.get("mscale_all_dim") and rope.get("mscale") != 1))
-               if bad]
-        if odd:
-            raise UserError(f"export=trtllm writes YaRN as TensorRT-LLM computes it, which differs from transformers' for {', '.join(odd)}: add export=none")
+    mismatch = rope_mismatch(model)
+    if mismatch:
+        raise UserError(f"export=trtllm writes RoPE {kind} as TensorRT-LLM computes it, which differs from this {arch}'s own ({mismatch}): add export=none")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")
+
+
+def rope_mismatch(model) -> str:
+    """'' when the RoPE the checkpoint config describes, as TensorRT-LLM computes it (trtllm_reader.rope_inv_freq and
+    rope_scale on trtllm_ckpt's rotary_scaling), is the model's own (its rotary module's inv_freq and attention_scaling);
+    else what differs. transformers and TensorRT-LLM read some YaRN settings differently (an explicit attention_factor,
+    truncate=false, mscale without mscale_all_dim or the reverse): such a checkpoint would serve another model."""
+    from kvcompress.models.base import Geometry
+    from kvcompress.targets.trtllm_ckpt import trtllm_config
+    from kvcompress.targets.trtllm_reader import rope_inv_freq, rope_scale
+
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    own = getattr(rotary, "inv_freq", None)
+    if own is None:
+        return ""
+    geom = Geometry.from_hf_config(model.config)
+    rc = trtllm_config(model.config, geom, 1, "float16", None)
+    inv, scale = rope_inv_freq(geom.head_dim, rc["rotary_base"], rc["rotary_scaling"]), rope_scale(rc["rotary_scaling"])
+    own_scale = float(getattr(rotary, "attention_scaling", 1.0))
+    out = []
+    if own.numel() != inv.numel() or not torch.allclose(inv.double(), own.detach().cpu().double(), rtol=1e-5, atol=0):
+        out.append("inverse frequencies")
+    if abs(scale - own_scale) > 1e-6 * max(1.0, own_scale):
+        out.append(f"cos/sin scale {scale:.6g} vs {own_scale:.6g}")
+    return ", ".join(out)
 
 
 def engine_status(policy: str) -> tuple[bool, str]:

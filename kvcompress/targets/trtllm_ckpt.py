@@ -61,7 +61,8 @@ def trtllm_architecture(hf_cfg) -> str:
 
 def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")} if rope.get("rope_type", "default") != "default" else None
+    # unset fields (None) are left out: TensorRT-LLM then takes its defaults, as transformers does for None
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type") and v is not None} if rope.get("rope_type", "default") != "default" else None
     if scaling is not None:
         scaling["type"] = rope["rope_type"]
     cfg = {
