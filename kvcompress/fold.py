@@ -41,9 +41,11 @@ def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot:
     fold's exactness therefore test what is exported.
     """
     from kvcompress.models.base import Geometry
+    from kvcompress.models.fused import fuse, unfuse
 
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    model.load_state_dict(fold_state_dict(state, Geometry.from_hf_config(model.config), sigma, tau, rot))
+    geom = Geometry.from_hf_config(model.config)
+    own = {k: v.detach() for k, v in model.state_dict().items()}
+    model.load_state_dict(fuse(fold_state_dict(unfuse(own, geom), geom, sigma, tau, rot), own))
 
 
 def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, dict]:

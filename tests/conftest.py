@@ -40,7 +40,7 @@ def rmsnorm_float64(self, h):
 
 
 def float64_model(lm: LoadedModel, mp: pytest.MonkeyPatch) -> LoadedModel:
-    """lm's model moved to float64, with float64 RMSNorm math (Llama, Qwen2, Qwen3, Mistral, Gemma 3) for as long as
+    """lm's model moved to float64, with float64 RMSNorm math (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3) for as long as
     mp is active. Two paths that compute the same thing with different summation orders (one GEMM over
     all positions vs one GEMV per decoding step) differ by ~1e-7 in float32, and by how much depends on
     the CPU's BLAS kernels: enough to flip the rounding of a K/V element on a rounding midpoint. In
@@ -48,10 +48,11 @@ def float64_model(lm: LoadedModel, mp: pytest.MonkeyPatch) -> LoadedModel:
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
         mp.setattr(cls, "forward", rmsnorm_float64)
     mp.setattr(Gemma3RMSNorm, "forward", lambda self, x: self._norm(x) * (1.0 + self.weight))  # Gemma 3's formula, in x's dtype
     lm.model.double()

@@ -160,14 +160,15 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
 
 
 @pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"),
-                                                 ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM")])
+                                                 ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM")])
 def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, written):
     """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
     MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
     Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. Qwen3 is the Llama layer with a
     per-head q/k RMSNorm before RoPE: qwen_type qwen3, no biases, its (folded) norms in attention.q_layernorm/
-    k_layernorm. The written checkpoints re-measure like validate (the reader adds the biases and the norms),
-    and the manifest names both architectures."""
+    k_layernorm. Phi-3/Phi-4 are the Llama forward with fused q/k/v and gate/up: written as Llama, split. The written
+    checkpoints re-measure like validate (the reader adds the biases and the norms), and the manifest names both
+    architectures."""
     p, run = _export_run(tmp_path, f"model.tiny.arch={arch}", "kv=native_int8")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
@@ -195,7 +196,7 @@ def _hf_dir(tmp_path, arch: str) -> Path:
         g = torch.Generator().manual_seed(1)
         for layer in model.model.layers:
             for n in "qkv":
-                b = getattr(layer.self_attn, f"{n}_proj").bias
+                b = getattr(getattr(layer.self_attn, f"{n}_proj", None), "bias", None)
                 if b is not None:
                     b.copy_(torch.randn(b.shape, generator=g) * 0.5)
             for n in ("q_norm", "k_norm"):
@@ -230,12 +231,15 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert all(c["status"] == "passed" for c in manifest["checks"])
 
 
-@pytest.mark.parametrize("arch,cls", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
-def test_a_qwen_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls):
-    """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones), run as a
-    user would (model.path), in memory and streamed: every export check passes, including the custom-tier graph
-    (it runs for an HF directory in memory) and the streamed re-measure through transformers' own class. Qwen3
-    (kv=native_fp8 streamed): the key fold is in the written k_norm weight, one factor per channel."""
+@pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),
+                                              ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM")])
+def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls, written):
+    """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones; Phi-3: fused
+    q/k/v and gate/up), run as a user would (model.path), in memory and streamed: every export check passes, including
+    the custom-tier graph (it runs for an HF directory in memory; it splits Phi-3's fused weights itself) and the
+    streamed re-measure through transformers' own class (the TensorRT-LLM checkpoint's q/k/v fused again for Phi-3).
+    Qwen3 (kv=native_fp8 streamed): the key fold is in the written k_norm weight, one factor per channel. Phi-3: the
+    folded HF checkpoint keeps the fused names; its k rows carry the fold."""
     ckpt = _hf_dir(tmp_path, arch)
     for streaming in ("false", "true"):
         kv = ["kv=native_fp8"] if (arch, streaming) == ("qwen3", "true") else []
@@ -249,7 +253,19 @@ def test_a_qwen_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, ar
             assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
         if streaming == "true":
             assert any(f"into transformers' {cls}" in n for n in checks)
-        assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == cls
+        assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == written
+    if arch == "phi3":
+        from safetensors.torch import load_file
+
+        src, out = load_file(str(ckpt / "model.safetensors")), load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
+        assert {k for k in out if "proj" in k and not k.endswith("_scale")} == {k for k in src if "proj" in k}  # fused names kept
+        name, q = "model.layers.0.self_attn.qkv_proj.weight", 6 * 32
+        assert not torch.allclose(out[name][q : q + 64].float(), src[name][q : q + 64].float(), atol=1e-3)  # k rows: the key fold
+        wo = {n: d["model.layers.0.self_attn.o_proj.weight"].float() for n, d in (("src", src), ("out", out))}
+        for h in range(6):  # W_o (head h's columns) @ W_v (its kv head's rows, in the fused matrix) is unchanged by the value fold
+            kv = slice(q + 64 + (h // 3) * 32, q + 64 + (h // 3 + 1) * 32)
+            ref = wo["src"][:, h * 32 : (h + 1) * 32] @ src[name][kv].float()
+            assert torch.allclose(wo["out"][:, h * 32 : (h + 1) * 32] @ out[name][kv].float(), ref, atol=2e-3 * float(ref.abs().max()))
     if arch == "qwen3":
         from safetensors.torch import load_file
 
@@ -305,6 +321,12 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     with pytest.raises(UserError, match="add export=none"):
         check_exportable(qwen2)
     check_exportable(build_tiny("qwen3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    phi = build_tiny("phi3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    check_exportable(phi)  # Phi-4's layout: full-width default RoPE, no window
+    phi.config.rope_parameters = {**phi.config.rope_parameters, "partial_rotary_factor": 0.75}  # Phi-4-mini's
+    phi.model.rotary_emb.__init__(phi.config)
+    with pytest.raises(UserError, match="this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary\\): add export=none"):
+        check_exportable(phi)
     with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
         check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 

@@ -10,9 +10,9 @@ from kvcompress.models.tokenizer import ByteTokenizer
 
 
 def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "gemma3": Gemma3TextConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig}
     common = dict(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=hidden,

@@ -35,6 +35,7 @@ from kvcompress.fold import check_range, fold_layer, guard_layer
 from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES
+from kvcompress.models.fused import unfuse
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
@@ -45,14 +46,15 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_reader.rope_inv_freq re-measures these
-SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FORMAT_VERSION = 2
 
 
 def check_exportable(model) -> None:
     """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
-    the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Qwen2 is the
+    the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Phi-3/Phi-4 are the Llama
+    forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Qwen2 is the
     Llama layer with q/k/v biases, Qwen3 the Llama layer with a per-head q/k RMSNorm before RoPE (TensorRT-LLM's
     QWen class, the same tensor names)."""
     arch, cfg = type(model).__name__, model.config
@@ -70,6 +72,10 @@ def check_exportable(model) -> None:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
         raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
+    inv, hd = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "inv_freq", None), getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if inv is not None and 2 * inv.numel() < hd:  # Phi-4-mini, GPT-NeoX: a Llama checkpoint rotates every channel
+        raise UserError(f"export=trtllm writes RoPE over the whole head; this {arch} rotates {2 * inv.numel()} of its {hd} head channels "
+                        f"(partial rotary): add export=none")
     mismatch = rope_mismatch(model)
     if mismatch:
         raise UserError(f"export=trtllm writes RoPE {kind} as TensorRT-LLM computes it, which differs from this {arch}'s own ({mismatch}): add export=none")
@@ -312,21 +318,23 @@ def _validated(report: dict, name: str) -> dict:
 class ModelTensors:
     """The model's Hugging Face-named tensors, one decoder layer (or one row block) at a time:
     views of the loaded model's state dict, or read from the checkpoint of a streamed model, in
-    the model's dtype either way (so both give the same exported bytes)."""
+    the model's dtype either way (so both give the same exported bytes). Layers come under Llama
+    names (fused Phi-3 q/k/v and gate/up split, models.fused); `own_meta` has the model's own names."""
 
     def __init__(self, lm):
         self.lm = lm
         state = lm.model.state_dict()
         if lm.model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        self.meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        self.own_meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        self.meta = unfuse(self.own_meta, lm.geometry)
         self.state = None if lm.streamer is not None else {k: v.detach() for k, v in state.items()}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        keys = [k for k in self.meta if k.startswith(f"model.layers.{i}.")]
+        keys = [k for k in self.own_meta if k.startswith(f"model.layers.{i}.")]
         if self.state is not None:
-            return {k: self.state[k] for k in keys}
-        return self.lm.streamer.ckpt.load(keys, self.lm.dtype, "cpu")
+            return unfuse({k: self.state[k] for k in keys}, self.lm.geometry)
+        return unfuse(self.lm.streamer.ckpt.load(keys, self.lm.dtype, "cpu"), self.lm.geometry)
 
     def row_blocks(self, key: str, rows: int):
         """(lo, tensor rows lo:lo+rows) over a global tensor (embedding, lm_head, final norm)."""
@@ -373,7 +381,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook, hf_book: ScaleBook, 
     trt_fold, hf_fold = FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt"), FoldedLayers(hf_book, geom, dtype, "hf_ckpt")
     algo = NATIVE_ALGO[trt_book.spec.format]
     trt = [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, algo, trt_book.tensors["native_scale"], lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
-    hf = HFWriter(src.meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb)
+    hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb)
     writers = [*trt, hf]
     try:
         rows = max(1, HEAD_CHUNK_BYTES // (geom.hidden_size * 4))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvcompress.artifacts import atomic_write_json
+from kvcompress.models.fused import fuse
 
 FP8_MAX = 448.0
 PRODUCER = {"name": "kvcompress", "modelopt_format": "0.47 unified HF export"}
@@ -96,8 +97,9 @@ class HFWriter:
         self._w(key).write(key, t.detach().to(self.dtype) if t.is_floating_point() else t, row=row)
 
     def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
+        """Layer i's tensors under Llama names; fused again where the model's own names fuse them (Phi-3)."""
         p = f"model.layers.{i}."
-        for k, v in state.items():
+        for k, v in fuse(state, [n for n in self.where if n.startswith(p)]).items():
             if k.startswith(p):
                 self.write(k, v)
 

@@ -54,8 +54,8 @@ QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 def trtllm_architecture(hf_cfg) -> str:
     """The checkpoint's `architecture`: Qwen2 and Qwen3 keep their own (TensorRT-LLM's QWen class: qwen_type qwen2
     is the Llama layer with q/k/v biases, qwen3 the Llama layer with an RMSNorm on each head's q and k before RoPE,
-    the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window
-    (export.check_exportable) are written as Llama, the same forward."""
+    the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window, and
+    Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward."""
     return QWEN_TYPES.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 

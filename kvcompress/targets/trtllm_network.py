@@ -135,7 +135,7 @@ def load_spec(bundle: Path) -> dict:
 
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
-    per-head q/k norms) as fp16
+    per-head q/k norms, Phi-3/Phi-4 with fused q/k/v and gate/up, split here) as fp16
     numpy arrays under short names; with network.json's value_rotation, the plugin_params' v_rotation folded into
     W_v and W_o."""
     import torch  # bf16 checkpoints: numpy cannot read them
@@ -149,6 +149,14 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
         raw.update(load_file(str(f)))
     a = spec["arch"]
     p = "model."
+    for name in [n for n in raw if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:  # Phi-3/Phi-4: fused rows q|k|v, gate|up
+        w = raw.pop(name)
+        if "qkv_proj" in name:
+            nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+            parts = dict(zip(("q_proj", "k_proj", "v_proj"), torch.split(w, [nq, nkv, nkv])))
+        else:
+            parts = dict(zip(("gate_proj", "up_proj"), torch.chunk(w, 2)))
+        raw |= {name.replace(name.split(".")[-2], k): t for k, t in parts.items()}
     if p + "embed_tokens.weight" not in raw:
         raise KeyError(f"{hf_dir}: not a Llama checkpoint (no model.embed_tokens.weight)")
 

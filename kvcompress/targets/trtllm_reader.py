@@ -93,6 +93,9 @@ class TrtllmAsHF:
         return [f"model.layers.{i}.{HF_NAMES[n]}" for n in names]
 
     def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        """`keys` under HF names; a fused name (Phi-3's qkv_proj, gate_up_proj) is joined from its Llama-named parts."""
+        from kvcompress.models.fused import fuse
+
         out = {}
         if "model.norm.weight" in keys:
             out["model.norm.weight"] = self.ranks[0].read("transformer.ln_f.weight")
@@ -102,6 +105,7 @@ class TrtllmAsHF:
             names = [n for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")]
             merged = merge_rank_tensors(self.cfg, [{n: r.read(n) for n in names} for r in self.ranks])
             out |= {f"model.layers.{i}.{HF_NAMES[n[len(t):]]}": v for n, v in merged.items()}
+        out = fuse(out, keys)
         missing = [k for k in keys if k not in out]
         if missing:
             raise KeyError(f"TensorRT-LLM checkpoint {self.dir}: no tensor for {missing[:3]}")
