@@ -327,6 +327,8 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     phi.model.rotary_emb.__init__(phi.config)
     with pytest.raises(UserError, match="this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary\\): add export=none"):
         check_exportable(phi)
+    with pytest.raises(UserError, match="this model is MixtralForCausalLM: add export=none"):  # mixture of experts: validated, not exported
+        check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
         check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 

@@ -51,7 +51,8 @@ def _quality(lm, books, windows):
 
 
 @pytest.mark.parametrize("tie,dtype,arch", [(False, torch.float32, "llama"), (True, torch.float32, "llama"), (False, torch.bfloat16, "llama"),
-                                            (False, torch.float32, "gemma3")])  # gemma3: per-layer-type RoPE and masks, scaled embeddings
+                                            (False, torch.float32, "gemma3"),  # per-layer-type RoPE and masks, scaled embeddings
+                                            (False, torch.float32, "mixtral"), (False, torch.float32, "qwen3_moe")])  # experts stored one by one
 def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, tie, dtype, arch):
     monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 100-row vocabulary chunks: 3 chunks of 257
     lm_mem, lm_st = _pair(tmp_path, tie=tie, dtype=dtype, arch=arch)
@@ -79,6 +80,23 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     assert q_mem["kv"][0]["kl_mean"] > 0  # something was compressed: the comparison is not of two baselines
     assert self_check(lm_st, windows[:1], "tiny")["passed"]
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_checkpoint_reads_converted_tensors_as_transformers_loads_them(tmp_path, arch):
+    """A mixture-of-experts checkpoint stores each expert's w1/w3/w2 (Mixtral also under block_sparse_moe.); transformers 5
+    fuses them into one gate_up_proj and down_proj per layer on loading. Checkpoint.for_model reads the modules' names
+    through transformers' own conversion rules: every tensor equals from_pretrained's. Without it the fused names are missing."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / arch
+    build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1).save_pretrained(str(d))
+    ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert fused in ref and fused not in Checkpoint(d)
+    ck = Checkpoint(d).for_model(streaming.build_empty(d, torch.float32))
+    got = ck.load(list(ref), torch.float32, "cpu")
+    assert all(torch.equal(got[k], ref[k]) for k in ref) and fused in ck
 
 
 def test_checkpoint_reader_reads_rows_and_refuses_truncated_files(tmp_path):

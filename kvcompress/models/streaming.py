@@ -63,12 +63,41 @@ class Checkpoint:
         for f in files:
             header, start = read_header(f)
             self.entries.update({k: (f, e, start) for k, e in header.items()})
+        self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
+        self._model = None
+
+    def for_model(self, model) -> "Checkpoint":
+        """Read tensors under `model`'s own parameter names where transformers converts the stored ones on loading
+        (its weight-conversion mapping for the model: Mixtral's and Qwen-MoE's per-expert w1/w3/w2 stored, one fused
+        gate_up_proj and down_proj per layer in the modules; renamed prefixes). transformers' own rules and operations
+        are applied to just the tensors asked for, so a layer is still read alone. A model without conversions (Llama,
+        Qwen2/3, Phi-3) reads its stored names unchanged."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        if not renamings and not converters:
+            return self
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        meta = model.state_dict()
+        groups: dict[str, list] = {}
+        for stored in sorted(self.entries, key=dot_natural_key):  # experts in index order, as transformers stacks them
+            if stored in meta:
+                continue
+            name, pattern = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta)
+            if name != stored and name in meta:
+                groups.setdefault(name, []).append((pattern, stored))
+        self.converted = {name: (by_pattern.get(srcs[0][0]), srcs) for name, srcs in groups.items()}
+        self._model = model
+        return self
 
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries
+        return key in self.entries or key in self.converted
 
     def shape(self, key: str) -> list[int]:
         return list(self.entries[key][1]["shape"])
@@ -98,8 +127,19 @@ class Checkpoint:
         return buf.view(dtype).reshape(shape)
 
     def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        """The named tensors, cast to dtype and placed on device."""
-        return {k: self.read(k).to(device=device, dtype=dtype) for k in keys}
+        """The named tensors (a converted name: built from its stored tensors, see for_model), cast to dtype and placed on device."""
+        return {k: (self._convert(k) if k in self.converted else self.read(k)).to(device=device, dtype=dtype) for k in keys}
+
+    def _convert(self, key: str) -> torch.Tensor:
+        import copy
+
+        converter, sources = self.converted[key]
+        if converter is None:  # renamed only
+            return self.read(sources[0][1])
+        c = copy.deepcopy(converter)  # one converter instance per tensor, as transformers' loader does
+        for pattern, stored in sources:
+            c.add_tensor(key, stored, pattern, lambda s=stored: self.read(s))
+        return c.convert(key, model=self._model, config=self._model.config)[key]
 
     def rows(self, key: str, lo: int, hi: int, dtype: torch.dtype, device) -> torch.Tensor:
         """Rows lo:hi of a tensor, reading only those bytes."""
@@ -130,7 +170,8 @@ class LayerStreamer:
     """Runs a causal LM layer by layer from its checkpoint directory (see the module doc)."""
 
     def __init__(self, model, checkpoint: Checkpoint, dtype: torch.dtype, device: str | torch.device):
-        self.model, self.ckpt, self.dtype, self.device = model, checkpoint, dtype, torch.device(device)
+        for_model = getattr(checkpoint, "for_model", None)  # stored names converted to the modules' (transformers' mapping)
+        self.model, self.ckpt, self.dtype, self.device = model, for_model(model) if for_model else checkpoint, dtype, torch.device(device)
         base = getattr(model, "model", None)
         self.layers = getattr(base, "layers", None)
         if self.layers is None or not hasattr(model, "lm_head"):

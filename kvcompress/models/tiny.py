@@ -10,9 +10,10 @@ from kvcompress.models.tokenizer import ByteTokenizer
 
 
 def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
+               "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
     common = dict(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=hidden,
@@ -27,8 +28,12 @@ def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: in
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         common["sliding_window"] = None
+    if arch in ("mixtral", "qwen3_moe"):  # mixture of experts: 4 experts, 2 per token (transformers fuses each layer's experts)
+        common |= {"num_local_experts" if arch == "mixtral" else "num_experts": 4, "num_experts_per_tok": 2}
+    if arch == "qwen3_moe":
+        common["moe_intermediate_size"] = hidden
     if arch == "gemma3":  # Gemma 3's layout: every 3rd layer global, the others local (window 16), QK-norm, two RoPE bases
         common.update(sliding_window=16, query_pre_attn_scalar=head_dim,
                       layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],
