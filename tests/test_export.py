@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from conftest import ROOT, run_cli, tiny_lm
 from kvcompress.fold import apply_fold, fold_factors
 from kvcompress.models.base import Geometry
+from kvcompress.models.tiny import build_tiny
 from kvcompress.targets import launchers, trtllm_reader
 from kvcompress.targets.trtllm_ckpt import rank_weights, write_checkpoint
 
@@ -68,6 +69,33 @@ def test_reader_reproduces_hf_logits(tmp_path, lm, tp):
         expect = lm.model(input_ids=ids).logits
     # float32, the same operations in a different program: 1e-5 absolute
     torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reader_reproduces_mixtral(tmp_path, tp):
+    """Mixtral written as TensorRT-LLM's Llama class with experts (mlp.router float32, mlp.fc = up | gate per expert and
+    rank, mlp.proj): the reader's top-k renormalised routing gives transformers' logits; with gate and up swapped in
+    mlp.fc it does not."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny("mixtral", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
+    write_checkpoint(model, Geometry.from_hf_config(model.config), tmp_path, tp, "float32", None, None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architecture"] == "MixtralForCausalLM" and cfg["hidden_act"] == "swiglu" and cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+    r0 = load_file(str(tmp_path / "rank0.safetensors"))
+    assert r0["transformer.layers.0.mlp.router.weight"].dtype == torch.float32 and r0["transformer.layers.0.mlp.fc.weight"].shape == (4, 2 * 192 // tp, 96)
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=1e-5, rtol=1e-5)
+    for r in range(tp):  # gate and up swapped: far off
+        f = tmp_path / f"rank{r}.safetensors"
+        w = load_file(str(f))
+        for n in [n for n in w if n.endswith("mlp.fc.weight")]:
+            up, gate = w[n].chunk(2, dim=1)
+            w[n] = torch.cat([gate, up], dim=1).contiguous()
+        save_file(w, str(f))
+    assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-2
 
 
 def test_mlp_naming_trap_is_what_the_reader_checks(tmp_path, lm):
@@ -160,7 +188,8 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
 
 
 @pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"),
-                                                 ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM")])
+                                                 ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"),
+                                                 ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM")])
 def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, written):
     """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
     MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
@@ -232,14 +261,16 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
 
 
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),
-                                              ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM")])
+                                              ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM")])
 def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls, written):
     """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones; Phi-3: fused
     q/k/v and gate/up), run as a user would (model.path), in memory and streamed: every export check passes, including
     the custom-tier graph (it runs for an HF directory in memory; it splits Phi-3's fused weights itself) and the
     streamed re-measure through transformers' own class (the TensorRT-LLM checkpoint's q/k/v fused again for Phi-3).
     Qwen3 (kv=native_fp8 streamed): the key fold is in the written k_norm weight, one factor per channel. Phi-3: the
-    folded HF checkpoint keeps the fused names; its k rows carry the fold."""
+    folded HF checkpoint keeps the fused names; its k rows carry the fold. Mixtral: streamed through transformers'
+    conversion of its per-expert tensors; the HF checkpoint stores them as the source does (block_sparse_moe.experts.
+    {e}.w1/w2/w3, unchanged by the fold); the custom-tier network is skipped with its reason (no expert MLP in the graph)."""
     ckpt = _hf_dir(tmp_path, arch)
     for streaming in ("false", "true"):
         kv = ["kv=native_fp8"] if (arch, streaming) == ("qwen3", "true") else []
@@ -250,10 +281,18 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
         assert all(c["status"] == "passed" for c in checks.values() if "network graph" not in c["check"]), checks
         if not kv:
             net = next(c for n, c in checks.items() if "network graph" in n)
-            assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
+            assert net["status"] == ("passed" if streaming == "false" and arch != "mixtral" else "skipped"), net
+            if arch == "mixtral":
+                assert "mixture-of-experts" in net["detail"]["skipped"] and not (run / "export" / "plugin_bundle" / "network.json").exists()
         if streaming == "true":
             assert any(f"into transformers' {cls}" in n for n in checks)
         assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == written
+    if arch == "mixtral":
+        from safetensors.torch import load_file
+
+        src, out = load_file(str(ckpt / "model.safetensors")), load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
+        experts = [k for k in src if ".experts." in k or "block_sparse_moe.gate" in k]
+        assert len(experts) == 2 * (3 * 4 + 1) and all(torch.equal(out[k].float(), src[k].to(out[k].dtype).float()) for k in experts)
     if arch == "phi3":
         from safetensors.torch import load_file
 
@@ -327,8 +366,9 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     phi.model.rotary_emb.__init__(phi.config)
     with pytest.raises(UserError, match="this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary\\): add export=none"):
         check_exportable(phi)
-    with pytest.raises(UserError, match="this model is MixtralForCausalLM: add export=none"):  # mixture of experts: validated, not exported
-        check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    with pytest.raises(UserError, match="this model is Qwen3MoeForCausalLM: add export=none"):  # validated (and streamed), not exported
+        check_exportable(build_tiny("qwen3_moe", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
         check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 

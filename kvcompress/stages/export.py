@@ -41,12 +41,12 @@ from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
 from kvcompress.targets.hf_ckpt import HFWriter
-from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, trtllm_architecture
+from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, num_experts, trtllm_architecture
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_reader.rope_inv_freq re-measures these
-SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FORMAT_VERSION = 2
 
 
@@ -54,7 +54,8 @@ def check_exportable(model) -> None:
     """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
     the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Phi-3/Phi-4 are the Llama
-    forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Qwen2 is the
+    forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Mixtral is the
+    Llama attention with a mixture-of-experts MLP (TensorRT-LLM's Llama class with its `moe` block); Qwen2 is the
     Llama layer with q/k/v biases, Qwen3 the Llama layer with a per-head q/k RMSNorm before RoPE (TensorRT-LLM's
     QWen class, the same tensor names)."""
     arch, cfg = type(model).__name__, model.config
@@ -251,6 +252,10 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
 
     lm, cfg = run.lm, run.cfg
     g = lm.geometry
+    if num_experts(lm.model.config):  # NOT IMPLEMENTED: the graph's MLP is the dense SwiGLU one; no network.json is written
+        why = "mixture-of-experts model: the custom-tier network has no expert MLP (the kernels, plugins and acceptance kits are exported)"
+        checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
+        return {"skipped": why}
     token_bytes = tn.token_bytes(variant, g.head_dim)
     n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
     splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
@@ -381,7 +386,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook, hf_book: ScaleBook, 
     trt_fold, hf_fold = FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt"), FoldedLayers(hf_book, geom, dtype, "hf_ckpt")
     algo = NATIVE_ALGO[trt_book.spec.format]
     trt = [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, algo, trt_book.tensors["native_scale"], lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
-    hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb)
+    hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model)
     writers = [*trt, hf]
     try:
         rows = max(1, HEAD_CHUNK_BYTES // (geom.hidden_size * 4))

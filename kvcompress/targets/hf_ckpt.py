@@ -57,12 +57,17 @@ def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
 class HFWriter:
     """Writes the sharded checkpoint tensor by tensor (kvcompress.targets.st_writer): shards are
     planned from the model's meta tensors (sorted names, at most `shard_mb` each, as before); layers
-    arrive one at a time, the embedding and lm_head in row blocks."""
+    arrive one at a time, the embedding and lm_head in row blocks. `model`: tensors are written under the
+    names a checkpoint of that model stores (transformers' revert_weight_conversion, as save_pretrained does:
+    Mixtral's fused experts back to block_sparse_moe.experts.{e}.w1/w2/w3), which vLLM and TensorRT-LLM read."""
 
-    def __init__(self, meta_state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float):
+    def __init__(self, meta_state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float,
+                 model=None):
         from kvcompress.targets.st_writer import SafetensorsWriter, nbytes
 
         self.dir, self.hf_config, self.tokenizer, self.dtype, self.kv_scale = Path(out_dir), hf_config, tokenizer, dtype, kv_scale
+        self.model = model
+        meta_state = self._stored(meta_state)
         plan = {k: ((dtype if v.is_floating_point() else v.dtype), tuple(v.shape)) for k, v in meta_state.items()}
         if hf_config.tie_word_embeddings:
             plan.pop("lm_head.weight", None)
@@ -88,6 +93,13 @@ class HFWriter:
             for k in (f"model.layers.{i}.self_attn.k_proj.k_scale", f"model.layers.{i}.self_attn.v_proj.v_scale"):
                 self._w(k).write(k, torch.tensor(s, dtype=torch.float32))
 
+    def _stored(self, state: dict) -> dict:
+        if self.model is None:
+            return state
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, state)
+
     def _w(self, key: str):
         return self.writers[self.where[key][1]]
 
@@ -99,7 +111,7 @@ class HFWriter:
     def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
         """Layer i's tensors under Llama names; fused again where the model's own names fuse them (Phi-3)."""
         p = f"model.layers.{i}."
-        for k, v in fuse(state, [n for n in self.where if n.startswith(p)]).items():
+        for k, v in self._stored(fuse(state, [n for n in self.where if n.startswith(p)])).items():
             if k.startswith(p):
                 self.write(k, v)
 

@@ -127,6 +127,10 @@ def load_hf_checkpoint(ckpt):
     if not torch.equal(k, v):
         raise ValueError("k_scale != v_scale: kvcompress writes one shared scale per layer")
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    names = Checkpoint(ckpt).for_model(model)  # stored names -> the modules' (transformers' conversions: Mixtral's experts)
+    if names.converted:
+        used = {s for _, srcs in names.converted.values() for _, s in srcs}
+        state = {n: t for n, t in state.items() if n not in used} | names.load(list(names.converted), torch.float32, "cpu")
     missing, unexpected = model.load_state_dict({n: t.float() for n, t in state.items()}, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:

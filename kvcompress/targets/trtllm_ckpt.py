@@ -15,6 +15,11 @@ converter `tensorrt_llm/models/llama/convert.py` (1.2 line), read through the pr
     transformer.layers.{i}.mlp.proj.weight <- HF down_proj  [hidden, inter/tp]
     transformer.ln_f.weight, lm_head.weight                 [V/tp, hidden]         split on rows
 KV heads are duplicated up to tp when nkv < tp, as the converter does.
+Mixtral (mixture of experts; the converter's load_weights_from_hf_safetensors, MoE branch; LLaMAConfig's
+`moe` block, hidden_act swiglu, experts split over the tp ranks on their intermediate dimension, moe_tp_size = tp):
+    transformer.layers.{i}.mlp.router.weight <- HF mlp.gate (block_sparse_moe.gate) [E, hidden]   float32, replicated
+    transformer.layers.{i}.mlp.fc.weight     <- w3 | w1 (up | gate) of each expert   [E, 2*inter/tp, hidden]
+    transformer.layers.{i}.mlp.proj.weight   <- w2 of each expert                    [E, hidden, inter/tp]
 """
 from __future__ import annotations
 
@@ -49,14 +54,21 @@ def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
 
 
 QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+OWN_ARCH = {**QWEN_TYPES, "mixtral": "MixtralForCausalLM"}  # written under their own name; the rest as Llama
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")  # transformers 5's fused experts and router
+
+
+def num_experts(hf_cfg) -> int:
+    return int(getattr(hf_cfg, "num_local_experts", 0) or 0)
 
 
 def trtllm_architecture(hf_cfg) -> str:
     """The checkpoint's `architecture`: Qwen2 and Qwen3 keep their own (TensorRT-LLM's QWen class: qwen_type qwen2
     is the Llama layer with q/k/v biases, qwen3 the Llama layer with an RMSNorm on each head's q and k before RoPE,
     the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window, and
-    Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward."""
-    return QWEN_TYPES.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
+    Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward.
+    Mixtral keeps its name (TensorRT-LLM's Llama class with a mixture-of-experts MLP)."""
+    return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
 def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
@@ -88,6 +100,9 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
     }
+    if num_experts(hf_cfg):  # LLaMAConfig.from_hugging_face for mixtral: explicit gated activation, top-k renormalised routing
+        cfg |= {"hidden_act": "swiglu", "moe": {"num_experts": num_experts(hf_cfg), "top_k": int(hf_cfg.num_experts_per_tok), "normalization_mode": 1}}
+        cfg["mapping"] |= {"moe_tp_size": tp, "moe_ep_size": 1}
     if cfg["architecture"] == "Qwen2ForCausalLM":  # QWenConfig's fields (tensorrt_llm/models/qwen/config.py): q/k/v biases, no dense bias
         cfg |= {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
     if cfg["architecture"] == "Qwen3ForCausalLM":  # no biases; QWenDecoderLayer turns on qk_layernorm (RmsNorm) for qwen3
@@ -134,10 +149,17 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
         out[t + "attention.k_layernorm.weight"] = state[p + "self_attn.k_norm.weight"]
     out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
     out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
-    out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
-    out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)
-    out[t + "mlp.proj.weight"] = _split(state[p + "mlp.down_proj.weight"], tp, rank, 1)
+    if p + EXPERTS[0] in state:  # Mixtral: [E, 2I, H] rows gate | up (Phi3-style chunk), [E, H, I]
+        gate, up = state[p + EXPERTS[0]].chunk(2, dim=1)
+        out[t + "mlp.fc.weight"] = torch.cat([_split(up, tp, rank, 1), _split(gate, tp, rank, 1)], dim=1)  # w3 | w1
+        out[t + "mlp.proj.weight"] = _split(state[p + EXPERTS[1]], tp, rank, 2)
+    else:
+        out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
+        out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)
+        out[t + "mlp.proj.weight"] = _split(state[p + "mlp.down_proj.weight"], tp, rank, 1)
     out = {k: v.to(dtype) for k, v in out.items()}
+    if p + EXPERTS[2] in state:  # the router stays float32 (the converter loads block_sparse_moe.gate as float32)
+        out[t + "mlp.router.weight"] = state[p + EXPERTS[2]].float()
     if kv_scales is not None:
         out[t + "attention.kv_cache_scaling_factor"] = kv_scales[i].reshape(1).float()
     return out
@@ -202,9 +224,11 @@ def write_checkpoint(model_or_state, geom, out_dir: Path, tp: int, dtype: str, k
 
     model_or_state: a transformers model, or a (folded) HF state dict with its `hf_config`.
     """
+    from kvcompress.models.fused import unfuse
+
     if hasattr(model_or_state, "state_dict"):
         hf_config = model_or_state.config
-        state = {k: v.detach() for k, v in model_or_state.state_dict().items()}
+        state = unfuse({k: v.detach() for k, v in model_or_state.state_dict().items()}, geom)
     else:
         state = model_or_state
     if hf_config.tie_word_embeddings:

@@ -129,7 +129,8 @@ def rotate_half_matrix(D: int) -> np.ndarray:
 def load_spec(bundle: Path) -> dict:
     p = Path(bundle) / SPEC_FILE
     if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing: --bundle must be an export's plugin_bundle/ (custom tier)")
+        raise FileNotFoundError(f"{p} is missing: --bundle must be an export's plugin_bundle/ (custom tier) with a network "
+                                "(a mixture-of-experts export has none: see manifest.json)")
     return json.loads(p.read_text())
 
 

@@ -2,7 +2,8 @@
 
 It merges the rank shards back (any tp size) and runs the Llama forward from TensorRT-LLM's
 names and layouts alone (fused q|k|v per rank, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
-before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
+before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up, Mixtral's experts with fc = up | gate and top-k
+renormalised routing), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
 compare its logits with the Hugging Face model's.
 """
 from __future__ import annotations
@@ -44,8 +45,11 @@ def merge_rank_tensors(cfg: dict, ranks: list[dict[str, torch.Tensor]]) -> dict[
             merged[name.replace("qkv", "q")] = q
             merged[name.replace("qkv", "k")] = torch.cat(ks[::step])
             merged[name.replace("qkv", "v")] = torch.cat(vs[::step])
+        elif name.endswith("mlp.fc.weight") and parts[0].dim() == 3:  # experts [E, 2I/tp, H], rows up | gate per rank
+            halves = [p.chunk(2, dim=1) for p in parts]
+            merged[name] = torch.cat([torch.cat([h[0] for h in halves], 1), torch.cat([h[1] for h in halves], 1)], 1)
         elif name.endswith(("attention.dense.weight", "mlp.proj.weight")):
-            merged[name] = torch.cat(parts, dim=1)
+            merged[name] = torch.cat(parts, dim=-1)  # experts: [E, H, I/tp]
         elif name.endswith(("mlp.fc.weight", "mlp.gate.weight")) or name == "lm_head.weight":
             merged[name] = torch.cat(parts, dim=0)
         else:
@@ -58,7 +62,8 @@ HF_NAMES = {"attention.q.weight": "self_attn.q_proj.weight", "attention.k.weight
             "attention.dense.weight": "self_attn.o_proj.weight", "input_layernorm.weight": "input_layernorm.weight",
             "post_layernorm.weight": "post_attention_layernorm.weight", "mlp.fc.weight": "mlp.gate_proj.weight", "mlp.gate.weight": "mlp.up_proj.weight",
             "mlp.proj.weight": "mlp.down_proj.weight", "attention.q_layernorm.weight": "self_attn.q_norm.weight",
-            "attention.k_layernorm.weight": "self_attn.k_norm.weight"}
+            "attention.k_layernorm.weight": "self_attn.k_norm.weight", "mlp.router.weight": "mlp.gate.weight"}
+MOE_NAMES = {"mlp.fc.weight": "mlp.experts.gate_up_proj", "mlp.proj.weight": "mlp.experts.down_proj"}  # Mixtral's experts (transformers 5)
 
 
 class TrtllmAsHF:
@@ -90,7 +95,10 @@ class TrtllmAsHF:
         t = f"transformer.layers.{i}."
         names = [n[len(t):].replace("qkv", q) for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")
                  for q in (("q", "k", "v") if ".qkv." in n else ("qkv",))]
-        return [f"model.layers.{i}.{HF_NAMES[n]}" for n in names]
+        return [f"model.layers.{i}.{self._hf_name(n)}" for n in names]
+
+    def _hf_name(self, name: str) -> str:
+        return MOE_NAMES[name] if name in MOE_NAMES and (self.cfg.get("moe") or {}).get("num_experts", 0) > 1 else HF_NAMES[name]
 
     def load(self, keys: list[str], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         """`keys` under HF names; a fused name (Phi-3's qkv_proj, gate_up_proj) is joined from its Llama-named parts."""
@@ -104,7 +112,10 @@ class TrtllmAsHF:
             t = f"transformer.layers.{i}."
             names = [n for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")]
             merged = merge_rank_tensors(self.cfg, [{n: r.read(n) for n in names} for r in self.ranks])
-            out |= {f"model.layers.{i}.{HF_NAMES[n[len(t):]]}": v for n, v in merged.items()}
+            if t + "mlp.router.weight" in merged:  # experts: fc rows up | gate -> transformers' gate_up_proj rows gate | up
+                up, gate = merged[t + "mlp.fc.weight"].chunk(2, dim=1)
+                merged[t + "mlp.fc.weight"] = torch.cat([gate, up], dim=1)
+            out |= {f"model.layers.{i}.{self._hf_name(n[len(t):])}": v for n, v in merged.items()}
         out = fuse(out, keys)
         missing = [k for k in keys if k not in out]
         if missing:
@@ -183,6 +194,25 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, base: float, scaling: dict | None 
     return x * cos + rot * sin
 
 
+def _experts(h: torch.Tensor, router: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, moe: dict) -> torch.Tensor:
+    """TensorRT-LLM's mixture-of-experts MLP (moe.normalization_mode 1, RENORMALIZE: the top_k softmax probabilities
+    renormalised to sum to 1; 0: used as they are): fc [E, 2I, H] rows up | gate, swiglu, proj [E, H, I]."""
+    if moe.get("normalization_mode", 1) not in (0, 1):
+        raise ValueError(f"trtllm_reader: moe normalization_mode {moe['normalization_mode']} is not implemented (0, 1)")
+    flat = h.reshape(-1, h.shape[-1])
+    p = torch.softmax(F.linear(flat.float(), router.float()), dim=-1)
+    top, idx = p.topk(int(moe["top_k"]), dim=-1)
+    if moe.get("normalization_mode", 1) == 1:
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(flat)
+    for e in idx.unique().tolist():
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        up, gate = fc[e].chunk(2, dim=0)
+        y = F.linear(F.silu(F.linear(flat[rows], gate)) * F.linear(flat[rows], up), proj[e])
+        out.index_add_(0, rows, y * top[rows, slot, None].to(y.dtype))
+    return out.view_as(h)
+
+
 @torch.no_grad()
 def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of the checkpoint on ids [B, T] (float32 math on the checkpoint's values).
@@ -214,5 +244,8 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
         a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True, scale=1 / math.sqrt(hd))
         x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), w[t + "attention.dense.weight"])
         h = _rms(x, w[t + "post_layernorm.weight"], eps)
-        x = x + F.linear(F.silu(F.linear(h, w[t + "mlp.fc.weight"])) * F.linear(h, w[t + "mlp.gate.weight"]), w[t + "mlp.proj.weight"])
+        if t + "mlp.router.weight" in w:
+            x = x + _experts(h, w[t + "mlp.router.weight"], w[t + "mlp.fc.weight"], w[t + "mlp.proj.weight"], cfg["moe"])
+        else:
+            x = x + F.linear(F.silu(F.linear(h, w[t + "mlp.fc.weight"])) * F.linear(h, w[t + "mlp.gate.weight"]), w[t + "mlp.proj.weight"])
     return F.linear(_rms(x, w["transformer.ln_f.weight"], eps), w["lm_head.weight"])
