@@ -167,9 +167,11 @@ class KVSpec(Frozen):
         if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
             raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
                              f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
-        if (self.validate_only or self.key.group_tokens or self.token_keys or self.value_rotation_folded) and (self.is_native or self.layers is not None):
-            raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric or rotated values) "
+        if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
+            raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric values) "
                              f"need format=kvcompress without kv.layers")
+        if self.value_rotation_folded and self.is_native:
+            raise ValueError(f"kv={self.name}: kv.value.rotate needs format=kvcompress")
         if self.pair_context and not self.pairs_folded:
             raise ValueError(f"kv.pair_context={self.pair_context} sets the context kv.fold_pairs chooses its angles for, and this spec "
                              "folds no pairs; allowed: 0, or a context with native_fp8 (or native_int8 with kv.fold_pairs=true)")

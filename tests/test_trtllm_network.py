@@ -151,10 +151,12 @@ def test_build_engine_custom_tier_fails_clearly_without_trtllm(tmp_path):
     assert "network.json" in r.stderr, r.stderr
 
 
-def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(tmp_path):
+@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(tmp_path, rotate):
     """kv=auto: each layer its own variant (int4 keys with outliers in layer 0, int8 keys in layer 1)
     -- buffers of that layer's shapes, outlier indices padded across layers -- still decodes like
-    CompressedCache with the same per-layer book; and each layer is wired to its own namespace."""
+    CompressedCache with the same per-layer book; and each layer is wired to its own namespace.
+    kv.value.rotate=hadamard: every layer's value rotation folded into its W_v/W_o (kv=auto with rotated values)."""
     from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
     from kvcompress.stages.export import bundle_variants
     from kvcompress.stages.fit import fit
@@ -163,8 +165,9 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
     from conftest import SMOKE_CALIB
 
     lm = tiny_lm("llama")
-    spec = mixed_spec(KVSpec(name="auto", **SPEC), [LayerFormat(key_bits=4, value_bits=4, value_group=16, outlier_channels=2),
-                                                    LayerFormat(key_bits=8, value_bits=4, value_group=32)])
+    base = KVSpec.model_validate({**SPEC, "name": "auto", "value": {**SPEC["value"], "rotate": rotate}})
+    spec = mixed_spec(base, [LayerFormat(key_bits=4, value_bits=4, value_group=16, outlier_channels=2), LayerFormat(key_bits=8, value_bits=4, value_group=32)])
+    assert spec.value_rotation_folded == (rotate == "hadamard")
     book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), spec)
     variants, per_layer = bundle_variants(book, lm.geometry)
     assert [v.name for v in variants] == ["d32_g3_auto_k4v4g16o2", "d32_g3_auto_k8v4"] and per_layer == [v.name for v in variants]
@@ -173,7 +176,7 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
     lm.model.save_pretrained(str(hf), safe_serialization=True)
     net = no.network_spec(book, variants[0].__dict__, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2, layers=layers)
     no.write_network_files(tmp_path / "bundle", net, no.plugin_params(book))
-    assert no.plugin_params(book)["outlier_idx"].shape[-1] == 2
+    assert no.plugin_params(book)["outlier_idx"].shape[-1] == 2 and net["value_rotation"] == rotate
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
     res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
@@ -188,7 +191,8 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
             return super().plugin(name, inputs, fields, n_out, namespace)
 
     g = Spy()
-    W, P = tn.load_hf_weights(hf, net), tn.load_plugin_params(tmp_path / "bundle")
+    P = tn.load_plugin_params(tmp_path / "bundle")
+    W = tn.load_hf_weights(hf, net, P)
     tn.decoder_step(g, net, W, P, torch.tensor([5], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), no.empty_past(net, 1, 16), 16, 1, 32)
     assert [ns for _, ns in g.seen] == [layers[0]["namespace"]] * 2 + [layers[1]["namespace"]] * 2
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import SMOKE_CALIB, run_cli, tiny_lm
+from conftest import SMOKE_CALIB, float64_model, run_cli, tiny_lm
 from kvcompress import reference as ref
 from kvcompress.cache import CompressedCache
 from kvcompress.config import Gate, TuneConfig, EvalConfig, to_run_config
@@ -64,16 +64,23 @@ def test_mixed_fit_takes_each_layer_from_its_own_format_and_loads_back(stats3, t
         ScaleBook.load(tmp_path / "b.safetensors", {**book.geometry, "n_layers": 2})
 
 
-def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3):
-    s = mixed_spec(BASE, [K4, FP16, K8])
+@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3, rotate):
+    """Per-layer formats through CompressedCache == the one-pass evaluation (with kv.value.rotate: every quantized
+    layer's values rotated, the fp16 layer untouched), and the bytes. float64 (conftest.float64_model): in float32 the
+    two paths' summation orders (and the rotation's) flip the rounding of values on a midpoint."""
+    s = mixed_spec(BASE.model_copy(update={"value": BASE.value.model_copy(update={"rotate": rotate})}), [K4, FP16, K8])
     book = fit(stats3, s)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     cache = CompressedCache(book)
-    with torch.no_grad():
-        dec = torch.cat([lm3.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(40)], 1)
-        with compressed_attention(lm3.model, book) as kw:
-            one = lm3.model(input_ids=ids, use_cache=False, **kw).logits
-    torch.testing.assert_close(one, dec, atol=1e-4, rtol=1e-4)
+    lm64 = tiny_lm("llama", layers=3, seed=3)  # lm3's weights, its own copy to move to float64
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        float64_model(lm64, mp)
+        dec = torch.cat([lm64.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(40)], 1)
+        with compressed_attention(lm64.model, book) as kw:
+            one = lm64.model(input_ids=ids, use_cache=False, **kw).logits
+    torch.testing.assert_close(one, dec, atol=1e-6, rtol=1e-6)
+    one = one.float()
     acc = ref.spec_cache_nbytes(s, lm3.geometry, 40)
     got = cache.nbytes_breakdown()
     assert sum(v for k, v in got.items() if k != "static") == sum(v for k, v in acc.items() if k != "static")
