@@ -28,6 +28,13 @@ class TinyModelConfig(Frozen):
     max_position: int = Field(4096, ge=16)
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _shapes(self) -> "TinyModelConfig":
+        if self.hidden % self.heads or self.heads % self.kv_heads or self.head_dim % 2:
+            raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}: hidden must be a multiple "
+                             "of heads (transformers' configs require it), heads a multiple of kv_heads, head_dim even")
+        return self
+
 
 class GGUFPart(Frozen):
     """One chunk of a GGUF file split across PyPI packages (PyPI caps a file's size)."""

@@ -137,8 +137,11 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     r = Run(cfg, run_dir, progress)
     if "export" in cfg.stages:
         from kvcompress.stages.export import check_exportable
+        from kvcompress.targets.trtllm_ckpt import check_tp
 
         check_exportable(r.lm.model)  # before anything is written; the model is needed by validate and export anyway
+        for tp in cfg.export.tp_sizes:  # and the tensor-parallel sizes the model's shapes allow
+            check_tp(r.lm.geometry, tp, r.lm.model.config)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -29,6 +29,8 @@ BAD = [
     (["kv=native_fp8", "kv.fold_pairs=maybe"], "kv.fold_pairs='maybe' is invalid: allowed: a valid boolean or 'auto'"),
     (["kv=native_int8", "kv.headroom=0.5"], "error: kv.headroom=0.5 must be 'auto' or a number >= 1"),
     (["kv=native_nvfp4", "kv.fold_pairs=true"], "kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8"),
+    (["export.tp_sizes=[1,4]"], "export.tp_sizes contains 4: the model's 6 attention heads do not split over 4 ranks"),  # before profiling
+    (["model.tiny.hidden=100"], "model.tiny: hidden=100, heads=6, kv_heads=2, head_dim=32: hidden must be a multiple of heads"),  # was a Hydra error
     (["kv=native_int8", "kv.pair_context=8192"], "kv.pair_context=8192 sets the context kv.fold_pairs chooses its angles for"),
 ]
 

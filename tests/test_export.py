@@ -315,6 +315,23 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
         assert torch.allclose(out["model.layers.0.self_attn.k_proj.weight"].float(), src["model.layers.0.self_attn.k_proj.weight"].float(), atol=1e-3)
 
 
+def test_tp_sizes_must_split_heads_and_the_mlp_evenly():
+    """TensorRT-LLM splits heads, kv heads (or duplicates them) and the MLP's (each expert's) intermediate dimension
+    evenly over the ranks: anything else is one line (the pipeline checks before profiling)."""
+    from types import SimpleNamespace
+
+    from kvcompress.errors import UserError
+    from kvcompress.targets.trtllm_ckpt import check_tp
+
+    geom = Geometry(n_layers=1, n_heads=8, n_kv_heads=2, head_dim=32, hidden_size=256, vocab_size=260, max_position=4096, rope_theta=1e4, architecture="LlamaForCausalLM")
+    for tp in (1, 2, 4, 8):
+        check_tp(geom, tp, SimpleNamespace(intermediate_size=512))
+    with pytest.raises(UserError, match="the model's MLP intermediate size 500 does not split over 8 ranks"):
+        check_tp(geom, 8, SimpleNamespace(intermediate_size=500))
+    with pytest.raises(UserError, match="the model's 8 attention heads do not split over 3 ranks"):
+        check_tp(geom, 3, SimpleNamespace(intermediate_size=513))
+
+
 def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     from kvcompress.errors import UserError
     from kvcompress.models.tiny import build_tiny

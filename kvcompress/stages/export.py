@@ -418,7 +418,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     geom = lm.geometry
     check_exportable(lm.model)
     for tp in ecfg.tp_sizes:
-        check_tp(geom, tp)
+        check_tp(geom, tp, lm.model.config)
     checks = Checks()
     trt_book, hf_book = _book_for(books, cfg.trtllm_format()), _book_for(books, "native_fp8")
     artifacts = {}

@@ -35,7 +35,11 @@ from kvcompress.models.base import DTYPES
 TRTLLM_VERSION = "1.2.1"
 
 
-def check_tp(geom, tp: int) -> None:
+def check_tp(geom, tp: int, hf_cfg=None) -> None:
+    """tp splits the heads, the MLP's (or each expert's) intermediate dimension and the vocabulary (padded) evenly."""
+    inter = getattr(hf_cfg, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise UserError(f"export.tp_sizes contains {tp}: the model's MLP intermediate size {inter} does not split over {tp} ranks")
     if geom.n_heads % tp:
         raise UserError(f"export.tp_sizes contains {tp}: the model's {geom.n_heads} attention heads do not split over {tp} ranks")
     if geom.n_kv_heads % tp and tp % geom.n_kv_heads:
@@ -174,7 +178,7 @@ class TrtllmWriter:
                  kv_scales: torch.Tensor | None, hf_config):
         from kvcompress.targets.st_writer import SafetensorsWriter
 
-        check_tp(geom, tp)
+        check_tp(geom, tp, hf_config)
         self.geom, self.dir, self.tp, self.dtype_name, self.dtype = geom, Path(out_dir), tp, dtype, DTYPES[dtype]
         self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
         self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
