@@ -74,7 +74,7 @@ def summarise(report: dict, command: str, run_dir: Path) -> dict:
         "run_dir": str(run_dir),
         "model": {k: report["model"].get(k) for k in ("name", "architecture", "file", "path", "sha256", "dtype", "baseline")},
         "eval": {k: report["eval"].get(k) for k in ("origin", "sha256", "n_windows", "seq_len")},
-        "provenance": {k: report["provenance"].get(k) for k in ("versions", "python", "git_sha")},
+        "provenance": {k: report["provenance"].get(k) for k in ("versions", "python", "git_sha", "machine")},
         "formats": formats,
         "self_check": report.get("self_check"),
         "export": {name: {"validated_as": a["validated_as"], "remeasured": {k: a["remeasured"][k] for k in ("validated_kl", "remeasured_kl", "tolerance", "passed")}}
@@ -102,13 +102,19 @@ def run(name: str, command: str) -> dict:
         return summarise(json.loads((run_dir / "report.json").read_text()), command, run_dir)
 
 
+def _on(r: dict) -> str:
+    """' on <CPU> (<torch CPU capability>)' when the results file records the machine (older files do not)."""
+    m = r["provenance"].get("machine")
+    return f" on {m['cpu']} ({m['torch_cpu_capability']})" if m else ""
+
+
 def render(results: dict[str, dict]) -> str:
     """The README block: one table per results file."""
     out = [BEGIN]
     for name, r in sorted(results.items()):
         t = r["stage_times_s"]
         out += ["", f"`{r['command']}` ({r['model']['architecture']} {r['model']['name']}, baseline: {r['model']['baseline']}; "
-                f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}, git {str(r['provenance']['git_sha'])[:12]}; "
+                f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}{_on(r)}, git {str(r['provenance']['git_sha'])[:12]}; "
                 f"file `docs/results/{name}.json`):", ""]
         out += ["| format (tier, exported as) | verdict | bits/element | ppl delta | KL mean / p99 | top-1 | K / V clip rate | retrieval (context-phase) | exact copy (context-phase) |",
                 "|---|---|---|---|---|---|---|---|---|"]
