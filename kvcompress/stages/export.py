@@ -73,9 +73,13 @@ def check_exportable(model) -> None:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
         raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
-    inv, hd = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "inv_freq", None), getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if inv is not None and 2 * inv.numel() < hd:  # Phi-4-mini, GPT-NeoX: a Llama checkpoint rotates every channel
-        raise UserError(f"export=trtllm writes RoPE over the whole head; this {arch} rotates {2 * inv.numel()} of its {hd} head channels "
+    from kvcompress.models.base import Geometry
+    from kvcompress.stages.profile import rotary_dim
+
+    g = Geometry.from_hf_config(cfg)
+    r = rotary_dim(model, g)
+    if r < g.head_dim:  # Phi-4-mini, GPT-NeoX: a Llama checkpoint rotates every channel
+        raise UserError(f"export=trtllm writes RoPE over the whole head; this {arch} rotates {r} of its {g.head_dim} head channels "
                         f"(partial rotary): add export=none")
     mismatch = rope_mismatch(model)
     if mismatch:
