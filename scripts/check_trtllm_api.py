@@ -33,7 +33,7 @@ RECORD = ROOT / "export" / "TRTLLM_API_CHECK.md"
 # receivers in trtllm_network.py -> the TensorRT Python class they are (by construction of the code)
 TRT_RECEIVERS = {"trt": "<module>", "self.trt": "<module>", "self.net": "INetworkDefinition", "self.registry": "IPluginRegistry",
                  "creator": "IPluginCreatorV3One", "layer": "ILayer", "config.trt_builder_config": "IBuilderConfig", "x": "ITensor", "op": "MatrixOperation"}
-LAYER_SUBCLASS = {"reshape_dims": "IShuffleLayer"}  # properties of a specific layer class
+LAYER_SUBCLASS = {"reshape_dims": "IShuffleLayer", "axes": "ISoftMaxLayer"}  # properties of a specific layer class
 # TensorRT-LLM: receiver -> (file, class); imported names -> (file, qualname)
 TRTLLM_RECEIVERS = {"builder": ("tensorrt_llm/builder.py", "Builder"), "network": ("tensorrt_llm/network.py", "Network"),
                     "config": ("tensorrt_llm/builder.py", "BuilderConfig"), "session": ("tensorrt_llm/runtime/session.py", "Session")}

@@ -71,6 +71,41 @@ def test_network_graph_of_mistral_and_qwen2_decodes_like_the_validated_cache(tmp
         assert dropped["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (dropped["kl_mean"], res["kl_mean"])
 
 
+def test_network_graph_of_mixtral_routes_tokens_like_the_validated_cache(tmp_path, monkeypatch):
+    """Mixtral's expert MLP in the graph (network.json arch.moe; the stored block_sparse_moe tensors): float32 router,
+    top-k experts per token, softmax over their logits, each chosen expert's gated MLP: it decodes like transformers'
+    MixtralForCausalLM through CompressedCache. Negatives (each > 100x the KL): one expert per token instead of two,
+    and w1/w3 (gate/up) read the other way round."""
+    lm = tiny_lm("mixtral")
+    with torch.no_grad():  # random-init routers are near-uniform: make the choice of experts matter
+        for layer in lm.model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    assert spec["arch"]["moe"] == {"num_experts": 4, "top_k": 2}
+    assert tn.load_hf_weights(hf, spec)["0.wg"].shape == (4, lm.model.config.intermediate_size, lm.model.config.hidden_size)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    one, _ = _bundle(tmp_path / "top1", lm, book, {"arch": {**spec["arch"], "moe": {"num_experts": 4, "top_k": 1}}})
+    top1 = no.check_network(one, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert top1["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (top1["kl_mean"], res["kl_mean"])
+    real = tn.load_hf_weights
+
+    def swapped(*a, **k):
+        w = real(*a, **k)
+        for i in range(spec["arch"]["n_layers"]):
+            w[f"{i}.wg"], w[f"{i}.wu"] = w[f"{i}.wu"], w[f"{i}.wg"]
+        return w
+
+    monkeypatch.setattr(tn, "load_hf_weights", swapped)
+    wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
+    with pytest.raises(ValueError, match="has no mixture-of-experts block but layer 0 has block_sparse_moe"):
+        real(hf, {**spec, "arch": {k: v for k, v in spec["arch"].items() if k != "moe"}})
+
+
 def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache(tmp_path, monkeypatch):
     """int8k_int4v with kv.value.rotate=hadamard: the static-family plugins store whatever values the graph gives
     them, and the graph's W_v/W_o carry the rotation (network.json value_rotation): it decodes like

@@ -41,7 +41,7 @@ from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
 from kvcompress.targets.hf_ckpt import HFWriter
-from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, num_experts, trtllm_architecture
+from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, trtllm_architecture
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,10 +256,6 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
 
     lm, cfg = run.lm, run.cfg
     g = lm.geometry
-    if num_experts(lm.model.config):  # NOT IMPLEMENTED: the graph's MLP is the dense SwiGLU one; no network.json is written
-        why = "mixture-of-experts model: the custom-tier network has no expert MLP (the kernels, plugins and acceptance kits are exported)"
-        checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
-        return {"skipped": why}
     token_bytes = tn.token_bytes(variant, g.head_dim)
     n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
     splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])

@@ -5,8 +5,8 @@ eagerly with torch on CPU, the two plugins replaced by the acceptance kit's refe
 numerics the kernels are tested against). `check_network` drives it with the same greedy loop the
 engine's `generate` uses and compares its logits, step by step, with transformers' model decoding
 token by token through `CompressedCache` (the path validate measures). Agreement shows the graph's
-wiring -- RoPE convention, GQA head layout, append-then-read order, lens + 1, residuals, the MLP, tied
-embeddings -- is the validated model's; what it cannot show is TensorRT's own execution (not run here).
+wiring -- RoPE convention, GQA head layout, append-then-read order, lens + 1, residuals, the MLP (Mixtral's
+expert routing), tied embeddings -- is the validated model's; what it cannot show is TensorRT's own execution (not run here).
 """
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ class TorchGraph:
     def sigmoid(self, x):
         return torch.sigmoid(x.float()).to(x.dtype)
 
+    def softmax_last(self, x):
+        return torch.softmax(x.float(), -1).to(x.dtype)
+
+    def topk_last(self, x, k: int):
+        v, i = torch.topk(x, k, dim=-1)  # ITopKLayer: values, int32 indices
+        return v, i.to(torch.int32)
+
     def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = tn.NAMESPACE):
         # the reference ops read the static family's format from the buffers' shapes and dtypes, the grouped family's from its variant
         x = [t.numpy() for t in inputs]
@@ -132,13 +139,17 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
     from kvcompress.targets.trtllm_ckpt import trtllm_config
     from kvcompress.targets.trtllm_reader import rope_inv_freq, rope_scale
 
+    from kvcompress.targets.trtllm_ckpt import num_experts
+
     rc = trtllm_config(hf_config, geom, 1, "float16", None)
+    moe = {"moe": {"num_experts": num_experts(hf_config), "top_k": int(hf_config.num_experts_per_tok)}} if num_experts(hf_config) else {}
     inv = rope_inv_freq(geom.head_dim, rc["rotary_base"], rc["rotary_scaling"])
     scale = rope_scale(rc["rotary_scaling"])
     return {
         "arch": {"n_layers": hf_config.num_hidden_layers, "n_heads": hf_config.num_attention_heads,
                  "n_kv_heads": book.geometry["n_kv_heads"], "head_dim": book.geometry["head_dim"], "hidden": hf_config.hidden_size,
-                 "vocab_size": hf_config.vocab_size, "rms_eps": float(hf_config.rms_norm_eps), "model_type": hf_config.model_type},
+                 "vocab_size": hf_config.vocab_size, "rms_eps": float(hf_config.rms_norm_eps), "model_type": hf_config.model_type,
+                 **moe},  # Mixtral: experts and top-k (softmax renormalised over the top k)
         "rope_inv_freq": [float(f) for f in inv],
         **({"rope_scale": scale} if scale != 1.0 else {}),  # YaRN: the factor on cos and sin
         "variant": _variant_fields(variant),

@@ -1,4 +1,4 @@
-"""The custom tier as a TensorRT-LLM network: a Llama decoder whose attention is the two kvcompress
+"""The custom tier as a TensorRT-LLM network: a Llama decoder (Mixtral: with its expert MLP) whose attention is the two kvcompress
 plugins (KvcAppend writes the new token into the packed cache, KvcDecodeAttention reads it).
 
 One description, two backends:
@@ -129,8 +129,7 @@ def rotate_half_matrix(D: int) -> np.ndarray:
 def load_spec(bundle: Path) -> dict:
     p = Path(bundle) / SPEC_FILE
     if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing: --bundle must be an export's plugin_bundle/ (custom tier) with a network "
-                                "(a mixture-of-experts export has none: see manifest.json)")
+        raise FileNotFoundError(f"{p} is missing: --bundle must be an export's plugin_bundle/ (custom tier)")
     return json.loads(p.read_text())
 
 
@@ -164,14 +163,26 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
     def get(name):
         return raw[name].to(dtype=torch.float16).numpy()
 
+    moe = a.get("moe")
+
     w = {"embed": get(p + "embed_tokens.weight"), "norm": get(p + "norm.weight")[None]}
     w["lm_head"] = get("lm_head.weight") if "lm_head.weight" in raw else w["embed"]
     for i in range(a["n_layers"]):
         t = f"{p}layers.{i}."
         w |= {f"{i}.ln1": get(t + "input_layernorm.weight")[None], f"{i}.ln2": get(t + "post_attention_layernorm.weight")[None],
               f"{i}.wq": get(t + "self_attn.q_proj.weight"), f"{i}.wk": get(t + "self_attn.k_proj.weight"),
-              f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight"),
-              f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
+              f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight")}
+        has_moe = f"{t}block_sparse_moe.gate.weight" in raw
+        if has_moe != bool(moe):
+            raise ValueError(f"{hf_dir}: network.json {'has' if moe else 'has no'} mixture-of-experts block but layer {i} "
+                             f"{'has' if has_moe else 'has no'} block_sparse_moe tensors (Mixtral's stored layout)")
+        if moe:  # Mixtral as stored: router gate [E, hidden] (kept float32), expert e's w1 (gate), w3 (up), w2 (down)
+            e = f"{t}block_sparse_moe.experts."
+            w[f"{i}.wr"] = raw[f"{t}block_sparse_moe.gate.weight"].float().numpy()
+            for n, k in (("wg", "w1"), ("wu", "w3"), ("wd", "w2")):
+                w[f"{i}.{n}"] = np.stack([get(f"{e}{j}.{k}.weight") for j in range(moe["num_experts"])])  # [E, out, in]
+        else:
+            w |= {f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
         if f"{t}self_attn.o_proj.bias" in raw:
             raise ValueError(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2, Qwen3)")
         for n in "qkv":  # Qwen2's q/k/v biases (folded with the weights)
@@ -236,6 +247,29 @@ def _proj(g, h, W, i: int, n: str):
     return g.add(y, g.const(W[f"{i}.b{n}"])) if f"{i}.b{n}" in W else y
 
 
+def _mlp(g, h, W, i: int):
+    """Llama's gated SiLU MLP of h [B, hidden] fp16."""
+    gate = g.matmul(h, g.const(W[f"{i}.wg"]), transpose_b=True)
+    up = g.matmul(h, g.const(W[f"{i}.wu"]), transpose_b=True)
+    return g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), g.const(W[f"{i}.wd"]), transpose_b=True)
+
+
+def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
+    """Mixtral's mixture-of-experts MLP of h [B, hidden] fp16: router logits in float32 (h @ W_r^T), the top k per
+    token, their softmax as the weights (= the softmax over all experts renormalised over the top k); each token's k
+    chosen experts' weights are gathered ([B, k, out, in]) and only those experts run, as transformers' routing does;
+    out = sum_j weight_j expert_j(h). The gather copies k experts' weights per token per step (a correctness path;
+    TensorRT-LLM's MoE plugin is the fast one)."""
+    logits = g.matmul(g.cast(h, "float32"), g.const(W[f"{i}.wr"]), transpose_b=True)  # [B, E]
+    top, idx = g.topk_last(logits, k)  # [B, k]
+    route = g.cast(g.reshape(g.softmax_last(top), (0, 1, k)), "float16")  # [B, 1, k]
+    h4 = g.reshape(h, (0, 1, 1, hidden))
+    wg, wu, wd = (g.gather(g.const(W[f"{i}.{n}"]), idx) for n in ("wg", "wu", "wd"))  # [B, k, out, in]
+    gate, up = g.matmul(h4, wg, transpose_b=True), g.matmul(h4, wu, transpose_b=True)  # [B, k, 1, I]
+    y = g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), wd, transpose_b=True)  # [B, k, 1, hidden]
+    return g.reshape(g.matmul(route, g.reshape(y, (0, k, hidden))), (0, hidden))
+
+
 def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
     """One generation step: ids [B] int32, lens [B] int32 (tokens cached before this one), past[layer] =
     the layer's cache buffers (cache_names). Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
@@ -274,9 +308,7 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         att = g.reshape(g.cast(att, "float16"), (0, H * D))
         x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
         h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
-        gate = g.matmul(h, g.const(W[f"{i}.wg"]), transpose_b=True)
-        up = g.matmul(h, g.const(W[f"{i}.wu"]), transpose_b=True)
-        x = g.add(x, g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), g.const(W[f"{i}.wd"]), transpose_b=True))
+        x = g.add(x, _moe_mlp(g, h, W, i, a["hidden"], a["moe"]["top_k"]) if a.get("moe") else _mlp(g, h, W, i))
         present.append(new)
     x = _rms_norm(g, x, W["norm"], eps)
     return g.cast(g.matmul(x, g.const(W["lm_head"]), transpose_b=True), "float32"), present
@@ -336,6 +368,15 @@ class TrtGraph:
 
     def sigmoid(self, x):
         return self.net.add_activation(x, self.trt.ActivationType.SIGMOID).get_output(0)
+
+    def softmax_last(self, x):
+        layer = self.net.add_softmax(x)
+        layer.axes = 1 << (len(x.shape) - 1)  # ISoftMaxLayer's default axis is not the last one
+        return layer.get_output(0)
+
+    def topk_last(self, x, k: int):
+        layer = self.net.add_topk(x, self.trt.TopKOperation.MAX, k, 1 << (len(x.shape) - 1))
+        return layer.get_output(0), layer.get_output(1)  # values, int32 indices
 
     def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = NAMESPACE):
         trt = self.trt
