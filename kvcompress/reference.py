@@ -78,6 +78,15 @@ class KeyParams:
     outlier_idx: torch.Tensor  # [H, n_out] int64 (n_out may be 0)
 
 
+FP16_BITS = 16  # key_bits == value_bits == 16: an fp16 layer of a per-layer format, whose store holds the fp16 K and V
+
+
+def fp16_key_params(n_kv_heads: int, head_dim: int) -> KeyParams:
+    """The static family's key parameters for an fp16 layer (key_bits 16): scale 1, zero 0, no outlier
+    channels. The kernels read none of them for such a layer; the plugins still take the inputs."""
+    return KeyParams(FP16_BITS, torch.ones(n_kv_heads, head_dim), torch.zeros(n_kv_heads, head_dim), torch.zeros(n_kv_heads, 0, dtype=torch.long))
+
+
 def _bcast(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # p: [H, D] -> [H, 1, D] so that it broadcasts against x: [..., H, T, D]
     return p.to(device=x.device, dtype=torch.float32).unsqueeze(-2)

@@ -260,6 +260,24 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert all(c["status"] == "passed" for c in manifest["checks"])
 
 
+def test_per_layer_formats_with_an_fp16_layer_ship_in_the_custom_tier(tmp_path):
+    """A per-layer format with an fp16 layer (what kv=auto chooses for a layer no menu format holds) exports its custom
+    tier: the fp16 layer's variant is the static kernels storing fp16 K and V (compiled, audited, its acceptance kit
+    reproduced), the network gives that layer fp16 store buffers, and its CPU oracle decodes like CompressedCache."""
+    layers = "+kv.layers=[{key_bits:16,value_bits:16},{key_bits:8,value_bits:4}]"
+    p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama"), "run", "kv.name=mix", layers)
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] == "passed" for c in manifest["checks"]), manifest["checks"]
+    names = [c["check"] for c in manifest["checks"]]
+    assert any("acceptance kit d32_g3_mix_fp16" in n for n in names) and any("network graph" in n for n in names)
+    pb = manifest["artifacts"]["plugin_bundle"]
+    assert pb["layer_variants"] == ["d32_g3_mix_fp16", "d32_g3_mix_k8v4"] and pb["network"]["check"]["crossed_into_store"]
+    kernels = json.loads((run / "export" / "plugin_bundle" / "kernels" / "sm_90" / "kernels.json").read_text())["kernels"]
+    split = next(k for k in kernels if k["name"] == "decode_split_d32_g3_mix_fp16")
+    assert split["signature"]["KP"] == split["signature"]["VP"] == "*fp16" and not split["spills"]
+
+
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),
                                               ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM")])
 def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls, written):

@@ -120,6 +120,36 @@ def test_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, n
         assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
 
 
+@pytest.mark.parametrize("lens,H,G,D,n_sink,window", [([1, 7, 40, 150], 2, 3, 64, 4, W), ([300, 21], 1, 8, 128, 0, 0), ([W + 3, 90], 1, 3, 64, 0, W)])
+def test_fp16_store_decode_and_append_match_the_reference(lens, H, G, D, n_sink, window):
+    """An fp16 layer of a per-layer format in the static kernels (key_bits = value_bits = 16, the spec's sinks and window):
+    appends store every token's fp16 K and V bit-exactly, and decode attends them as the reference does, which is
+    plain softmax attention over the fp16 tokens (checked independently)."""
+    ks, vs = make_seqs(lens, H, D, seed=5)
+    p = ref.fp16_key_params(H, D)
+    kw = dict(n_sink=n_sink, window=window, value_bits=16, group=D)
+    kv = _to(PackedKV.from_reference(ks, vs, p, **kw), DEVICE)
+    assert kv.k_payload.dtype == kv.v_payload.dtype == torch.float16 and kv.k_payload.shape[-1] == D
+    q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    want = ops.decode_attention_reference(q, kv, p, D**-0.5)
+    exact = torch.stack([torch.softmax((q[b].float().view(H, G, D) @ ks[b].half().float().transpose(1, 2)) * D**-0.5, -1).flatten(0, 1).unsqueeze(1)
+                         .bmm(vs[b].half().float().repeat_interleave(G, 0)).squeeze(1) for b in range(len(lens))])
+    torch.testing.assert_close(want, exact.to(want.device), atol=1e-5, rtol=1e-5)  # the reference reads the fp16 tokens themselves
+    for splits in (None, 1, 5):
+        torch.testing.assert_close(ops.decode_attention(q, kv, p, D**-0.5, splits=splits), want, **DECODE_TOL)
+    T = max(lens)
+    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
+    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
+    app = _to(PackedKV.empty(len(lens), H, D, T, n_out=0, key_bits=16, **kw), DEVICE)
+    for t in range(T):
+        ops.append(app, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), p)
+    expect = PackedKV.from_reference(full_k, full_v, p, cap=T, **kw)
+    for name in ("k_payload", "v_payload", "lens"):
+        assert torch.equal(getattr(app, name).cpu(), getattr(expect, name)), name
+    with pytest.raises(ValueError, match="an fp16 store"):
+        PackedKV.empty(1, H, D, 8, n_sink=4, window=0, n_out=2, key_bits=16, value_bits=16, group=D)
+
+
 # the per-token family (kv.key.granularity=token): kv=rot4 and its neighbours. Only KeyParams.bits is read.
 ROT4 = dict(key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True)
 PER_TOKEN_CASES = [

@@ -19,7 +19,9 @@ VARIANTS = {"d128_g8_int8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0
             "d64_g3_wf4": dict(zip(FIELDS, (64, 3, 4, 4, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128),
             # the per-token family (kv=rot8k_int4v): rotated per-token int8 keys, rotated int4 values with a coded min
             "d128_g8_rot8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0)), key_group=128, key_rotate=True, value_rotate=True,
-                                        value_coded_min=True)}
+                                        value_coded_min=True),
+            # an fp16 layer of a per-layer format (kv=auto): the static family storing fp16 K and V
+            "d128_g8_auto_fp16": dict(zip(FIELDS, (128, 8, 16, 16, 128, 4, 128, 0)))}
 
 
 def _kernels(tmp_path: Path, name: str) -> Path:
@@ -117,18 +119,24 @@ def _kit(tmp_path, n_out=0, key_bits=8):
     from kvcompress.reference import KeyParams, key_qmax
     from kvcompress.targets.acceptance import write_kit
 
+    from kvcompress.reference import fp16_key_params
+
     H, D = 2, 64
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(150, H, D, generator=g) * 2, torch.randn(150, H, D, generator=g)
     idx = torch.arange(n_out).repeat(H, 1) if n_out else torch.zeros(H, 0, dtype=torch.long)
-    p = KeyParams(key_bits, k.abs().amax(0) / key_qmax(key_bits), torch.zeros(H, D), idx)
-    variant = {"name": "t", "head_dim": D, "gqa": 3, "key_bits": key_bits, "value_bits": 4, "group": 32, "n_sink": 4, "window": 16,
-               "n_out": n_out, "block_t": 32}
+    if key_bits == 16:  # an fp16 layer of a per-layer format: fp16 K and V in the store
+        p = fp16_key_params(H, D)
+        variant = {"name": "t", "head_dim": D, "gqa": 3, "key_bits": 16, "value_bits": 16, "group": D, "n_sink": 4, "window": 16, "n_out": 0, "block_t": 32}
+    else:
+        p = KeyParams(key_bits, k.abs().amax(0) / key_qmax(key_bits), torch.zeros(H, D), idx)
+        variant = {"name": "t", "head_dim": D, "gqa": 3, "key_bits": key_bits, "value_bits": 4, "group": 32, "n_sink": 4, "window": 16,
+                   "n_out": n_out, "block_t": 32}
     write_kit(tmp_path, variant, p, k, v)
     return tmp_path
 
 
-@pytest.mark.parametrize("n_out,key_bits", [(0, 8), (2, 4)])
+@pytest.mark.parametrize("n_out,key_bits", [(0, 8), (2, 4), (0, 16)])
 def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, n_out, key_bits):
     import json
 
@@ -146,13 +154,14 @@ def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, 
     dec = next(c["name"] for c in meta["cases"][6:] if c["op"] == OP)
     app = next(c["name"] for c in meta["cases"][6:] if c["op"] == "KvcAppend")
     _perturb(kit, dec, "expected", lambda a: a.flat.__setitem__(5, a.flat[5] + 1e-3))
-    _perturb(kit, app, "expected_v_payload_out", lambda a: a.flat.__setitem__(0, a.flat[0] ^ 1))
+    _perturb(kit, app, "expected_v_payload_out", lambda a: a.flat.__setitem__(0, a.flat[0] + 1 if a.dtype.kind == "f" else a.flat[0] ^ 1))
     res = check_kit(kit)
     assert res[dec] is False and res[app] is False and sum(res.values()) == len(res) - 2
 
 
-def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
-    """The goldens the GPU host compares against are what the shipped kernels compute (interpreter)."""
+@pytest.mark.parametrize("key_bits", [8, 16])
+def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, key_bits):
+    """The goldens the GPU host compares against are what the shipped kernels compute (interpreter); 16: an fp16 layer."""
     import json
 
     import numpy as np
@@ -161,7 +170,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
     from kvcompress.kernels import ops
     from kvcompress.targets.acceptance import APPEND_INPUTS, packed_from_inputs
 
-    kit = _kit(tmp_path)
+    kit = _kit(tmp_path, key_bits=key_bits)
     for c in json.loads((kit / "cases.json").read_text())["cases"]:
         data = dict(np.load(kit / f"{c['name']}.npz"))
         if c["op"] == "KvcAppend":  # the Triton append kernel writes exactly the golden bytes
@@ -181,7 +190,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
 
 
 @needs_trt
-@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v"])
+@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v", "d128_g8_auto_fp16"])
 def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     """plugins/test/plugin_harness.cpp: the plugin sources linked with stand-ins for TensorRT's registry and
     logger and the CUDA driver; creators registered, fields round-trip, shapes checked against the variant."""

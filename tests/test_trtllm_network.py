@@ -232,6 +232,48 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
     assert [ns for _, ns in g.seen] == [layers[0]["namespace"]] * 2 + [layers[1]["namespace"]] * 2
 
 
+def test_network_graph_with_an_fp16_layer_decodes_like_the_validated_cache(tmp_path):
+    """kv=auto with an fp16 layer: that layer runs the static plugins built for key_bits = value_bits = 16 (the store
+    holds its fp16 K and V; layout.py), and the network decodes like CompressedCache, whose fp16 layers keep every
+    token in fp16. Negative: the same network with that layer quantized (k8v4 in its place) is > 10x further off."""
+    from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
+    from kvcompress.stages.export import bundle_variants
+    from kvcompress.stages.fit import fit
+    from kvcompress.stages.profile import profile
+    from kvcompress.data import load_texts
+    from conftest import SMOKE_CALIB
+
+    lm = tiny_lm("llama", layers=3)
+    base = KVSpec.model_validate({**SPEC, "name": "auto"})
+    spec = mixed_spec(base, [LayerFormat(key_bits=8, value_bits=4, value_group=32), LayerFormat(key_bits=16, value_bits=16),
+                             LayerFormat(key_bits=4, value_bits=4, value_group=16, outlier_channels=2)])
+    book = fit(profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), spec)
+    variants, per_layer = bundle_variants(book, lm.geometry)
+    assert per_layer == ["d32_g3_auto_k8v4", "d32_g3_auto_fp16", "d32_g3_auto_k4v4g16o2"]
+    fp16 = next(v for v in variants if v.name.endswith("fp16"))
+    assert (fp16.key_bits, fp16.value_bits, fp16.group, fp16.n_out, fp16.n_sink, fp16.window) == (16, 16, 32, 0, 2, 6)
+    hf = tmp_path / "hf"
+    lm.model.save_pretrained(str(hf), safe_serialization=True)
+    by_name = {v.name: v for v in variants}
+
+    def bundle(names, d):
+        layers = [{**by_name[n].__dict__, "namespace": f"kvcompress.{n}"} for n in names]
+        net = no.network_spec(book, variants[0].__dict__, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2, layers=layers)
+        no.write_network_files(tmp_path / d, net, no.plugin_params(book))
+        return net
+
+    net = bundle(per_layer, "bundle")
+    io = tn.engine_io(net, 16)
+    assert io["past.1.k_payload"] == ((2, 16, 32), "float16") and io["past.1.v_payload"] == ((2, 16, 32), "float16")
+    assert io["past.0.k_payload"] == ((2, 16, 32), "int8")
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    bundle([per_layer[0], per_layer[0], per_layer[2]], "quantized")
+    other = no.check_network(tmp_path / "quantized", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert other["kl_mean"] > 10 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])
+
+
 WF = dict(key={"bits": 4, "granularity": "channel", "symmetric": False, "clip": "minmax", "tie_rope_pairs": True, "group_tokens": 32, "alloc": "waterfill"},
           value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=32, sink_tokens=2)
 

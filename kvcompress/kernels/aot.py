@@ -109,8 +109,10 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
         return _per_token_specs(v)
     if v.grouped:
         return _grouped_specs(v)
-    kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
-    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*u8", "VS": "*fp16", "VM": "*fp16", "LENS": "*i32"}
+    fp16 = v.key_bits == 16  # an fp16 layer of a per-layer format: the store holds fp16 K and V rows
+    kp = "*fp16" if fp16 else PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
+    store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*fp16" if fp16 else "*u8", "VS": "*fp16",
+             "VM": "*fp16", "LENS": "*i32"}
     common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
     launch = decode_launch_params(v.gqa, v.n_sink, v.n_out, v.block_t)
     n_out_pad = launch["N_OUT_PAD"]

@@ -18,6 +18,10 @@ offset-binary int4 (q + 8), and k_scale [B, H, CAP, D/key_group] fp16 its per-to
 value_symmetric the values are signed codes the same way (v_payload int8 for 8 bits) and v_min is
 unused; value_rotate stores values in the rotated basis (reference.encode_rotated); value_coded_min
 (kv.value.min=code) makes v_min uint8 codes (reference.value_meta_coded).
+An fp16 layer of a per-layer format (key_bits == value_bits == 16, static family, the same sinks and
+window as every layer, so one CAP serves all layers): k_payload and v_payload [B, H, CAP, D] fp16 hold
+each token leaving the window as it came; k_outliers is empty and v_scale, v_min ([B, H, CAP, 1]) are
+neither written nor read (4 bytes per token and kv head).
 The grouped family (key_group_tokens = GT > 0: kv.key.group_tokens, e.g. kv=wf4 and kv=kivi_int4) stores
 keys per channel over groups of GT compressed tokens (group j: compressed indices [GT*j, GT*j + GT)):
 k_payload [B, H, CAPG*GT, D*key_bits/8] uint8 holds each token's codes as one bitstream of varying
@@ -110,6 +114,10 @@ class PackedKV:
                 raise ValueError(f"key_bits_table: every head's row must spend key_bits * D = {key_bits * D} bits")
         if value_coded_min and value_symmetric:
             raise ValueError("a coded min is for asymmetric values (value_symmetric=False)")
+        fp16 = key_bits == ref.FP16_BITS
+        if (value_bits == ref.FP16_BITS) != fp16 or fp16 and (key_group or key_group_tokens or n_out or group != D):
+            raise ValueError(f"an fp16 store (key_bits = value_bits = 16) is the static family with no outlier channels and one value group; "
+                             f"got key_bits={key_bits} value_bits={value_bits} n_out={n_out} group={group}")
         f16 = dict(dtype=torch.float16, device=device)
         kd = D // 2 if key_bits == 4 else D
         vd = D // 2 if value_bits == 4 else D
@@ -120,9 +128,10 @@ class PackedKV:
             sink_v=torch.zeros(B, H, n_sink, D, **f16),
             win_k=torch.zeros(B, H, window, D, **f16),
             win_v=torch.zeros(B, H, window, D, **f16),
-            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.uint8 if key_bits == 4 or key_group_tokens else torch.int8, device=device),
+            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.float16 if fp16 else torch.uint8 if key_bits == 4 or key_group_tokens else torch.int8, device=device),
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
-            v_payload=torch.zeros(B, H, cap, vd, dtype=torch.int8 if value_symmetric and value_bits == 8 else torch.uint8, device=device),
+            v_payload=torch.zeros(B, H, cap, vd, dtype=torch.float16 if fp16 else torch.int8 if value_symmetric and value_bits == 8 else torch.uint8,
+                                  device=device),
             v_scale=torch.zeros(B, H, cap, D // group, **f16),
             v_min=torch.zeros(B, H, cap, D // group, dtype=torch.uint8 if value_coded_min else torch.float16, device=device),
             lens=torch.zeros(B, dtype=torch.int32, device=device),
@@ -170,6 +179,9 @@ class PackedKV:
                 elif out.per_token:
                     out.k_payload[b, :, :nc], out.k_scale[b, :, :nc] = ref.encode_rotated(kc, p.bits, key_group, True, out.key_how)
                     v_parts = ref.encode_rotated(vc, value_bits, group, value_symmetric, out.value_how, value_coded_min)
+                elif p.bits == ref.FP16_BITS:  # an fp16 layer: the tokens themselves
+                    out.k_payload[b, :, :nc], out.v_payload[b, :, :nc] = kc, vc
+                    v_parts = ()
                 else:
                     payload, outl = ref.encode_keys(kc, p)
                     out.k_payload[b, :, :nc], out.k_outliers[b, :, :nc] = payload, outl

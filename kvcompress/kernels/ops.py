@@ -178,6 +178,9 @@ def unpack_reference(kv: PackedKV, p: KeyParams, b: int) -> tuple[torch.Tensor, 
         ks.append(ref.decode_rotated((kv.k_payload[b, :, :nc], kv.k_scale[b, :, :nc]), kv.key_bits, kv.key_group, True, kv.key_how))
         v_parts = (kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc]) + (() if kv.value_symmetric else (kv.v_min[b, :, :nc],))
         vs.append(ref.decode_rotated(v_parts, kv.value_bits, kv.group, kv.value_symmetric, kv.value_how))
+    elif nc and kv.key_bits == ref.FP16_BITS:  # an fp16 layer: the store holds the tokens
+        ks.append(kv.k_payload[b, :, :nc].float())
+        vs.append(kv.v_payload[b, :, :nc].float())
     elif nc:
         ks.append(ref.decode_keys(kv.k_payload[b, :, :nc], kv.k_outliers[b, :, :nc], p))
         vs.append(ref.decode_values(kv.v_payload[b, :, :nc], kv.v_scale[b, :, :nc], kv.v_min[b, :, :nc], kv.value_bits, kv.group))

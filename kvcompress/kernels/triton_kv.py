@@ -63,30 +63,39 @@ def _encode_token(
     CAP, D: tl.constexpr, N_OUT: tl.constexpr, N_OUT_PAD: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """Encode one fp16 token (given as even/odd channel halves, float32) at compressed index c."""
+    """Encode one fp16 token (given as even/odd channel halves, float32) at compressed index c.
+    KEY_BITS == VAL_BITS == 16 (an fp16 layer of a per-layer format): the store holds the fp16 token itself."""
     HALF: tl.constexpr = D // 2
     ie = 2 * tl.arange(0, HALF)
     io = ie + 1
-    # ---- keys: q = clamp(rhe((k - z) / s), -Q, Q); outlier channels -> 0 and to the fp16 side store
-    QMAX: tl.constexpr = 2 ** (KEY_BITS - 1) - 1
-    qe = _round_half_even((k_even - tl.load(KZ + h * D + ie)) / tl.load(KS + h * D + ie))
-    qo = _round_half_even((k_odd - tl.load(KZ + h * D + io)) / tl.load(KS + h * D + io))
-    qe = tl.minimum(tl.maximum(qe, -QMAX), QMAX)
-    qo = tl.minimum(tl.maximum(qo, -QMAX), QMAX)
-    if N_OUT > 0:
-        jo = tl.arange(0, N_OUT_PAD)
-        oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=-1)
-        is_out_e = tl.sum((ie[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
-        is_out_o = tl.sum((io[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
-        qe = tl.where(is_out_e, 0.0, qe)
-        qo = tl.where(is_out_o, 0.0, qo)
-        ko = tl.sum(tl.where(ie[:, None] == oidx[None, :], k_even[:, None], 0.0), axis=0) + tl.sum(
-            tl.where(io[:, None] == oidx[None, :], k_odd[:, None], 0.0), axis=0
-        )
-        tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
-    _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
-    _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
-                       VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False, 1)
+    if KEY_BITS == 16:
+        krow = KP + (bh * CAP + c) * D
+        vrow = VP + (bh * CAP + c) * D
+        tl.store(krow + ie, k_even.to(tl.float16))
+        tl.store(krow + io, k_odd.to(tl.float16))
+        tl.store(vrow + ie, v_even.to(tl.float16))
+        tl.store(vrow + io, v_odd.to(tl.float16))
+    else:
+        # ---- keys: q = clamp(rhe((k - z) / s), -Q, Q); outlier channels -> 0 and to the fp16 side store
+        QMAX: tl.constexpr = 2 ** (KEY_BITS - 1) - 1
+        qe = _round_half_even((k_even - tl.load(KZ + h * D + ie)) / tl.load(KS + h * D + ie))
+        qo = _round_half_even((k_odd - tl.load(KZ + h * D + io)) / tl.load(KS + h * D + io))
+        qe = tl.minimum(tl.maximum(qe, -QMAX), QMAX)
+        qo = tl.minimum(tl.maximum(qo, -QMAX), QMAX)
+        if N_OUT > 0:
+            jo = tl.arange(0, N_OUT_PAD)
+            oidx = tl.load(OIDX + h * N_OUT + jo, mask=jo < N_OUT, other=-1)
+            is_out_e = tl.sum((ie[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
+            is_out_o = tl.sum((io[:, None] == oidx[None, :]).to(tl.int32), axis=1) > 0
+            qe = tl.where(is_out_e, 0.0, qe)
+            qo = tl.where(is_out_o, 0.0, qo)
+            ko = tl.sum(tl.where(ie[:, None] == oidx[None, :], k_even[:, None], 0.0), axis=0) + tl.sum(
+                tl.where(io[:, None] == oidx[None, :], k_odd[:, None], 0.0), axis=0
+            )
+            tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
+        _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
+        _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
+                           VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False, 1)
 
 
 @triton.jit
@@ -463,18 +472,23 @@ def decode_split_kernel(
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         tmask = rows < hi
-        kq = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
-        s = tl.dot(qs, tl.trans(kq.to(tl.float16)))  # [G_PAD, BLOCK_T]
-        if N_OUT > 0:
-            for j in tl.static_range(N_OUT):  # one fp16 outlier channel at a time: q_j * k_j (fp32)
-                q_j = tl.sum(tl.where((jo == j)[None, :], q_out, 0.0), axis=1)
-                k_j = tl.load(KO + (bh * CAP + rows) * N_OUT + j, mask=tmask, other=0.0).to(tl.float32)
-                s += q_j[:, None] * k_j[None, :]
-        vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0)
-        vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
-        vmn = _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
-        v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
-        m_i, l_i, acc = _online_step((s + qz[:, None]) * sm_scale, tmask, v, m_i, l_i, acc)
+        if KEY_BITS == 16:  # an fp16 layer: the store holds fp16 rows, read as the window is
+            kf = tl.load(KP + (bh * CAP + rows[:, None]) * D + d[None, :], mask=tmask[:, None], other=0.0)
+            vf = tl.load(VP + (bh * CAP + rows[:, None]) * D + d[None, :], mask=tmask[:, None], other=0.0)
+            m_i, l_i, acc = _attend_fp16(q.to(tl.float16), kf, vf, tmask, m_i, l_i, acc, sm_scale)
+        else:
+            kq = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
+            s = tl.dot(qs, tl.trans(kq.to(tl.float16)))  # [G_PAD, BLOCK_T]
+            if N_OUT > 0:
+                for j in tl.static_range(N_OUT):  # one fp16 outlier channel at a time: q_j * k_j (fp32)
+                    q_j = tl.sum(tl.where((jo == j)[None, :], q_out, 0.0), axis=1)
+                    k_j = tl.load(KO + (bh * CAP + rows) * N_OUT + j, mask=tmask, other=0.0).to(tl.float32)
+                    s += q_j[:, None] * k_j[None, :]
+            vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0)
+            vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+            vmn = _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
+            v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
+            m_i, l_i, acc = _online_step((s + qz[:, None]) * sm_scale, tmask, v, m_i, l_i, acc)
     # ---- fp16 sinks and window: the last split
     if split == SPLITS - 1:
         m_i, l_i, acc = _attend_sinks_window(q.to(tl.float16), SK, SV, WK, WV, bh, n, n_sink, n_comp, m_i, l_i, acc, sm_scale, D, NS, NS_PAD, W, BLOCK_T)

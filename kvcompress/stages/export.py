@@ -151,6 +151,10 @@ def bundle_variants(book: ScaleBook, geom) -> tuple[list[Variant], list[str]]:
     for i in range(geom.n_layers):
         s = book.layer_spec(i)
         name = f"d{D}_g{G}_{book.spec.name}" + (f"_{book.spec.layers[i].label}" if book.spec.is_mixed else "")
+        if s.is_baseline:  # an fp16 layer: the static kernels storing fp16 K and V (layout.py), the spec's sinks and window
+            variants.setdefault(name, Variant(name, D, G, 16, 16, D, s.sink_tokens, s.window, 0))
+            per_layer.append(name)
+            continue
         vopt = dict(value_symmetric=s.value.symmetric, value_rotate=s.value.rotate != "none", value_coded_min=s.coded_min)
         fam = (dict(key_group_tokens=s.key.group_tokens, **vopt) if s.key.group_tokens  # the grouped family (kv=wf4)
                else dict(key_group=s.key_group(D), key_rotate=s.key.rotate != "none", **vopt) if s.token_keys else {})  # per-token (kv=rot8k_int4v)
@@ -431,13 +435,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     hf_fold.record(checks)
     trt_guard, hf_guard = trt_fold.guard, hf_fold.guard
     primary = books["primary"]
-    fp16_layers = [i for i in range(geom.n_layers) if primary.spec.is_mixed and primary.layer_spec(i).is_baseline]
-    if fp16_layers:
-        # NOT IMPLEMENTED: an fp16 layer in the custom-tier network (it needs a plain attention over an fp16 cache)
-        checks.skip(f"custom tier for {primary.spec.name} (per-layer formats with fp16 layers {fp16_layers})",
-                    "the custom-tier network runs every layer through the kvcompress plugins; fp16 layers are not exported yet: "
-                    "serve the native fallback (trtllm_ckpt)")
-    elif primary.spec.tier == "custom":
+    if primary.spec.tier == "custom":
         mixed = " (per-layer formats: one kernel variant per distinct layer format)" if primary.spec.is_mixed else ""
         artifacts["plugin_bundle"] = {
             "tier": "custom", "what": f"full kvcompress format {primary.spec.name}{mixed}: ScaleBook + fused dequant-attention kernels (AOT) + TensorRT plugin sources",

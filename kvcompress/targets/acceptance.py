@@ -74,6 +74,11 @@ def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> Packed
                     key_bits_table=t["k_bits"], k_gscale=t["k_gscale"], k_gmin=t["k_gmin"])
 
 
+def _static_bits(payload: torch.Tensor, D: int) -> int:
+    """A static-family payload's width from its buffer: fp16 rows (an fp16 layer), int8/uint8 rows of D, packed rows of D/2."""
+    return ref.FP16_BITS if payload.dtype == torch.float16 else 8 if payload.shape[-1] == D else 4
+
+
 def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) -> tuple[torch.Tensor, PackedKV, KeyParams | None]:
     """The op's 14 inputs -> (q, PackedKV, KeyParams) for the reference. The static family's format is read
     from the buffers' shapes and dtypes; the grouped family's value options from `variant`."""
@@ -83,8 +88,8 @@ def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) ->
         return t["q"], _grouped_packed(t, D, variant), None
     if is_per_token(variant):
         return t["q"], _per_token_packed(t, D, variant), None
-    key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
-    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    key_bits = _static_bits(t["k_payload"], D)
+    value_bits = _static_bits(t["v_payload"], D)
     kv = PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], t["k_outliers"], t["v_payload"], t["v_scale"], t["v_min"],
                   t["lens"], key_bits, value_bits, D // t["v_scale"].shape[-1])
     p = KeyParams(key_bits, t["k_scale"], t["k_zero_masked"], t["outlier_idx"].long())
@@ -115,7 +120,7 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     t = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in x.items()}
     NS, W = t["sink_k"].shape[2], t["win_k"].shape[2]
     D = t["k_new"].shape[-1]
-    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    value_bits = _static_bits(t["v_payload"], D)
     group = D // t["v_scale"].shape[-1]
     grp, tok = is_grouped(variant), is_per_token(variant)
     if grp or tok:
@@ -124,7 +129,7 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     if grp:
         GT, bits = int(variant["key_group_tokens"]), t["k_bits"].long()
     else:
-        key_bits = 8 if t["k_payload"].dtype == torch.int8 else 4
+        key_bits = _static_bits(t["k_payload"], D) if not tok else 8 if t["k_payload"].dtype == torch.int8 else 4
     if not (grp or tok):
         p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
     kn, vn = t["k_new"].half(), t["v_new"].half()
@@ -146,6 +151,8 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
             if grp or tok:
                 for name, part in zip(("v_payload", "v_scale", "v_min"), ref.encode_rotated(vo.unsqueeze(1), value_bits, group, *vopt)):
                     t[name][b, :, c] = part[:, 0]
+            elif key_bits == ref.FP16_BITS:  # an fp16 layer: the token itself
+                t["k_payload"][b, :, c], t["v_payload"][b, :, c] = ko, vo
             else:
                 kp, kout = ref.encode_keys(ko.float().unsqueeze(1), p)
                 vp, vs, vm = ref.encode_values(vo.float().unsqueeze(1), value_bits, group)
@@ -186,7 +193,7 @@ def case_lengths(n_sink: int, window: int, block: int, group_tokens: int = 0) ->
     """Sequence lengths of the cases; with token-grouped keys also past the end of the first key group
     (a second group written, the next about to be)."""
     first = n_sink + window
-    out = [[max(1, n_sink - 1)], [first], [first + 1], [first + 3 * block + 5], [first + 2 * block - 1, 7]]
+    out = [[max(1, n_sink - 1)], [max(1, first)], [first + 1], [first + 3 * block + 5], [first + 2 * block - 1, 7]]
     if group_tokens:
         out.append([first + group_tokens, first + 2 * group_tokens - 1, first + group_tokens - 1])
     return out
@@ -213,7 +220,7 @@ def write_kit(out: Path, variant: dict, key_params: KeyParams, k_rows: torch.Ten
         ks = [k_rows[torch.arange(n) % k_rows.shape[0]].transpose(0, 1).float() for n in lens]  # [H, n, D]
         vs = [v_rows[torch.arange(n) % v_rows.shape[0]].transpose(0, 1).float() for n in lens]
         kv = PackedKV.from_reference(ks, vs, key_params, n_sink=variant["n_sink"], window=variant["window"], value_bits=variant["value_bits"],
-                                     group=variant["group"], **fam)
+                                     group=variant["group"], cap=max(lens) + 1, **fam)  # + 1: room for the appended token (no window: it goes to the store)
         q = (torch.randn(len(lens), H * G, D, generator=g) * k_rows.float().std()).to(torch.float16)
         if tok:
             tables = {}  # no key parameters; the query in the keys' basis beside the query
@@ -306,7 +313,9 @@ def kit_for_bundle(out: Path, variant: dict, stats_path: Path, book, layer: int 
     layer = L // 2 if layer is None else layer
     bits = book.key_bits(layer) if is_grouped(variant) else None
     table = (bits if isinstance(bits, torch.Tensor) else torch.full((stats["sample_k"].shape[2], variant["head_dim"]), bits)) if bits is not None else None
-    return write_kit(out, variant, book.key_params(layer), stats["sample_k"][layer], stats["sample_v"][layer], key_bits_table=table)
+    H = stats["sample_k"].shape[2]
+    p = ref.fp16_key_params(H, variant["head_dim"]) if variant["key_bits"] == ref.FP16_BITS else book.key_params(layer)
+    return write_kit(out, variant, p, stats["sample_k"][layer], stats["sample_v"][layer], key_bits_table=table)
 
 
 VERIFY = '''"""Verify the kvcompress TensorRT plugin against the goldens of this kit, on a TensorRT host with a GPU.

@@ -113,7 +113,9 @@ def plugin_params(book) -> dict[str, np.ndarray]:
         return {"k_bits": bits.contiguous().numpy(), "k_offsets": ref.bit_offsets(bits.long()).to(torch.int32).contiguous().numpy()}
     if book.spec.token_keys:  # the per-token family: the query's rotation into the keys' basis (rows: the rotated unit vectors)
         return {"q_rotation": ref.rotate(torch.eye(D), book.spec.key.rotate).float().contiguous().numpy()}
-    per = [ops.kernel_key_params(book.key_params(i), "cpu") for i in range(book.geometry["n_layers"])]
+    H = book.geometry["n_kv_heads"]  # an fp16 layer of a per-layer format: scale 1, zero 0 (its kernels read none of them)
+    per = [ops.kernel_key_params(ref.fp16_key_params(H, D) if book.layer_spec(i).is_baseline else book.key_params(i), "cpu")
+           for i in range(book.geometry["n_layers"])]
     n_out = max(p[3].shape[-1] for p in per)  # per-layer formats: outlier counts differ; padded (a layer reads its first n_out)
     idx = [torch.nn.functional.pad(p[3], (0, n_out - p[3].shape[-1])) for p in per]
     out = {"k_scale": torch.stack([p[0] for p in per]).numpy(), "k_zero": torch.stack([p[1] for p in per]).numpy(),

@@ -72,13 +72,14 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
             "v_payload": ((H, cap, vd), "int8" if v["value_symmetric"] and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
             "v_min": ((H, cap, ng), "uint8" if v["value_coded_min"] else "float16"),
         }
-    vopt = {"v_payload": ((H, cap, vd), "int8" if v.get("value_symmetric") and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
-            "v_min": ((H, cap, ng), "uint8" if v.get("value_coded_min") else "float16")}
+    hp_store = v["key_bits"] == 16  # an fp16 layer of a per-layer format: fp16 rows in the store (v_scale/v_min unused)
+    vopt = {"v_payload": ((H, cap, vd), "float16" if hp_store else "int8" if v.get("value_symmetric") and v["value_bits"] == 8 else "uint8"),
+            "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "uint8" if v.get("value_coded_min") else "float16")}
     if per_token(v):
         return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
     return fp16 | {
-        "k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
-        "v_payload": ((H, cap, vd), "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
+        "k_payload": ((H, cap, kd), "float16" if v["key_bits"] == 16 else "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
+        "v_payload": ((H, cap, vd), "float16" if hp_store else "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
     }
 
 
@@ -88,7 +89,9 @@ def token_bytes(v: dict, D: int) -> int:
     if grouped(v):
         vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
         return D * v["key_bits"] // 8 + -(-4 * D // v["key_group_tokens"]) + vd + (D // v["group"]) * (2 + vmin)  # key scale + min per group, amortised
-    kd = D // 2 if v["key_bits"] == 4 else D
+    kd = D // 2 if v["key_bits"] == 4 else 2 * D if v["key_bits"] == 16 else D
+    if v["value_bits"] == 16:  # an fp16 layer: fp16 keys and values, nothing else read
+        return kd + 2 * D
     if per_token(v):
         vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
         return kd + 2 * (D // v["key_group"]) + vd + (D // v["group"]) * (2 + vmin)
@@ -193,7 +196,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
             if qn.size != a["head_dim"] or kn.size != a["head_dim"]:
                 raise ValueError(f"{hf_dir}: q/k norm weights of {qn.size}/{kn.size} values; this network takes one [head_dim] weight for every head (Qwen3)")
             w[f"{i}.qn"], w[f"{i}.kn"] = qn, kn
-        if spec.get("value_rotation", "none") != "none":
+        if spec.get("value_rotation", "none") != "none" and layer_variant(spec, i)["value_bits"] != 16:  # fp16 layers store values as they are
             if params is None or "v_rotation" not in params:
                 raise ValueError(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
             _fold_value_rotation(w, raw, t, i, a, params["v_rotation"])

@@ -130,8 +130,10 @@ static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t 
     out.push_back(d);
 #else
   int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;
-  for (auto d : {desc({B, H, cap, kr}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
-                 desc({B, H, cap, vr}, DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF), desc({B, H, cap, ng}, DataType::kHALF)})
+  DataType const kt = KVC_KEY_BITS == 16 ? DataType::kHALF : KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8;  // 16: an fp16 layer
+  for (auto d : {desc({B, H, cap, kr}, kt), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
+                 desc({B, H, cap, vr}, KVC_VAL_BITS == 16 ? DataType::kHALF : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
+                 desc({B, H, cap, ng}, DataType::kHALF)})
     out.push_back(d);
 #endif
   out.push_back(desc({B}, DataType::kINT32));

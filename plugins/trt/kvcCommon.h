@@ -31,6 +31,9 @@ static constexpr char const* kNAMESPACE = KVC_PLUGIN_NAMESPACE;
 // keys' basis (qr [B, HQ, D] fp16: the Hadamard-rotated query when KVC_KROT, else the query)
 static constexpr bool kGROUPED = KVC_GT > 0;
 static constexpr bool kPER_TOKEN = KVC_KGROUP > 0;
+// an fp16 layer of a per-layer format (kv=auto): the static family with KVC_KEY_BITS == KVC_VAL_BITS == 16, no sinks or window;
+// k_payload and v_payload hold fp16 rows of KVC_D, k_outliers is empty, v_scale/v_min are neither written nor read
+static constexpr bool kFP16 = KVC_KEY_BITS == 16;
 static constexpr int32_t kNCACHE = kGROUPED ? 10 : 9;  // cache buffers (layout.py), in the plugins' input order
 static constexpr int32_t kNKEYP = kGROUPED ? 2 : kPER_TOKEN ? 0 : 3;  // key-parameter inputs before them (after q, or after k_new and v_new)
 static constexpr int32_t kNQ = kPER_TOKEN ? 2 : 1;  // KvcDecodeAttention's query inputs (q, and qr for the per-token family)
@@ -60,7 +63,8 @@ inline nvinfer1::DataType cacheType(int32_t i) noexcept {
     DataType const t[] = {KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, vpay, DataType::kHALF, vmin};
     return t[i - 4];
   }
-  DataType const t[] = {KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF, DataType::kUINT8, DataType::kHALF, DataType::kHALF};
+  DataType const t[] = {kFP16 ? DataType::kHALF : KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8, DataType::kHALF,
+                        kFP16 ? DataType::kHALF : DataType::kUINT8, DataType::kHALF, DataType::kHALF};
   return t[i - 4];
 }
 
