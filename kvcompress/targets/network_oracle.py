@@ -138,10 +138,8 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
     """network.json: what build_engine --tier custom needs besides the weights and the plugin constants.
     RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses).
     layers (per-layer formats): each layer's variant, with the plugin namespace it registers in."""
-    from kvcompress.targets.trtllm_ckpt import trtllm_config
+    from kvcompress.targets.trtllm_ckpt import num_experts, trtllm_config
     from kvcompress.targets.trtllm_reader import rope_inv_freq, rope_scale
-
-    from kvcompress.targets.trtllm_ckpt import num_experts
 
     rc = trtllm_config(hf_config, geom, 1, "float16", None)
     moe = {"moe": {"num_experts": num_experts(hf_config), "top_k": int(hf_config.num_experts_per_tok)}} if num_experts(hf_config) else {}
