@@ -94,7 +94,11 @@ def custom_tier(a) -> int:
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
-    out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits)
+    try:
+        out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits)
+    except tn.WeightsMismatch as e:  # a --hf-dir that is not the model the bundle was exported for
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"custom-tier engine written to {out}; run it: python {Path(__file__).name} --tier custom --run {out} --prompt '...'")
     return 0
 

@@ -103,9 +103,9 @@ def run(name: str, command: str) -> dict:
 
 
 def _on(r: dict) -> str:
-    """' on <CPU> (<torch CPU capability>)' when the results file records the machine (older files do not)."""
-    m = r["provenance"].get("machine")
-    return f" on {m['cpu']} ({m['torch_cpu_capability']})" if m else ""
+    """' on <CPU> (<torch CPU capability>)': the machine the results file records."""
+    m = r["provenance"]["machine"]
+    return f" on {m['cpu']} ({m['torch_cpu_capability']})"
 
 
 def render(results: dict[str, dict]) -> str:

@@ -276,6 +276,9 @@ def test_per_layer_formats_with_an_fp16_layer_ship_in_the_custom_tier(tmp_path):
     kernels = json.loads((run / "export" / "plugin_bundle" / "kernels" / "sm_90" / "kernels.json").read_text())["kernels"]
     split = next(k for k in kernels if k["name"] == "decode_split_d32_g3_mix_fp16")
     assert split["signature"]["KP"] == split["signature"]["VP"] == "*fp16" and not split["spills"]
+    audit = json.loads((run / "export" / "plugin_bundle" / "kernels" / "sm_90" / "audit.json").read_text())
+    loop = next(k for k in audit["kernels"] if k["name"] == "decode_split_d32_g3_mix_fp16")["main_loop"]
+    assert set(loop["payload_loads"]) == {"KP", "VP"} and loop["narrowest_payload_bits"] == 128, loop  # fp16 K and V via 128-bit loads
 
 
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),

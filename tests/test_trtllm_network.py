@@ -186,6 +186,33 @@ def test_build_engine_custom_tier_fails_clearly_without_trtllm(tmp_path):
     assert "network.json" in r.stderr, r.stderr
 
 
+def test_build_engine_reports_an_hf_dir_that_does_not_fit_the_bundle_in_one_line(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom with a --hf-dir whose weights do not fit network.json (here: a dense model's
+    directory for a Mixtral bundle) stops with one line and exit 2, not a traceback. TensorRT-LLM is faked as
+    importable, so the run reaches the weights (tn.build_engine reads them first)."""
+    import importlib.util as iu
+
+    lm = tiny_lm("mixtral")
+    book = fitted_book(lm, **SPEC)
+    bundle, _ = _bundle(tmp_path, lm, book)
+    dense = tmp_path / "dense"
+    tiny_lm("llama").model.save_pretrained(str(dense), safe_serialization=True)
+    spec_ = iu.spec_from_file_location("build_engine_under_test", ROOT / "export" / "build_engine.py")
+    be = iu.module_from_spec(spec_)
+    spec_.loader.exec_module(be)
+    real_find = be.importlib.util.find_spec
+    monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    monkeypatch.setattr(tn, "build_engine", lambda bundle, hf_dir, *a: tn.load_hf_weights(hf_dir, tn.load_spec(bundle)))
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["build_engine.py", "--tier", "custom", "--bundle", str(bundle), "--hf-dir", str(dense),
+                                      "--plugin-lib", str(lib), "--out", str(tmp_path / "e")])
+    capsys.readouterr()  # the setup's save_pretrained progress bars
+    assert be.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "has mixture-of-experts block but layer 0 has no block_sparse_moe" in err, err
+
+
 @pytest.mark.parametrize("rotate", ["none", "hadamard"])
 def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(tmp_path, rotate):
     """kv=auto: each layer its own variant (int4 keys with outliers in layer 0, int8 keys in layer 1)

@@ -40,6 +40,10 @@ CACHE_GROUPED = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", 
 # the per-token family (kv.key.granularity=token, e.g. kv=rot8k_int4v): each token's key scales instead of outlier channels
 CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
 SPEC_FILE = "network.json"
+
+
+class WeightsMismatch(ValueError):
+    """The HF directory given to the network does not fit it (or its network.json): build_engine.py reports it in one line."""
 PARAMS_FILE = "plugin_params.safetensors"
 
 
@@ -78,7 +82,7 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
     if per_token(v):
         return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
     return fp16 | {
-        "k_payload": ((H, cap, kd), "float16" if v["key_bits"] == 16 else "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
+        "k_payload": ((H, cap, kd), "float16" if hp_store else "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
         "v_payload": ((H, cap, vd), "float16" if hp_store else "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
     }
 
@@ -161,7 +165,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
             parts = dict(zip(("gate_proj", "up_proj"), torch.chunk(w, 2)))
         raw |= {name.replace(name.split(".")[-2], k): t for k, t in parts.items()}
     if p + "embed_tokens.weight" not in raw:
-        raise KeyError(f"{hf_dir}: not a Llama checkpoint (no model.embed_tokens.weight)")
+        raise WeightsMismatch(f"{hf_dir}: not a Llama checkpoint (no model.embed_tokens.weight)")
 
     def get(name):
         return raw[name].to(dtype=torch.float16).numpy()
@@ -177,7 +181,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
               f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight")}
         has_moe = f"{t}block_sparse_moe.gate.weight" in raw
         if has_moe != bool(moe):
-            raise ValueError(f"{hf_dir}: network.json {'has' if moe else 'has no'} mixture-of-experts block but layer {i} "
+            raise WeightsMismatch(f"{hf_dir}: network.json {'has' if moe else 'has no'} mixture-of-experts block but layer {i} "
                              f"{'has' if has_moe else 'has no'} block_sparse_moe tensors (Mixtral's stored layout)")
         if moe:  # Mixtral as stored: router gate [E, hidden] (kept float32), expert e's w1 (gate), w3 (up), w2 (down)
             e = f"{t}block_sparse_moe.experts."
@@ -187,18 +191,18 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
         else:
             w |= {f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
         if f"{t}self_attn.o_proj.bias" in raw:
-            raise ValueError(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2, Qwen3)")
+            raise WeightsMismatch(f"{hf_dir}: an output-projection bias is not in this network (Llama, Mistral, Qwen2, Qwen3)")
         for n in "qkv":  # Qwen2's q/k/v biases (folded with the weights)
             if f"{t}self_attn.{n}_proj.bias" in raw:
                 w[f"{i}.b{n}"] = get(f"{t}self_attn.{n}_proj.bias")[None]
         if f"{t}self_attn.k_norm.weight" in raw:  # Qwen3's per-head q/k norms (the key fold lives in their weights)
             qn, kn = get(f"{t}self_attn.q_norm.weight"), get(f"{t}self_attn.k_norm.weight")
             if qn.size != a["head_dim"] or kn.size != a["head_dim"]:
-                raise ValueError(f"{hf_dir}: q/k norm weights of {qn.size}/{kn.size} values; this network takes one [head_dim] weight for every head (Qwen3)")
+                raise WeightsMismatch(f"{hf_dir}: q/k norm weights of {qn.size}/{kn.size} values; this network takes one [head_dim] weight for every head (Qwen3)")
             w[f"{i}.qn"], w[f"{i}.kn"] = qn, kn
         if spec.get("value_rotation", "none") != "none" and layer_variant(spec, i)["value_bits"] != 16:  # fp16 layers store values as they are
             if params is None or "v_rotation" not in params:
-                raise ValueError(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
+                raise WeightsMismatch(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
             _fold_value_rotation(w, raw, t, i, a, params["v_rotation"])
     return w
 
@@ -250,11 +254,16 @@ def _proj(g, h, W, i: int, n: str):
     return g.add(y, g.const(W[f"{i}.b{n}"])) if f"{i}.b{n}" in W else y
 
 
+def _silu_gate(g, gate, up):
+    """SiLU(gate) * up, the gated MLP's hidden activation."""
+    return g.mul(g.mul(gate, g.sigmoid(gate)), up)
+
+
 def _mlp(g, h, W, i: int):
     """Llama's gated SiLU MLP of h [B, hidden] fp16."""
     gate = g.matmul(h, g.const(W[f"{i}.wg"]), transpose_b=True)
     up = g.matmul(h, g.const(W[f"{i}.wu"]), transpose_b=True)
-    return g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), g.const(W[f"{i}.wd"]), transpose_b=True)
+    return g.matmul(_silu_gate(g, gate, up), g.const(W[f"{i}.wd"]), transpose_b=True)
 
 
 def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
@@ -269,7 +278,7 @@ def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
     h4 = g.reshape(h, (0, 1, 1, hidden))
     wg, wu, wd = (g.gather(g.const(W[f"{i}.{n}"]), idx) for n in ("wg", "wu", "wd"))  # [B, k, out, in]
     gate, up = g.matmul(h4, wg, transpose_b=True), g.matmul(h4, wu, transpose_b=True)  # [B, k, 1, I]
-    y = g.matmul(g.mul(g.mul(gate, g.sigmoid(gate)), up), wd, transpose_b=True)  # [B, k, 1, hidden]
+    y = g.matmul(_silu_gate(g, gate, up), wd, transpose_b=True)  # [B, k, 1, hidden]
     return g.reshape(g.matmul(route, g.reshape(y, (0, k, hidden))), (0, hidden))
 
 
