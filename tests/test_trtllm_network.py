@@ -75,7 +75,7 @@ def test_network_graph_of_mixtral_routes_tokens_like_the_validated_cache(tmp_pat
     """Mixtral's expert MLP in the graph (network.json arch.moe; the stored block_sparse_moe tensors): float32 router,
     top-k experts per token, softmax over their logits, each chosen expert's gated MLP: it decodes like transformers'
     MixtralForCausalLM through CompressedCache. Negatives (each > 100x the KL): one expert per token instead of two,
-    and w1/w3 (gate/up) read the other way round."""
+    w1/w3 (gate/up) read the other way round, and each expert's w2 (down) taken from the next expert."""
     lm = tiny_lm("mixtral")
     with torch.no_grad():  # random-init routers are near-uniform: make the choice of experts matter
         for layer in lm.model.model.layers:
@@ -99,9 +99,17 @@ def test_network_graph_of_mixtral_routes_tokens_like_the_validated_cache(tmp_pat
             w[f"{i}.wg"], w[f"{i}.wu"] = w[f"{i}.wu"], w[f"{i}.wg"]
         return w
 
-    monkeypatch.setattr(tn, "load_hf_weights", swapped)
-    wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
-    assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
+    def rolled(*a, **k):  # expert e's down projection read as expert e+1's: the experts' weights must line up
+        w = real(*a, **k)
+        for i in range(spec["arch"]["n_layers"]):
+            w[f"{i}.wd"] = np.roll(w[f"{i}.wd"], 1, axis=0)
+        return w
+
+    for bad in (swapped, rolled):
+        monkeypatch.setattr(tn, "load_hf_weights", bad)
+        wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+        assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (bad.__name__, wrong["kl_mean"], res["kl_mean"])
+    monkeypatch.setattr(tn, "load_hf_weights", real)
     with pytest.raises(ValueError, match="has no mixture-of-experts block but layer 0 has block_sparse_moe"):
         real(hf, {**spec, "arch": {k: v for k, v in spec["arch"].items() if k != "moe"}})
 

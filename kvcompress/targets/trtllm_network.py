@@ -268,18 +268,22 @@ def _mlp(g, h, W, i: int):
 
 def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
     """Mixtral's mixture-of-experts MLP of h [B, hidden] fp16: router logits in float32 (h @ W_r^T), the top k per
-    token, their softmax as the weights (= the softmax over all experts renormalised over the top k); each token's k
-    chosen experts' weights are gathered ([B, k, out, in]) and only those experts run, as transformers' routing does;
-    out = sum_j weight_j expert_j(h). The gather copies k experts' weights per token per step (a correctness path;
-    TensorRT-LLM's MoE plugin is the fast one)."""
+    token, their softmax as the weights (= the softmax over all experts renormalised over the top k), spread over
+    the E experts as a dense routing row (0 for the experts not chosen: a gather of the identity's rows, one-hot,
+    weighted). Every expert's gated MLP runs on every token, from the weights as stored (gate and up of all experts
+    in one matrix multiply each, down as one batched multiply over the experts), and the routing row sums them:
+    out = sum_e route_e expert_e(h), where an expert not chosen adds exactly 0. A step reads each expert's weights
+    once, whatever the batch (a per-token gather of the chosen experts' weights would copy k of them per token);
+    it computes E / k times the chosen experts' work, which TensorRT-LLM's MoE plugin does not."""
+    E, inter = W[f"{i}.wg"].shape[:2]
     logits = g.matmul(g.cast(h, "float32"), g.const(W[f"{i}.wr"]), transpose_b=True)  # [B, E]
     top, idx = g.topk_last(logits, k)  # [B, k]
-    route = g.cast(g.reshape(g.softmax_last(top), (0, 1, k)), "float16")  # [B, 1, k]
-    h4 = g.reshape(h, (0, 1, 1, hidden))
-    wg, wu, wd = (g.gather(g.const(W[f"{i}.{n}"]), idx) for n in ("wg", "wu", "wd"))  # [B, k, out, in]
-    gate, up = g.matmul(h4, wg, transpose_b=True), g.matmul(h4, wu, transpose_b=True)  # [B, k, 1, I]
-    y = g.matmul(_silu_gate(g, gate, up), wd, transpose_b=True)  # [B, k, 1, hidden]
-    return g.reshape(g.matmul(route, g.reshape(y, (0, k, hidden))), (0, hidden))
+    onehot = g.gather(g.const(np.eye(E, dtype=np.float16)), idx)  # [B, k, E]
+    route = g.matmul(g.cast(g.reshape(g.softmax_last(top), (0, 1, k)), "float16"), onehot)  # [B, 1, E]
+    gate, up = (g.matmul(h, g.const(W[f"{i}.{n}"].reshape(E * inter, hidden)), transpose_b=True) for n in ("wg", "wu"))  # [B, E * I]
+    act = g.reshape(_silu_gate(g, gate, up), (0, E, 1, inter))
+    y = g.matmul(act, g.const(W[f"{i}.wd"][None]), transpose_b=True)  # [B, E, 1, hidden]
+    return g.reshape(g.matmul(route, g.reshape(y, (0, E, hidden))), (0, hidden))
 
 
 def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
