@@ -134,6 +134,10 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
         model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
+    if "profile" in cfg.stages and not cfg.stats:
+        load_texts(cfg.calib)  # and on bad text files, before the model loads
+    if {"validate", "export"} & set(cfg.stages):
+        load_texts(cfg.eval, "eval")
     r = Run(cfg, run_dir, progress)
     if "export" in cfg.stages:
         from kvcompress.stages.export import check_exportable

@@ -52,7 +52,7 @@ def main() -> None:
         calib = calib_config("default")
         book = fit(profile(lm, calib, load_texts(calib)), spec)
     ev = eval_config("default")
-    windows = token_windows(lm.tokenizer, load_texts(ev), a.windows, a.seq_len, seed=ev.seed)
+    windows = token_windows(lm.tokenizer, load_texts(ev, "eval"), a.windows, a.seq_len, seed=ev.seed)
     t_one = t_dec = 0.0
     max_diff = 0.0
     nll = {"one-pass": 0.0, "decode": 0.0}

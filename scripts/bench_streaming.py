@@ -103,7 +103,7 @@ def time_modes(repeats: int = 2, device: str = "cpu") -> dict:
     calib, ev, kv, mcfg = calib_config("default"), eval_config("default"), kv_spec("int8k_int4v"), model_config("smollm2_135m")
     lms: dict[bool, LoadedModel] = {s: load_model(mcfg.model_copy(update={"streaming": s, "device": device}), cache_dir()) for s in (False, True)}
     texts = load_texts(calib)
-    windows = token_windows(lms[False].tokenizer, load_texts(ev), ev.n_windows, ev.seq_len, seed=ev.seed)
+    windows = token_windows(lms[False].tokenizer, load_texts(ev, "eval"), ev.n_windows, ev.seq_len, seed=ev.seed)
     times = {False: [], True: []}
     results = {}
     for r in range(repeats):

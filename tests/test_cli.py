@@ -15,6 +15,8 @@ BAD = [
     (["model=llama70b", "model.path=/does/not/exist"], "/does/not/exist"),
     (["calib=files", "calib.paths=[EMPTY]"], "has no text"),
     (["calib=files"], "calib.paths is empty"),
+    (["eval.source=files", "eval.paths=[/nope/held.txt]"], "eval.paths entry '/nope/held.txt' does not exist"),  # before profiling
+    (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=64"], "eval text"),
     (["kv.foo=1"], "kv.foo is not a known key"),
     (["stages=[fit]", "stats=/nope.safetensors"], "stats='/nope.safetensors'"),
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),

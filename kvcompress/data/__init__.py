@@ -19,13 +19,14 @@ class TextSet:
     texts: list[str]
     sha256: str  # of the concatenated text actually used
     origin: str  # builtin:<split> or the file list
+    group: str = "calib"  # the config group it came from (calib or eval), named in errors
 
 
-def _read_file(path: Path, field: str) -> list[str]:
+def _read_file(path: Path, field: str, group: str) -> list[str]:
     if path.suffix not in SUFFIXES:
-        raise UserError(f"calib.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
+        raise UserError(f"{group}.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
     if not path.is_file():
-        raise UserError(f"calib.paths entry {str(path)!r} does not exist")
+        raise UserError(f"{group}.paths entry {str(path)!r} does not exist")
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
     out = []
@@ -37,25 +38,26 @@ def _read_file(path: Path, field: str) -> list[str]:
         except json.JSONDecodeError:
             raise UserError(f"{path}:{n} is not valid JSON") from None
         if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
-            raise UserError(f"{path}:{n} has no string field {field!r} (set calib.jsonl_field)")
+            raise UserError(f"{path}:{n} has no string field {field!r} (set {group}.jsonl_field)")
         out.append(rec[field])
     return out
 
 
-def load_texts(cfg) -> TextSet:
-    """Texts of a CalibConfig (source=builtin: the shipped corpus split; files: calib.paths)."""
+def load_texts(cfg, group: str = "calib") -> TextSet:
+    """Texts of a CalibConfig or EvalConfig (source=builtin: the shipped corpus split; files: <group>.paths);
+    group names the config group in errors."""
     if cfg.source == "builtin":
         texts = [(TEXT_DIR / f"{cfg.split}.txt").read_text(encoding="utf-8")]
         origin = f"builtin:{cfg.split}"
     else:
         if not cfg.paths:
-            raise UserError("calib.paths is empty; give calib.paths=[a.txt,b.jsonl] with calib=files")
-        texts = [t for p in cfg.paths for t in _read_file(Path(p), cfg.jsonl_field)]
+            raise UserError(f"{group}.paths is empty; give {group}.paths=[a.txt,b.jsonl]")
+        texts = [t for p in cfg.paths for t in _read_file(Path(p), cfg.jsonl_field, group)]
         origin = ",".join(cfg.paths)
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise UserError(f"calibration set {origin!r} has no text")
-    return TextSet(texts, text_hash("\x00".join(texts)), origin)
+        raise UserError(f"{group} text {origin!r} has no text")
+    return TextSet(texts, text_hash("\x00".join(texts)), origin, group)
 
 
 def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0, bos: int | None = None) -> torch.Tensor:
@@ -68,7 +70,7 @@ def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0
         ids.extend(tokenizer.encode(t))
     body = seq_len - (bos is not None)
     if len(ids) < body:
-        raise UserError(f"calibration set {texts.origin!r} has {len(ids)} tokens; at least {body} are needed (seq_len)")
+        raise UserError(f"{texts.group} text {texts.origin!r} has {len(ids)} tokens; windows of {seq_len} tokens need at least {body}")
     g = torch.Generator().manual_seed(seed)
     span = len(ids) - body
     starts = torch.linspace(0, span, n).long() if n > 1 else torch.zeros(1, dtype=torch.long)

@@ -272,7 +272,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
         why = "streamed model: the CPU oracle would hold every layer" if lm.streamer is not None else "no HF weights directory (model built in code)"
         checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
         return info | {"check": {"skipped": why}}
-    text = " ".join(load_texts(cfg.eval).texts)
+    text = " ".join(load_texts(cfg.eval, "eval").texts)
     n = variant["n_sink"] + variant["window"] + 8
     prompt = lm.tokenizer.encode(text)[:n]
     res = no.check_network(out, Path(hf_dir), lm.model, book, prompt, NETWORK_NEW_TOKENS)
@@ -451,7 +451,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     # ---- checks: read back and re-measure what was written
     windows, base = run.baseline if run.baseline and run.baseline[1] is not None else (None, None)
     if base is None:
-        windows = token_windows(lm.tokenizer, load_texts(cfg.eval), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
+        windows = token_windows(lm.tokenizer, load_texts(cfg.eval, "eval"), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
         base = recheck.baseline_logprobs(lm, windows, cfg.eval.batch_size)
     tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
     bs, g = cfg.eval.batch_size, books["primary"].geometry

@@ -128,7 +128,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     t0 = time.time()
     name = lm.identity.get("name", "model")
     check_supported(lm.model, name)
-    texts = load_texts(eval_cfg)
+    texts = load_texts(eval_cfg, "eval")
     if calib_sha is not None and texts.sha256 == calib_sha:
         raise UserError("eval text is the calibration text; validation needs held-out text (eval.split=heldout or other eval.paths)")
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
