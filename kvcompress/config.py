@@ -85,7 +85,7 @@ class CalibConfig(Frozen):
     name: str
     source: Literal["builtin", "files"] = "builtin"
     split: Literal["calib", "heldout"] = "calib"  # builtin corpus split
-    paths: list[str] = []  # source=files: .txt or .jsonl (field `text`)
+    paths: list[str] = []  # source=files: .txt or .jsonl (field `text`); a file without a suffix is plain text
     jsonl_field: str = "text"
     n_samples: int = Field(32, ge=1)
     seq_len: int = Field(512, ge=2)

@@ -38,6 +38,11 @@ COMMANDS = {
     "long8k_auto": "python -m kvcompress kv=auto eval=long export=none",
     # kv=rot4 (4.44 bits/element, Hadamard-rotated per-token int4) beside KIVI-style int4 at 8K
     "long8k_rot4": "python -m kvcompress kv=rot4 eval=long export=none eval.compare=[kivi_int4]",
+    # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
+    # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
+    "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
+                    "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GFDL-1.3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "Artistic"))
+                    + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4]",
 }
 
 
@@ -45,6 +50,7 @@ COMMANDS = {
 RATIOS = {
     "long8k_all": [("wf4", "kivi_int4"), ("wf4", "native_nvfp4"), ("rot8k_int4v", "int8k_int4v")],
     "long8k_rot4": [("rot4", "kivi_int4")],
+    "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v")],
 }
 
 

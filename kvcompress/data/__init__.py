@@ -11,7 +11,7 @@ from kvcompress.errors import UserError
 from kvcompress.hashing import text_hash
 
 TEXT_DIR = Path(__file__).parent / "text"
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", "")  # "": a file without a suffix (LICENSE, README) is plain text, as .txt
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,10 @@ class TextSet:
 
 def _read_file(path: Path, field: str, group: str) -> list[str]:
     if path.suffix not in SUFFIXES:
-        raise UserError(f"{group}.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
+        raise UserError(f"{group}.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: .txt, .jsonl, or none (plain text)")
     if not path.is_file():
         raise UserError(f"{group}.paths entry {str(path)!r} does not exist")
-    if path.suffix == ".txt":
+    if path.suffix != ".jsonl":
         return [path.read_text(encoding="utf-8")]
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
