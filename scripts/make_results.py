@@ -41,7 +41,7 @@ COMMANDS = {
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
-                    "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GFDL-1.3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "Artistic"))
+                    "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GPL-2", "LGPL-2", "LGPL-3", "GFDL", "Artistic", "BSD"))
                     + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4]",
 }
 
