@@ -10,6 +10,8 @@ from pathlib import Path
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.config import RunConfig
 from kvcompress.data import load_texts
+from kvcompress.errors import UserError
+from kvcompress.eval.tasks.base import FACT_GAP
 from kvcompress.hashing import obj_hash
 from kvcompress.models import load_model, model_fingerprint
 from kvcompress.provenance import base_provenance
@@ -138,6 +140,12 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         load_texts(cfg.calib)  # and on bad text files, before the model loads
     if {"validate", "export"} & set(cfg.stages):
         load_texts(cfg.eval, "eval")
+    if "validate" in cfg.stages and cfg.eval.tasks.names:  # the exact minimum depends on the tokenizer (eval.tasks.base.assemble)
+        need = max(s.window for s in cfg.validated_specs().values()) + FACT_GAP
+        short = [n for n in cfg.eval.tasks.lengths if n <= need]
+        if short:
+            raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window + {FACT_GAP} "
+                            f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
     if "export" in cfg.stages:
         from kvcompress.stages.export import check_exportable
@@ -165,16 +173,12 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         if stats_path is None:
             stats_path = r.dir / STATS_FILE
             if not stats_path.is_file():
-                from kvcompress.errors import UserError
-
                 raise UserError("stage fit needs kv_stats: add profile to stages or give stats=<path to kv_stats.safetensors>")
         out |= timed("fit", lambda: {"scalebook": r.fit(stats_path).get("primary")})
     if "tune" in cfg.stages:
         if stats_path is None:
             stats_path = r.dir / STATS_FILE
         if not stats_path.is_file():
-            from kvcompress.errors import UserError
-
             raise UserError("stage tune needs kv_stats: add profile to stages or give stats=<path to kv_stats.safetensors>")
         out |= timed("tune", lambda: r.tune(stats_path))
     if "validate" in cfg.stages:

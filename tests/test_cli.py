@@ -17,6 +17,7 @@ BAD = [
     (["calib=files"], "calib.paths is empty"),
     (["eval.source=files", "eval.paths=[/nope/held.txt]"], "eval.paths entry '/nope/held.txt' does not exist"),  # before profiling
     (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=64"], "eval text"),
+    (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[100]"], "eval.tasks.lengths contains 100: task prompts must be longer than the fp16 window + 16"),
     (["kv.foo=1"], "kv.foo is not a known key"),
     (["stages=[fit]", "stats=/nope.safetensors"], "stats='/nope.safetensors'"),
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
@@ -105,7 +106,7 @@ def report(run_dir):
 def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     cache = tmp_path / "cache"
     runs = {}
-    for name, extra in {"fp16": ["kv=fp16"], "full_window": ["kv.window=100000"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
+    for name, extra in {"fp16": ["kv=fp16"], "full_window": ["kv.window=100000", "eval.tasks.names=[]"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
         runs[name] = tmp_path / name
         p = run_cli(*TINY, *extra, "export=none", f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
         assert p.returncode == 0, p.stderr

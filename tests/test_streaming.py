@@ -72,7 +72,7 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     from kvcompress.eval.retrieval import run_tasks
 
     corpus = list(load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})).texts[0].encode())
-    tcfg = TasksConfig(names=["passkey", "copy_uuid"], lengths=[120], depths=[0.3], seeds=2, greedy=False)
+    tcfg = TasksConfig(names=["passkey", "copy_uuid"], lengths=[256], depths=[0.3], seeds=2, greedy=False)
     t_mem, t_st = run_tasks(lm_mem, books, corpus, tcfg, 8, progress=False), run_tasks(lm_st, books, corpus, tcfg, 8, progress=False)
     drop = lambda t: {n: {k: v for k, v in r.items() if k != "greedy_check"} for n, r in t.items()}  # noqa: E731  (greedy: in memory only)
     assert drop(t_mem) == drop(t_st) and len(t_mem["kv"]["rows"]) == 4

@@ -31,3 +31,22 @@ def test_one_pass_answer_scoring_equals_prefill_then_decode_through_compressed_c
     assert abs(got["fp16"][0] - _score(plain, torch.tensor(answer))[0]) < 1e-4
     # the answer (8 > window) reads compressed prompt tokens: scores differ from fp16
     assert abs(got["b"][0] - got["fp16"][0]) > 1e-4
+
+
+def test_task_facts_sit_outside_the_fp16_window_and_short_lengths_are_refused():
+    """Every generated task places its facts at least window + FACT_GAP tokens before the last prompt token, so the
+    question reads them from the compressed store; a length too short for that is refused (it would test nothing)."""
+    import pytest
+
+    from kvcompress.errors import UserError
+    from kvcompress.eval.tasks import TASKS
+    from kvcompress.eval.tasks.base import FACT_GAP
+
+    lm = tiny_lm("llama")
+    corpus = lm.tokenizer.encode("Some held-out text of real words to build a haystack from. " * 40)
+    window = 64
+    for name in TASKS.names():
+        s = TASKS.get(name)(lm.tokenizer, corpus, 1024, 0.9, 0, window)
+        assert len(s.prompt) - 1 - s.needle_pos >= window + FACT_GAP, name
+        with pytest.raises(UserError, match=f"eval.tasks.lengths contains 80: a {name} prompt needs at least"):
+            TASKS.get(name)(lm.tokenizer, corpus, 80, 0.5, 0, window)

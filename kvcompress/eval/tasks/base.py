@@ -4,6 +4,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvcompress.errors import UserError
+
+FACT_GAP = 16  # tokens between the facts' end and the fp16 window
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -25,15 +29,18 @@ def haystack(tokenizer, corpus_ids: list[int], n: int, rng: random.Random) -> li
 def assemble(tokenizer, corpus_ids, length, depth, facts: list[str], question: str, answer: str, rng, window: int, task: str, seed: int) -> Sample:
     """Haystack of `length` tokens with facts inserted at `depth` (fraction of the haystack), then the question.
 
-    The facts end at least `window` + 16 tokens before the last prompt token, so the last query reads
-    them from the compressed store, never from the fp16 window.
+    The facts end at least `window` + FACT_GAP tokens before the last prompt token, so the last query reads
+    them from the compressed store, never from the fp16 window; a length too short for that is refused.
     """
     fact_ids = [tokenizer.encode(" " + f + " ") for f in facts]
     q_ids = tokenizer.encode(question)
     a_ids = tokenizer.encode(answer)
     body = max(1, length - len(q_ids) - sum(map(len, fact_ids)))
     hay = haystack(tokenizer, corpus_ids, body, rng)
-    latest = body - window - 16 - sum(map(len, fact_ids))
+    latest = body - window - FACT_GAP - sum(map(len, fact_ids))
+    if latest < 0:  # the facts would sit in the fp16 window: the sample would not test the compressed store
+        raise UserError(f"eval.tasks.lengths contains {length}: a {task} prompt needs at least {length - latest} tokens so its facts "
+                        f"end {window} + {FACT_GAP} tokens before the question, outside the fp16 window")
     pos = max(0, min(int(depth * body), latest))
     # spread several facts over [pos, latest]
     cuts = sorted({pos + int(i * max(0, latest - pos) / max(1, len(fact_ids))) for i in range(len(fact_ids))})
