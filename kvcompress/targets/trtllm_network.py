@@ -40,11 +40,11 @@ CACHE_GROUPED = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", 
 # the per-token family (kv.key.granularity=token, e.g. kv=rot8k_int4v): each token's key scales instead of outlier channels
 CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
 SPEC_FILE = "network.json"
+PARAMS_FILE = "plugin_params.safetensors"
 
 
 class WeightsMismatch(ValueError):
     """The HF directory given to the network does not fit it (or its network.json): build_engine.py reports it in one line."""
-PARAMS_FILE = "plugin_params.safetensors"
 
 
 def grouped(v: dict) -> bool:
