@@ -28,7 +28,6 @@ HP_DTYPE = torch.float16  # dtype of the window, sinks, outlier side store and v
 HP_BYTES = 2
 KEY_SCALE_BYTES = 4  # static per-channel key scale and zero point (fp32)
 OUTLIER_INDEX_BYTES = 8  # static outlier channel index (int64)
-INT4_KEY_OFFSET = 8
 
 
 def round_half_even(x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +64,57 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
     return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (pack_codes); 4 and 8 pack as int4 and bytes
+
+
+def row_width(head_dim: int, bits: int) -> int:
+    """Elements of one stored row of a head's codes: fp16 rows (bits 16) hold head_dim halves, codes of
+    4..8 bits head_dim * bits / 8 bytes (pack_codes)."""
+    return head_dim if bits == FP16_BITS else head_dim * bits // 8
+
+
+def row_bits(head_dim: int, width: int, dtype: torch.dtype) -> int:
+    """row_width's inverse: a stored row's code width from its element count and dtype."""
+    return FP16_BITS if dtype == torch.float16 else width * 8 // head_dim
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes uint8 [..., D] < 2**bits -> one stored row of D * bits / 8 bytes: 8 bits as bytes,
+    4 bits as pack_int4; 5..7 bits (PLANE_BITS) as the low nibbles packed as pack_int4 (D/2 bytes) followed
+    by bits - 4 planes of D/8 bytes, plane p holding bit 4 + p of channel d at bit d % 8 of byte d // 8
+    (LSB first). D must be a multiple of 8 for the planes."""
+    if bits == 8:
+        return codes
+    if bits == 4:
+        return pack_int4(codes)
+    if bits not in PLANE_BITS or codes.shape[-1] % 8:
+        raise ValueError(f"pack_codes: bits must be 4..8 and, for 5..7 bits, the last dim a multiple of 8; got bits={bits}, D={codes.shape[-1]}")
+    c = codes.to(torch.int64)
+    weights = 2 ** torch.arange(8, device=codes.device)
+    planes = [(((c >> (4 + p)) & 1).unflatten(-1, (-1, 8)) * weights).sum(-1).to(torch.uint8) for p in range(bits - 4)]
+    return torch.cat([pack_int4(codes & 0x0F), *planes], -1)
+
+
+def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_codes' inverse: a stored row -> uint8 codes [..., D]."""
+    if bits == 8:
+        return payload
+    D = payload.shape[-1] * 8 // bits
+    codes = unpack_int4(payload[..., : D // 2])
+    if bits == 4:
+        return codes
+    for p in range(bits - 4):
+        plane = payload[..., D // 2 + p * (D // 8) : D // 2 + (p + 1) * (D // 8)].to(torch.int64)
+        bit = (plane.unsqueeze(-1) >> torch.arange(8, device=payload.device)) & 1
+        codes = codes | (bit.flatten(-2) << (4 + p)).to(torch.uint8)
+    return codes
+
+
+def signed_offset(bits: int) -> int:
+    """The offset of signed codes stored offset-binary (q + 2**(bits-1), bits < 8); int8 codes are stored as they are."""
+    return 2 ** (bits - 1)
 
 
 # ---------------------------------------------------------------- keys
@@ -131,13 +181,14 @@ def split_outliers(k: torch.Tensor, p: KeyParams) -> torch.Tensor:
 
 
 def store_signed(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed codes -> payload: int8 [.., D] as is, int4 packed offset-binary (q + 8) uint8 [.., D/2]."""
-    return pack_int4((q + INT4_KEY_OFFSET).to(torch.uint8)) if bits == 4 else q
+    """Signed codes -> payload: int8 [.., D] as is; 4..7 bits offset-binary (q + 2**(bits-1), signed_offset)
+    packed by pack_codes (int4: uint8 [.., D/2])."""
+    return q if bits == 8 else pack_codes((q + signed_offset(bits)).to(torch.uint8), bits)
 
 
 def load_signed(payload: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of store_signed: signed integer codes [.., D]."""
-    return unpack_int4(payload).to(torch.int16) - INT4_KEY_OFFSET if bits == 4 else payload
+    return payload if bits == 8 else unpack_codes(payload, bits).to(torch.int16) - signed_offset(bits)
 
 
 def encode_keys(k: torch.Tensor, p: KeyParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,9 +371,9 @@ def value_meta(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, to
 
 
 def min_code_step(bits: int) -> int:
-    """F of the coded min (kv.value.min=code): the min is -w * scale / F, w a uint8; F = 16 for 4-bit
-    values, 1 for 8-bit (the largest power of two with F * (levels - 1/F) <= 255)."""
-    return 16 if bits == 4 else 1
+    """F of the coded min (kv.value.min=code): the min is -w * scale / F, w a uint8; F = 2**(8 - bits):
+    16 for 4-bit values, 8 for 5-bit, 1 for 8-bit (the largest power of two with F * (levels - 1/F) <= 255)."""
+    return 2 ** (8 - bits)
 
 
 def value_meta_coded(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,14 +420,13 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, vmin: torch.Tens
 
 
 def encode_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Storage form of values: (payload uint8 [.., D] or packed [.., D/2], scale fp16, min fp16 or uint8 code)."""
+    """Storage form of values: (payload uint8 [.., D * bits / 8] (pack_codes), scale fp16, min fp16 or uint8 code)."""
     codes, scale, vmin = quantize_values(v, bits, group, coded_min)
-    return (pack_int4(codes) if bits == 4 else codes), scale, vmin
+    return pack_codes(codes, bits), scale, vmin
 
 
 def decode_values(payload: torch.Tensor, scale: torch.Tensor, vmin: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    codes = unpack_int4(payload) if bits == 4 else payload
-    return dequantize_values(codes, scale, vmin, group, bits)
+    return dequantize_values(unpack_codes(payload, bits), scale, vmin, group, bits)
 
 
 def fake_quant_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = False) -> torch.Tensor:

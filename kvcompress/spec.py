@@ -24,7 +24,8 @@ class KeySpec(Frozen):
     (z = 0 when symmetric).
     """
 
-    bits: Literal[4, 8, 16] = 8
+    # 5..7 (reference.PLANE_BITS): kv.key.granularity=token only (a nibble plus bit planes, reference.pack_codes)
+    bits: Literal[4, 5, 6, 7, 8, 16] = 8
     # "token" (CompressedCache, validate, the Triton kernels and the custom-tier export): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
     granularity: Literal["channel", "token"] = "channel"
@@ -52,7 +53,8 @@ class ValueSpec(Frozen):
     scale = (max - min) / (2**bits - 1), q = clamp(round_half_even((v - min) / scale), 0, 2**bits - 1)
     """
 
-    bits: Literal[4, 8, 16] = 4
+    # 5..7 (reference.PLANE_BITS): beside per-token keys only (kv.key.granularity=token), as the rotated formats
+    bits: Literal[4, 5, 6, 7, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
     # symmetric=True: Triton kernels with per-token or token-grouped keys only (scale = amax / (2**(bits-1) - 1), no min).
@@ -147,7 +149,7 @@ class KVSpec(Frozen):
             raise ValueError(f"kv.layers (per-layer formats) needs format=kvcompress without token-grouped keys; got format={self.format}, "
                              f"key.group_tokens={self.key.group_tokens}")
         if (self.key.bits == 16) != (self.value.bits == 16):
-            raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4/8")
+            raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4..8")
         if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
             raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
         if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
@@ -160,6 +162,10 @@ class KVSpec(Frozen):
                              f"sizes profile records ranges for), and kv.key.bits=4 (the mean); got group_tokens={self.key.group_tokens}, bits={self.key.bits}")
         if self.headroom != "auto" and not self.headroom >= 1.0:
             raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
+        odd = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in (5, 6, 7)]
+        if odd and not (self.key.granularity == "token" and not self.is_native):
+            raise ValueError(f"{', '.join(odd)}: 5..7-bit codes are in the per-token family only (kv.key.granularity=token, "
+                             f"format=kvcompress); allowed elsewhere: 4, 8 (16 = fp16); got granularity={self.key.granularity}, format={self.format}")
         if self.key.rotate != "none" and self.key.granularity != "token":
             raise ValueError(f"kv.key.rotate={self.key.rotate} needs kv.key.granularity=token (static per-channel scales follow RoPE pairs, not a rotated basis)")
         if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
@@ -288,6 +294,8 @@ class KVSpec(Frozen):
             raise UserError(f"kv.outlier_channels={self.outlier_channels} must be < head_dim={head_dim}")
         if head_dim % 2:
             raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
+        if {self.key.bits, self.value.bits} & {5, 6, 7} and head_dim % 8:
+            raise UserError(f"5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim={head_dim} is not a multiple of 8")
         if self.format == "native_nvfp4" and head_dim % 16:
             raise UserError(f"kv=native_nvfp4 needs head_dim divisible by its 16-element blocks; head_dim={head_dim}")
 

@@ -38,11 +38,13 @@ COMMANDS = {
     "long8k_auto": "python -m kvcompress kv=auto eval=long export=none",
     # kv=rot4 (4.44 bits/element, Hadamard-rotated per-token int4) beside KIVI-style int4 at 8K
     "long8k_rot4": "python -m kvcompress kv=rot4 eval=long export=none eval.compare=[kivi_int4]",
+    # kv=rot7k_int5v (one key bit moved to the values at rot8k_int4v's bytes) beside rot8k_int4v and int8k_int4v at 8K
+    "long8k_rot7k": "python -m kvcompress kv=rot7k_int5v eval=long export=none eval.compare=[rot8k_int4v,int8k_int4v]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
                     "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GPL-2", "LGPL-2", "LGPL-3", "GFDL", "Artistic", "BSD"))
-                    + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4]",
+                    + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4,rot7k_int5v]",
 }
 
 
@@ -50,7 +52,8 @@ COMMANDS = {
 RATIOS = {
     "long8k_all": [("wf4", "kivi_int4"), ("wf4", "native_nvfp4"), ("rot8k_int4v", "int8k_int4v")],
     "long8k_rot4": [("rot4", "kivi_int4")],
-    "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v")],
+    "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v"), ("rot7k_int5v", "int8k_int4v")],
+    "long8k_rot7k": [("rot7k_int5v", "int8k_int4v"), ("rot7k_int5v", "rot8k_int4v")],
 }
 
 
