@@ -160,6 +160,9 @@ PER_TOKEN_CASES = [
     ([90], 1, 3, 64, 4, 4, 32, dict(key_group=64, key_rotate=False, value_rotate=True), 2),  # asymmetric rotated values
     ([W + 2, 140], 1, 3, 64, 8, 4, 32, dict(key_group=64, key_rotate=True, value_rotate=True), 4),  # rotated per-token int8 keys, int4 values
     ([W + 2, 140], 1, 3, 64, 8, 4, 16, dict(key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True), 4),  # kv=rot8k_int4v (coded min)
+    ([W + 2, 140], 1, 3, 64, 7, 5, 32, ROT7K5V := dict(key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True), 4),  # kv=rot7k_int5v
+    ([200, 37], 1, 8, 128, 7, 5, 32, dict(ROT7K5V, key_group=128), 4),  # kv=rot7k_int5v at Llama's head dim
+    ([90, 33], 2, 1, 64, 6, 6, 16, dict(key_group=32, value_symmetric=True), 0),  # 6-bit planes, symmetric values, grouped key scales
 ]
 
 
@@ -201,6 +204,9 @@ def test_per_token_decode_reads_the_rotated_store():
     (8, 4, 32, W, 4, dict(key_group=64, key_rotate=True, value_rotate=True)),
     (8, 4, 16, W, 4, dict(key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True)),  # kv=rot8k_int4v (coded min)
     (4, 8, 32, 1, 0, dict(key_group=64, value_coded_min=True)),  # coded min of 8-bit values, unrotated
+    (7, 5, 32, W, 4, ROT7K5V),  # kv=rot7k_int5v: nibble + bit planes, coded min with step 8
+    (5, 7, 16, 1, 0, dict(key_group=32, value_coded_min=True)),
+    (6, 6, 32, 0, 2, dict(key_group=64, key_rotate=True, value_symmetric=True)),
 ])
 def test_per_token_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, fam):
     """kv_append_rot_kernel: rotation as sums of +-x then one scaling (reference.rotate's order), fp16

@@ -20,6 +20,9 @@ VARIANTS = {"d128_g8_int8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0
             # the per-token family (kv=rot8k_int4v): rotated per-token int8 keys, rotated int4 values with a coded min
             "d128_g8_rot8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0)), key_group=128, key_rotate=True, value_rotate=True,
                                         value_coded_min=True),
+            # kv=rot7k_int5v: 7-bit keys and 5-bit values, rows of nibbles plus bit planes
+            "d64_g3_rot7k_int5v": dict(zip(FIELDS, (64, 3, 7, 5, 32, 4, 128, 0)), key_group=64, key_rotate=True, value_rotate=True,
+                                       value_coded_min=True),
             # an fp16 layer of a per-layer format (kv=auto): the static family storing fp16 K and V
             "d128_g8_auto_fp16": dict(zip(FIELDS, (128, 8, 16, 16, 128, 4, 128, 0)))}
 
@@ -190,7 +193,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, key_bits):
 
 
 @needs_trt
-@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v", "d128_g8_auto_fp16"])
+@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v", "d64_g3_rot7k_int5v", "d128_g8_auto_fp16"])
 def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     """plugins/test/plugin_harness.cpp: the plugin sources linked with stand-ins for TensorRT's registry and
     logger and the CUDA driver; creators registered, fields round-trip, shapes checked against the variant."""
@@ -293,7 +296,7 @@ def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
 
 
 def _per_token_kit(tmp_path, key_bits=8):
-    """A kit of the per-token family (kv=rot8k_int4v's options at head dim 64; key_bits=4: kv=rot4's)."""
+    """A kit of the per-token family (kv=rot8k_int4v's options at head dim 64; key_bits=4: kv=rot4's; key_bits=7: kv=rot7k_int5v's)."""
     import torch
 
     from kvcompress.kernels.aot import Variant
@@ -303,13 +306,14 @@ def _per_token_kit(tmp_path, key_bits=8):
     H, D = 2, 64
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(300, H, D, generator=g) * torch.linspace(0.5, 1.5, D), torch.randn(300, H, D, generator=g)
-    opts = dict(value_coded_min=True) if key_bits == 8 else dict(value_symmetric=True)
-    variant = Variant("t", D, 3, key_bits, 4, 32 if key_bits == 8 else D, 4, 16, 0, key_group=D, key_rotate=True, value_rotate=True, **opts).__dict__
+    opts = dict(value_symmetric=True) if key_bits == 4 else dict(value_coded_min=True)
+    variant = Variant("t", D, 3, key_bits, 5 if key_bits == 7 else 4, D if key_bits == 4 else 32, 4, 16, 0, key_group=D, key_rotate=True, value_rotate=True,
+                      **opts).__dict__
     write_kit(tmp_path, variant, KeyParams(key_bits, torch.ones(H, D), torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long)), k, v)
     return tmp_path
 
 
-@pytest.mark.parametrize("key_bits", [8, 4])
+@pytest.mark.parametrize("key_bits", [8, 4, 7])
 def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(tmp_path, key_bits):
     """kv=rot8k_int4v / kv=rot4's plugins: 12 decode inputs (q and qr, the query in the keys' basis; no key parameters),
     KvcAppend with 12 inputs and 9 aliased outputs (k_scale replaces k_outliers). A qr that is not the rotated query
@@ -342,9 +346,10 @@ def test_per_token_acceptance_kit_passes_on_cpu_and_catches_a_wrong_query_basis(
     assert res[app[-1]["name"]] is False and sum(res.values()) == len(res) - 1
 
 
-def test_per_token_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
+@pytest.mark.parametrize("key_bits", [8, 7])
+def test_per_token_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, key_bits):
     """The per-token kit's goldens are what kv_append_rot / decode_split_rot compute (interpreter)."""
-    _kit_agrees_with_the_kernels(_per_token_kit(tmp_path))
+    _kit_agrees_with_the_kernels(_per_token_kit(tmp_path, key_bits))
 
 
 @needs_trt

@@ -45,6 +45,27 @@ def test_pack_unpack_nibble_order():
         ref.pack_int4(torch.zeros(3, dtype=torch.uint8))
 
 
+def test_plane_packing_hand_values_and_round_trips():
+    """5..7-bit codes: the low nibbles as pack_int4, then one D/8-byte plane per further bit (channel d at bit
+    d % 8 of byte d // 8); 4 and 8 bits are pack_int4 and bytes. Signed codes are offset-binary (q + 2**(bits-1))."""
+    codes = torch.tensor([17, 2, 31, 16, 0, 5, 20, 1], dtype=torch.uint8)  # 5-bit codes; bit 4 set in channels 0, 2, 3, 6
+    packed = ref.pack_codes(codes, 5)
+    assert packed.tolist() == [1 | 2 << 4, 15 | 0 << 4, 0 | 5 << 4, 4 | 1 << 4, 0b01001101]
+    assert torch.equal(ref.unpack_codes(packed, 5), codes)
+    g = torch.Generator().manual_seed(0)
+    for bits in (4, 5, 6, 7, 8):
+        c = torch.randint(0, 2**bits, (3, 5, 64), generator=g).to(torch.uint8)
+        p = ref.pack_codes(c, bits)
+        assert p.shape[-1] == ref.row_width(64, bits) == 64 * bits // 8 and ref.row_bits(64, p.shape[-1], p.dtype) == bits
+        assert torch.equal(ref.unpack_codes(p, bits), c)
+        q = torch.randint(-ref.key_qmax(bits), ref.key_qmax(bits) + 1, (2, 64), generator=g).to(torch.int8)
+        assert torch.equal(ref.load_signed(ref.store_signed(q, bits), bits).to(torch.int8), q)
+    assert ref.store_signed(torch.tensor([[-63] + [0] * 7], dtype=torch.int8), 7)[0, 0] == 1  # -63 + 64: offset-binary
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ref.pack_codes(torch.zeros(12, dtype=torch.uint8), 6)
+    assert [ref.min_code_step(b) for b in (4, 5, 6, 7, 8)] == [16, 8, 4, 2, 1]
+
+
 def test_value_hand_values():
     # one group of 4: min 0, max 3 -> int4 scale 3/15 = 0.2 (fp16 rounded up), codes round((v-0)/scale)
     v = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
@@ -76,7 +97,7 @@ def test_key_round_trip_bound(T, D, bits):
 
 @pytest.mark.parametrize("T", [1, 7, 1170])
 @pytest.mark.parametrize("D,G", [(64, 32), (128, 128), (128, 32)])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
 def test_value_round_trip_bound(T, D, G, bits):
     torch.manual_seed(T * D + bits)
     v = torch.randn(1, 3, T, D) * 3
@@ -169,7 +190,7 @@ def test_fused_mixed_attention_equals_explicit(window, sinks, sliding):
     torch.testing.assert_close(fused, _mixed_attention_explicit(q, k, v, kh, vh, pos, **kw), atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8])
 def test_coded_min_never_clips_and_costs_little(bits):
     """kv.value.min=code: the min is a byte (-w * scale / F) rounded down, the scale leaves room for that
     rounding, so nothing clips (the round trip error is at most half a step); its error stays within

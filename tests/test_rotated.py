@@ -13,6 +13,7 @@ from kvcompress.cache import CompressedCache
 from kvcompress.eval.attention import compressed_attention
 from kvcompress.eval.attention import simulate_kv
 from kvcompress.models.base import Geometry
+from kvcompress.errors import UserError
 from kvcompress.spec import KVSpec
 from kvcompress.stages.validate import memory_summary
 
@@ -99,7 +100,28 @@ def test_the_rot8k_int4v_preset_costs_what_int8k_int4v_costs():
     assert round(m.bits_per_element, 2) == round(m0.bits_per_element, 2) == 6.65, (m, m0)  # the figure rot8k_int4v.yaml and the README quote
 
 
+def test_the_rot7k_int5v_preset_costs_what_rot8k_int4v_costs():
+    """One key bit moved to the values: 56 + 2 key bytes and 40 + 2 x 3 value bytes per head vector at head
+    dim 64, as rot8k_int4v's 64 + 2 and 32 + 2 x 3."""
+    from kvcompress.config import kv_preset
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    new, rot = kv_preset("rot7k_int5v"), kv_preset("rot8k_int4v")
+    assert not new.validate_only and (new.key.bits, new.value.bits, new.value.min, new.value.group_size) == (7, 5, "code", 32)
+    b, b0 = ref.spec_cache_nbytes(new, geo, 1000), ref.spec_cache_nbytes(rot, geo, 1000)
+    n_quant = 30 * 3 * (1000 - 4 - 128)
+    assert b["key_payload"] == n_quant * 56 and b["value_payload"] == n_quant * 40 and b["key_meta"] == b0["key_meta"] and b["value_meta"] == b0["value_meta"]
+    assert sum(b.values()) == sum(b0.values())
+    assert round(memory_summary(new, geo, 8192).bits_per_element, 2) == 6.65
+
+
 def test_refusals(tmp_path):
+    with pytest.raises(ValidationError, match="kv.key.bits=7: 5..7-bit codes are in the per-token family only"):
+        KVSpec(name="x", key={"bits": 7})
+    with pytest.raises(ValidationError, match="kv.value.bits=5: 5..7-bit codes"):
+        KVSpec(name="x", key={"bits": 8}, value={"bits": 5})
+    with pytest.raises(UserError, match="head_dim=36 is not a multiple of 8"):
+        KVSpec(name="x", key={"bits": 7, "granularity": "token"}, value={"bits": 5, "group_size": 0}).check_geometry(36)
     with pytest.raises(ValidationError, match="kv.key.rotate=hadamard needs kv.key.granularity=token"):
         KVSpec(name="x", key={"rotate": "hadamard"})
     with pytest.raises(ValidationError, match="needs kv.key.symmetric=true"):
@@ -132,6 +154,9 @@ ROT_SPECS = {
     # kv=rot8k_int4v's structure at the tiny model's head dim 32 (values in two groups, as the preset's 32 at head dim 64)
     "rot8k_int4v": dict(key={"bits": 8, "granularity": "token", "group_size": 0, "rotate": "hadamard"},
                         value={"bits": 4, "group_size": 16, "rotate": "hadamard", "min": "code"}),
+    # kv=rot7k_int5v's structure at head dim 32 (7-bit keys and 5-bit values as nibbles plus bit planes)
+    "rot7k_int5v": dict(key={"bits": 7, "granularity": "token", "group_size": 0, "rotate": "hadamard"},
+                        value={"bits": 5, "group_size": 16, "rotate": "hadamard", "min": "code"}),
     "coded_min_v8_unrotated": dict(key={"bits": 8, "granularity": "token", "group_size": 0}, value={"bits": 8, "group_size": 8, "min": "code"}),
     "v4sym_only": dict(value={"bits": 4, "group_size": 16, "symmetric": True}),
 }

@@ -372,7 +372,10 @@ ROT4 = dict(key={"bits": 4, "granularity": "token", "symmetric": True, "rotate":
             value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=6, sink_tokens=2)
 
 
-@pytest.mark.parametrize("kw", [ROT8, ROT4], ids=["rot8k_int4v", "rot4"])
+ROT7K5V = dict(ROT8, key=dict(ROT8["key"], bits=7), value=dict(ROT8["value"], bits=5))
+
+
+@pytest.mark.parametrize("kw", [ROT8, ROT4, ROT7K5V], ids=["rot8k_int4v", "rot4", "rot7k_int5v"])
 def test_per_token_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     """The per-token family (kv=rot8k_int4v, kv=rot4) in the custom-tier network: KvcAppend without key parameters,
     KvcDecodeAttention reading q and the query rotated in the graph (plugin_params q_rotation), 9 cache buffers with

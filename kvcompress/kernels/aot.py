@@ -91,6 +91,9 @@ VARIANTS = {
         Variant("d128_g8_rot4", 128, 8, 4, 4, 128, 4, 128, 0, key_group=128, key_rotate=True, value_symmetric=True, value_rotate=True),
         Variant("d64_g3_rot4", 64, 3, 4, 4, 64, 4, 128, 0, key_group=64, key_rotate=True, value_symmetric=True, value_rotate=True),
         Variant("d128_g8_rot8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True, value_coded_min=True),
+        # kv=rot7k_int5v: 7-bit keys and 5-bit values (a nibble plus bit planes per row), at rot8k_int4v's bytes
+        Variant("d128_g8_rot7k_int5v", 128, 8, 7, 5, 32, 4, 128, 0, key_group=128, key_rotate=True, value_rotate=True, value_coded_min=True),
+        Variant("d64_g3_rot7k_int5v", 64, 3, 7, 5, 32, 4, 128, 0, key_group=64, key_rotate=True, value_rotate=True, value_coded_min=True),
     ],
     # kv=wf4 (token-grouped keys of water-filled widths, mean 4 bits, groups of 128 tokens; rotated symmetric int4 values):
     # in the custom tier (the plugins built for a grouped variant take the widths and bit offsets)
@@ -100,7 +103,9 @@ VARIANTS = {
     ],
 }
 
-PTR = {"kp8": "*i8", "kp4": "*u8"}
+def _key_ptr(bits: int) -> str:
+    """The key payload's pointer type: signed int8 codes as they are, narrower codes packed offset-binary bytes."""
+    return "*i8" if bits == 8 else "*u8"
 
 
 def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
@@ -110,7 +115,7 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     if v.grouped:
         return _grouped_specs(v)
     fp16 = v.key_bits == 16  # an fp16 layer of a per-layer format: the store holds fp16 K and V rows
-    kp = "*fp16" if fp16 else PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
+    kp = "*fp16" if fp16 else _key_ptr(v.key_bits)
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KO": "*fp16", "VP": "*fp16" if fp16 else "*u8", "VS": "*fp16",
              "VM": "*fp16", "LENS": "*i32"}
     common = dict(D=v.head_dim, NS=v.n_sink, W=v.window, N_OUT=v.n_out, KEY_BITS=v.key_bits, VAL_BITS=v.value_bits, GROUP=v.group)
@@ -127,7 +132,7 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
 
 
 def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
-    kp = PTR["kp4"] if v.key_bits == 4 else PTR["kp8"]
+    kp = _key_ptr(v.key_bits)
     vp = "*i8" if v.value_symmetric and v.value_bits == 8 else "*u8"
     store = {"SK": "*fp16", "SV": "*fp16", "WK": "*fp16", "WV": "*fp16", "KP": kp, "KSC": "*fp16", "VP": vp, "VS": "*fp16",
              "VM": "*u8" if v.value_coded_min else "*fp16", "LENS": "*i32"}

@@ -24,6 +24,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from kvcompress import reference as ref
 from kvcompress.kernels.bytes_model import CacheFormat, main_loop_bytes
 
 # Published limits (CUDA C Programming Guide, "Compute Capabilities" table; occupancy calculator).
@@ -186,6 +187,9 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
                           v.get("key_group", 0), v.get("value_symmetric", False), key_group_tokens=v.get("key_group_tokens", 0))
         need = main_loop_bytes(fmt, v["head_dim"], v["block_t"])
         by_width = {w: n * threads * w // 8 for w, n in loads.items()}  # if every thread executes each load once per iteration
+        # 5..7-bit rows (D/2 < D * bits / 8 < D bytes) are read as two D/2-byte halves, the second's tail masked (those
+        # lanes fetch nothing, but their loads are counted above): the bytes of the masked tails per iteration
+        tail = sum(v["block_t"] * (v["head_dim"] - ref.row_width(v["head_dim"], b)) for b in (v["key_bits"], v["value_bits"]) if b in ref.PLANE_BITS)
         out["main_loop"] = {
             "range": [hex(lo), hex(hi)], "block_t": v["block_t"],
             "loads": {str(w): n for w, n in sorted(loads.items())},
@@ -194,6 +198,7 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
             "wide_bytes": sum(b for w, b in by_width.items() if w >= 64),
             "bytes_per_cache_element": sum(by_width.values()) / (v["block_t"] * v["head_dim"] * 2),
             "format_bytes_per_cache_element": (need["payload"] + need["metadata"]) / (v["block_t"] * v["head_dim"] * 2),
+            "masked_tail_bytes_per_cache_element": tail / (v["block_t"] * v["head_dim"] * 2),
         }
         out["main_loop"].update(payload_loads(ptx_loop_loads((kdir / f"{entry['name']}.ptx").read_text(), entry["signature"])))
     return out

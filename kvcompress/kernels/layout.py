@@ -11,10 +11,12 @@ Buffers ([B, H, *, *], contiguous):
     sink_k, sink_v  [B, H, NS, D] fp16          win_k, win_v [B, H, W, D] fp16
     k_payload       [B, H, CAP, D] int8 | [B, H, CAP, D/2] uint8 (int4, offset-binary, low nibble = even)
     k_outliers      [B, H, CAP, N_OUT] fp16     v_payload [B, H, CAP, D] uint8 | [.., D/2] (int4)
+    (the per-token family also takes 5..7-bit codes: rows of D * bits / 8 bytes, the low nibbles as int4's
+    then one D/8-byte plane per further bit, reference.pack_codes)
     v_scale, v_min  [B, H, CAP, D/G] fp16       lens [B] int32
 The per-token family (key_group > 0: kv.key.granularity=token, e.g. kv=rot4) has no static key
 parameters: k_payload holds signed codes of the (Hadamard-rotated if key_rotate) key, int8 or packed
-offset-binary int4 (q + 8), and k_scale [B, H, CAP, D/key_group] fp16 its per-token scales; with
+offset-binary (q + 2**(bits-1): int4, or 5..7 bits as nibble and planes), and k_scale [B, H, CAP, D/key_group] fp16 its per-token scales; with
 value_symmetric the values are signed codes the same way (v_payload int8 for 8 bits) and v_min is
 unused; value_rotate stores values in the rotated basis (reference.encode_rotated); value_coded_min
 (kv.value.min=code) makes v_min uint8 codes (reference.value_meta_coded).
@@ -118,9 +120,10 @@ class PackedKV:
         if (value_bits == ref.FP16_BITS) != fp16 or fp16 and (key_group or key_group_tokens or n_out or group != D):
             raise ValueError(f"an fp16 store (key_bits = value_bits = 16) is the static family with no outlier channels and one value group; "
                              f"got key_bits={key_bits} value_bits={value_bits} n_out={n_out} group={group}")
+        if (key_bits in ref.PLANE_BITS or value_bits in ref.PLANE_BITS) and not key_group:
+            raise ValueError(f"5..7-bit codes (key_bits={key_bits}, value_bits={value_bits}) are in the per-token family only (key_group > 0)")
         f16 = dict(dtype=torch.float16, device=device)
-        kd = D // 2 if key_bits == 4 else D
-        vd = D // 2 if value_bits == 4 else D
+        kd, vd = ref.row_width(D, key_bits), ref.row_width(D, value_bits)
         capg = -(-cap // key_group_tokens) if key_group_tokens else 0
         cap = capg * key_group_tokens or cap  # the grouped family: every store holds whole groups of rows (one CAP for keys and values)
         return cls(
@@ -128,7 +131,7 @@ class PackedKV:
             sink_v=torch.zeros(B, H, n_sink, D, **f16),
             win_k=torch.zeros(B, H, window, D, **f16),
             win_v=torch.zeros(B, H, window, D, **f16),
-            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.float16 if fp16 else torch.uint8 if key_bits == 4 or key_group_tokens else torch.int8, device=device),
+            k_payload=torch.zeros(B, H, cap, kd, dtype=torch.float16 if fp16 else torch.uint8 if key_bits < 8 or key_group_tokens else torch.int8, device=device),
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
             v_payload=torch.zeros(B, H, cap, vd, dtype=torch.float16 if fp16 else torch.int8 if value_symmetric and value_bits == 8 else torch.uint8,
                                   device=device),

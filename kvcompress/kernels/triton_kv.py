@@ -93,22 +93,46 @@ def _encode_token(
                 tl.where(io[:, None] == oidx[None, :], k_odd[:, None], 0.0), axis=0
             )
             tl.store(KO + (bh * CAP + c) * N_OUT + jo, ko.to(tl.float16), mask=jo < N_OUT)
-        _store_signed(qe, qo, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), D, KEY_BITS)
-        _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (HALF if VAL_BITS == 4 else D), VS + (bh * CAP + c) * (D // GROUP),
+        _store_signed(qe, qo, KP + (bh * CAP + c) * (D * KEY_BITS // 8), D, KEY_BITS)
+        _encode_asymmetric(v_even, v_odd, VP + (bh * CAP + c) * (D * VAL_BITS // 8), VS + (bh * CAP + c) * (D // GROUP),
                            VM + (bh * CAP + c) * (D // GROUP), D, VAL_BITS, GROUP, False, 1)
 
 
 @triton.jit
 def _store_signed(qe, qo, row, D: tl.constexpr, BITS: tl.constexpr):
-    """Signed codes (even/odd halves) -> one payload row: int8, or int4 offset-binary (q + 8) packed
-    with the even channel in the low nibble (reference.store_signed)."""
+    """Signed codes (even/odd halves) -> one payload row: int8, or offset-binary (q + 2**(BITS-1)) packed by
+    _store_codes (reference.store_signed)."""
     HALF: tl.constexpr = D // 2
     ie = 2 * tl.arange(0, HALF)
-    if BITS == 4:
-        tl.store(row + tl.arange(0, HALF), (qe + 8).to(tl.uint8) | ((qo + 8).to(tl.uint8) << 4))
-    else:
+    if BITS == 8:
         tl.store(row + ie, qe.to(tl.int8))
         tl.store(row + ie + 1, qo.to(tl.int8))
+    else:
+        _store_codes(qe + 2 ** (BITS - 1), qo + 2 ** (BITS - 1), row, D, BITS)
+
+
+@triton.jit
+def _store_codes(ce, co, row, D: tl.constexpr, BITS: tl.constexpr):
+    """Unsigned codes in [0, 2**BITS) (even/odd channel halves, float32) -> one payload row of D * BITS / 8
+    bytes (reference.pack_codes): bytes; int4 two per byte, the even channel in the low nibble; 5..7 bits the
+    low nibbles so, then one plane of D/8 bytes per further bit (channel d at bit d % 8 of byte d // 8)."""
+    HALF: tl.constexpr = D // 2
+    ie = 2 * tl.arange(0, HALF)
+    if BITS == 8:
+        tl.store(row + ie, ce.to(tl.uint8))
+        tl.store(row + ie + 1, co.to(tl.uint8))
+    elif BITS == 4:
+        tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
+    else:
+        E: tl.constexpr = D // 8
+        ci_e = ce.to(tl.int32)
+        ci_o = co.to(tl.int32)
+        tl.store(row + tl.arange(0, HALF), ((ci_e & 15) | ((ci_o & 15) << 4)).to(tl.uint8))
+        sh = 2 * (tl.arange(0, HALF) % 4)  # channel 2k sits at bit 2k % 8 of its plane byte, channel 2k + 1 above it
+        for p in tl.static_range(BITS - 4):
+            b = (((ci_e >> (4 + p)) & 1) << sh) | (((ci_o >> (4 + p)) & 1) << (sh + 1))
+            byte = tl.sum(tl.reshape(b, (E, 4)), axis=1)  # four channel pairs per byte; bits never overlap: the sum is an OR
+            tl.store(row + HALF + p * E + tl.arange(0, E), byte.to(tl.uint8))
 
 
 @triton.jit
@@ -160,11 +184,7 @@ def _encode_asymmetric(x_even, x_odd, row, srow, mrow, D: tl.constexpr, BITS: tl
         mo = tl.where(go == g, mn, mo)
     ce = tl.minimum(tl.maximum(_round_half_even((x_even - me) / se), 0.0), LEVELS)
     co = tl.minimum(tl.maximum(_round_half_even((x_odd - mo) / so), 0.0), LEVELS)
-    if BITS == 4:
-        tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
-    else:
-        tl.store(row + ie, ce.to(tl.uint8))
-        tl.store(row + io, co.to(tl.uint8))
+    _store_codes(ce, co, row, D, BITS)
 
 
 @triton.jit
@@ -294,7 +314,7 @@ def kv_append_rot_kernel(
             k_e, k_o = _rotate_halves(k_e, k_o, D, LOG2D, INV_SQRT_D)
         if ROT_V:
             v_e, v_o = _rotate_halves(v_e, v_o, D, LOG2D, INV_SQRT_D)
-        _encode_symmetric(k_e, k_o, KP + (bh * CAP + c) * (HALF if KEY_BITS == 4 else D), KSC + (bh * CAP + c) * (D // KGROUP), D, KEY_BITS, KGROUP)
+        _encode_symmetric(k_e, k_o, KP + (bh * CAP + c) * (D * KEY_BITS // 8), KSC + (bh * CAP + c) * (D // KGROUP), D, KEY_BITS, KGROUP)
         _encode_value_token(v_e, v_o, bh * CAP + c, VP, VS, VM, D, VAL_BITS, GROUP, V_SYM, V_CODE, MIN_STEP)
 
 
@@ -304,7 +324,7 @@ def _encode_value_token(v_e, v_o, r, VP, VS, VM, D: tl.constexpr, VAL_BITS: tl.c
     """A value (already rotated if the format rotates values) into store row r: symmetric (V_SYM) or
     asymmetric, the min an fp16 or (V_CODE) a uint8 code."""
     HALF: tl.constexpr = D // 2
-    vrow = VP + r * (HALF if VAL_BITS == 4 else D)
+    vrow = VP + r * (D * VAL_BITS // 8)
     if V_SYM:
         _encode_symmetric(v_e, v_o, vrow, VS + r * (D // GROUP), D, VAL_BITS, GROUP)
     else:
@@ -379,18 +399,41 @@ def kv_append_grp_kernel(
 
 
 @triton.jit
-def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SIGNED_OFFSET: tl.constexpr):
-    """[BLOCK_T, D] float32 codes from int8 rows or packed int4 rows (low nibble = even channel).
+def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SIGNED: tl.constexpr):
+    """[BLOCK_T, D] float32 codes from payload rows of D * BITS / 8 bytes (reference.pack_codes): int8 (signed)
+    or uint8 bytes, packed int4 (low nibble = even channel), or 5..7 bits as the nibbles and one D/8-byte plane
+    per further bit. SIGNED: offset-binary codes below 8 bits get their offset 2**(BITS-1) removed.
 
-    Each row is read as one contiguous run of bytes (D or D/2), so the loads vectorize (16-byte
-    aligned buffers); int4 nibbles are split in registers and interleaved back to channel order."""
+    Each row is read as one contiguous run of bytes, so the loads vectorize (aligned buffers): 5..7-bit rows
+    (D/2 < ROW < D bytes) as D bytes with the tail masked, halved in registers into the nibbles and the four
+    D/8-byte plane slots (the last one, and with 5 or 6 bits the unused ones, masked to 0); nibbles are split
+    and interleaved back to channel order, each plane byte spread over its 8 channels."""
+    HALF: tl.constexpr = D // 2
+    if BITS == 8:
+        return tl.load(base + rows[:, None] * D + tl.arange(0, D)[None, :], mask=mask[:, None], other=0).to(tl.float32)
     if BITS == 4:
-        HALF: tl.constexpr = D // 2
         byte = tl.load(base + rows[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=mask[:, None], other=0)
         code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_T, D)).to(tl.float32)
-        return code - SIGNED_OFFSET
     else:
-        return tl.load(base + rows[:, None] * D + tl.arange(0, D)[None, :], mask=mask[:, None], other=0).to(tl.float32)
+        ROW: tl.constexpr = D * BITS // 8
+        E: tl.constexpr = D // 8
+        c = tl.arange(0, HALF)
+        nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
+        hi = tl.load(base + rows[:, None] * ROW + HALF + c[None, :], mask=mask[:, None] & (c < ROW - HALF)[None, :], other=0)
+        code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
+        a, b = tl.split(tl.reshape(tl.permute(tl.reshape(hi, (BLOCK_T, 4, E)), (0, 2, 1)), (BLOCK_T, E, 2, 2)))  # planes (0, 2), (1, 3)
+        p0, p2 = tl.split(a)
+        sh = tl.arange(0, 8)[None, None, :]  # channel 8 j + i is bit i of plane byte j
+        h = (p0.to(tl.int32)[:, :, None] >> sh) & 1
+        if BITS > 5:
+            p1, _p3 = tl.split(b)
+            h = h | (((p1.to(tl.int32)[:, :, None] >> sh) & 1) << 1)
+        if BITS > 6:
+            h = h | (((p2.to(tl.int32)[:, :, None] >> sh) & 1) << 2)
+        code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
+    if SIGNED:
+        code = code - 2 ** (BITS - 1)
+    return code
 
 
 @triton.jit
@@ -477,14 +520,14 @@ def decode_split_kernel(
             vf = tl.load(VP + (bh * CAP + rows[:, None]) * D + d[None, :], mask=tmask[:, None], other=0.0)
             m_i, l_i, acc = _attend_fp16(q.to(tl.float16), kf, vf, tmask, m_i, l_i, acc, sm_scale)
         else:
-            kq = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
+            kq = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, True)
             s = tl.dot(qs, tl.trans(kq.to(tl.float16)))  # [G_PAD, BLOCK_T]
             if N_OUT > 0:
                 for j in tl.static_range(N_OUT):  # one fp16 outlier channel at a time: q_j * k_j (fp32)
                     q_j = tl.sum(tl.where((jo == j)[None, :], q_out, 0.0), axis=1)
                     k_j = tl.load(KO + (bh * CAP + rows) * N_OUT + j, mask=tmask, other=0.0).to(tl.float32)
                     s += q_j[:, None] * k_j[None, :]
-            vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, 0.0)
+            vc = _load_codes(VP, bh * CAP + rows, tmask, VAL_BITS, D, BLOCK_T, False)
             vsc = _load_group_meta(VS, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
             vmn = _load_group_meta(VM, bh * CAP + rows, tmask, D, GROUP, BLOCK_T)
             v = (vc * vsc + vmn).to(tl.float16)  # dequantized in registers
@@ -533,12 +576,12 @@ def _load_values(VP, VS, VM, r, tmask, D: tl.constexpr, VAL_BITS: tl.constexpr, 
     (V_CODE: the min a byte w, -w * scale / F, reference.coded_min; exact in fp32)."""
     vsc = _load_group_meta(VS, r, tmask, D, GROUP, BLOCK_T)
     if V_SYM:
-        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 8.0) * vsc
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, True) * vsc
     elif V_CODE:
         mn = -(_load_group_meta(VM, r, tmask, D, GROUP, BLOCK_T) * vsc) * (1.0 / MIN_STEP)
-        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + mn
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, False) * vsc + mn
     else:
-        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, 0.0) * vsc + _load_group_meta(VM, r, tmask, D, GROUP, BLOCK_T)
+        return _load_codes(VP, r, tmask, VAL_BITS, D, BLOCK_T, False) * vsc + _load_group_meta(VM, r, tmask, D, GROUP, BLOCK_T)
 
 
 @triton.jit
@@ -572,7 +615,7 @@ def decode_split_rot_kernel(
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         tmask = rows < hi
-        kc = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, 8.0)
+        kc = _load_codes(KP, bh * CAP + rows, tmask, KEY_BITS, D, BLOCK_T, True)
         if KGROUP == D:  # one scale per token: scale the scores
             s = tl.dot(qr, tl.trans(kc.to(tl.float16))) * tl.load(KSC + bh * CAP + rows, mask=tmask, other=0.0).to(tl.float32)[None, :]
         else:

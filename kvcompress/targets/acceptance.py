@@ -58,15 +58,15 @@ def decode_inputs(variant: dict | None = None) -> tuple[str, ...]:
 def _per_token_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> PackedKV:
     """PackedKV of the per-token family from the op's buffers (its options come from the variant)."""
     return PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], torch.zeros(*t["k_payload"].shape[:3], 0, dtype=torch.float16),
-                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], 8 if t["k_payload"].dtype == torch.int8 else 4,
-                    8 if t["v_payload"].shape[-1] == D else 4, D // t["v_scale"].shape[-1], k_scale=t["k_scale"], key_group=int(variant["key_group"]),
+                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], _row_bits(t["k_payload"], D),
+                    _row_bits(t["v_payload"], D), D // t["v_scale"].shape[-1], k_scale=t["k_scale"], key_group=int(variant["key_group"]),
                     key_rotate=bool(variant["key_rotate"]), value_symmetric=bool(variant["value_symmetric"]),
                     value_rotate=bool(variant["value_rotate"]), value_coded_min=bool(variant["value_coded_min"]))
 
 
 def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> PackedKV:
     """PackedKV of the grouped family from the op's buffers (the value options come from the variant)."""
-    value_bits = 8 if t["v_payload"].shape[-1] == D else 4
+    value_bits = _row_bits(t["v_payload"], D)
     return PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], torch.zeros(*t["k_payload"].shape[:3], 0, dtype=torch.float16),
                     t["v_payload"], t["v_scale"], t["v_min"], t["lens"], t["k_payload"].shape[-1] * 8 // D, value_bits, D // t["v_scale"].shape[-1],
                     value_symmetric=bool(variant["value_symmetric"]), value_rotate=bool(variant["value_rotate"]),
@@ -74,9 +74,9 @@ def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> Packed
                     key_bits_table=t["k_bits"], k_gscale=t["k_gscale"], k_gmin=t["k_gmin"])
 
 
-def _static_bits(payload: torch.Tensor, D: int) -> int:
-    """A static-family payload's width from its buffer: fp16 rows (an fp16 layer), int8/uint8 rows of D, packed rows of D/2."""
-    return ref.FP16_BITS if payload.dtype == torch.float16 else 8 if payload.shape[-1] == D else 4
+def _row_bits(payload: torch.Tensor, D: int) -> int:
+    """A payload's code width from its buffer (reference.row_bits): fp16 rows (an fp16 layer), rows of D * bits / 8 bytes."""
+    return ref.row_bits(D, payload.shape[-1], payload.dtype)
 
 
 def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) -> tuple[torch.Tensor, PackedKV, KeyParams | None]:
@@ -88,8 +88,8 @@ def packed_from_inputs(x: dict[str, np.ndarray], variant: dict | None = None) ->
         return t["q"], _grouped_packed(t, D, variant), None
     if is_per_token(variant):
         return t["q"], _per_token_packed(t, D, variant), None
-    key_bits = _static_bits(t["k_payload"], D)
-    value_bits = _static_bits(t["v_payload"], D)
+    key_bits = _row_bits(t["k_payload"], D)
+    value_bits = _row_bits(t["v_payload"], D)
     kv = PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], t["k_outliers"], t["v_payload"], t["v_scale"], t["v_min"],
                   t["lens"], key_bits, value_bits, D // t["v_scale"].shape[-1])
     p = KeyParams(key_bits, t["k_scale"], t["k_zero_masked"], t["outlier_idx"].long())
@@ -120,7 +120,7 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     t = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in x.items()}
     NS, W = t["sink_k"].shape[2], t["win_k"].shape[2]
     D = t["k_new"].shape[-1]
-    value_bits = _static_bits(t["v_payload"], D)
+    value_bits = _row_bits(t["v_payload"], D)
     group = D // t["v_scale"].shape[-1]
     grp, tok = is_grouped(variant), is_per_token(variant)
     if grp or tok:
@@ -129,7 +129,7 @@ def reference_append(x: dict[str, np.ndarray], variant: dict | None = None) -> d
     if grp:
         GT, bits = int(variant["key_group_tokens"]), t["k_bits"].long()
     else:
-        key_bits = _static_bits(t["k_payload"], D) if not tok else 8 if t["k_payload"].dtype == torch.int8 else 4
+        key_bits = _row_bits(t["k_payload"], D)
     if not (grp or tok):
         p = KeyParams(key_bits, t["k_scale"], t["k_zero"], t["outlier_idx"].long())
     kn, vn = t["k_new"].half(), t["v_new"].half()

@@ -57,6 +57,12 @@ def per_token(v: dict) -> bool:
     return bool(v.get("key_group"))
 
 
+def row_width(D: int, bits: int) -> int:
+    """Elements of one stored row (kvcompress.reference.row_width; this module ships standalone): fp16 rows of D
+    halves, codes of 4..8 bits D * bits / 8 bytes (int4 nibbles, or 5..7 bits as nibbles plus bit planes)."""
+    return D if bits == 16 else D * bits // 8
+
+
 def cache_names(v: dict) -> tuple[str, ...]:
     """The cache buffers of a layer running variant v, in the plugins' input order."""
     return CACHE_GROUPED if grouped(v) else CACHE_PER_TOKEN if per_token(v) else CACHE
@@ -64,8 +70,7 @@ def cache_names(v: dict) -> tuple[str, ...]:
 
 def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int, int, int], str]]:
     """Per-sequence shape [H, rows, cols] and dtype of each cache buffer (PackedKV.empty's layout)."""
-    kd = D // 2 if v["key_bits"] == 4 else D
-    vd = D // 2 if v["value_bits"] == 4 else D
+    kd, vd = row_width(D, v["key_bits"]), row_width(D, v["value_bits"])
     ng = D // v["group"]
     ns, w, n_out = v["n_sink"], v["window"], v["n_out"]
     fp16 = {"sink_k": ((H, ns, D), "float16"), "sink_v": ((H, ns, D), "float16"), "win_k": ((H, w, D), "float16"), "win_v": ((H, w, D), "float16")}
@@ -80,7 +85,7 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
     vopt = {"v_payload": ((H, cap, vd), "float16" if hp_store else "int8" if v.get("value_symmetric") and v["value_bits"] == 8 else "uint8"),
             "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "uint8" if v.get("value_coded_min") else "float16")}
     if per_token(v):
-        return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] == 4 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
+        return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] < 8 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
     return fp16 | {
         "k_payload": ((H, cap, kd), "float16" if hp_store else "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
         "v_payload": ((H, cap, vd), "float16" if hp_store else "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
@@ -89,11 +94,11 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
 
 def token_bytes(v: dict, D: int) -> int:
     """Bytes of one compressed token per head that the decode kernel reads (its split planning)."""
-    vd = D // 2 if v["value_bits"] == 4 else D
+    vd = row_width(D, v["value_bits"])
     if grouped(v):
         vmin = 0 if v["value_symmetric"] else 1 if v["value_coded_min"] else 2
         return D * v["key_bits"] // 8 + -(-4 * D // v["key_group_tokens"]) + vd + (D // v["group"]) * (2 + vmin)  # key scale + min per group, amortised
-    kd = D // 2 if v["key_bits"] == 4 else 2 * D if v["key_bits"] == 16 else D
+    kd = row_width(D, v["key_bits"]) * (2 if v["key_bits"] == 16 else 1)  # bytes
     if v["value_bits"] == 16:  # an fp16 layer: fp16 keys and values, nothing else read
         return kd + 2 * D
     if per_token(v):

@@ -113,7 +113,7 @@ static constexpr int32_t kDIN = kQ + kKEYP + kCACHE + 1, kAIN = 2 + kKEYP + kCAC
 
 // the cache buffers + lens (layout.py) for B sequences, H kv heads, cap compressed slots
 static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t cap) {
-  int64_t vr = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D, ng = KVC_D / KVC_GROUP;
+  int64_t vr = KVC_VAL_BITS == 16 ? KVC_D : KVC_D * KVC_VAL_BITS / 8, ng = KVC_D / KVC_GROUP;
   std::vector<DynamicPluginTensorDesc> out = {desc({B, H, KVC_NS, KVC_D}, DataType::kHALF), desc({B, H, KVC_NS, KVC_D}, DataType::kHALF),
                                               desc({B, H, KVC_W, KVC_D}, DataType::kHALF), desc({B, H, KVC_W, KVC_D}, DataType::kHALF)};
 #if KVC_GT > 0
@@ -123,13 +123,13 @@ static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t 
                  desc({B, H, cap, ng}, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF)})
     out.push_back(d);
 #elif KVC_KGROUP > 0
-  int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;
+  int64_t kr = KVC_KEY_BITS == 16 ? KVC_D : KVC_D * KVC_KEY_BITS / 8;
   for (auto d : {desc({B, H, cap, kr}, KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, KVC_D / KVC_KGROUP}, DataType::kHALF),
                  desc({B, H, cap, vr}, KVC_V_SYM && KVC_VAL_BITS == 8 ? DataType::kINT8 : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
                  desc({B, H, cap, ng}, KVC_V_CODE ? DataType::kUINT8 : DataType::kHALF)})
     out.push_back(d);
 #else
-  int64_t kr = KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;
+  int64_t kr = KVC_KEY_BITS == 16 ? KVC_D : KVC_D * KVC_KEY_BITS / 8;
   DataType const kt = KVC_KEY_BITS == 16 ? DataType::kHALF : KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8;  // 16: an fp16 layer
   for (auto d : {desc({B, H, cap, kr}, kt), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
                  desc({B, H, cap, vr}, KVC_VAL_BITS == 16 ? DataType::kHALF : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),

@@ -37,8 +37,10 @@ static constexpr bool kFP16 = KVC_KEY_BITS == 16;
 static constexpr int32_t kNCACHE = kGROUPED ? 10 : 9;  // cache buffers (layout.py), in the plugins' input order
 static constexpr int32_t kNKEYP = kGROUPED ? 2 : kPER_TOKEN ? 0 : 3;  // key-parameter inputs before them (after q, or after k_new and v_new)
 static constexpr int32_t kNQ = kPER_TOKEN ? 2 : 1;  // KvcDecodeAttention's query inputs (q, and qr for the per-token family)
-static constexpr int32_t kKEY_ROW = kGROUPED ? KVC_D * KVC_KEY_BITS / 8 : KVC_KEY_BITS == 4 ? KVC_D / 2 : KVC_D;  // bytes of a packed key row
-static constexpr int32_t kVAL_ROW = KVC_VAL_BITS == 4 ? KVC_D / 2 : KVC_D;
+// elements of a stored row: KVC_D fp16 (an fp16 layer), else KVC_D * bits / 8 bytes (int8; int4 nibbles; 5..7 bits, per-token
+// family only, as nibbles plus one KVC_D/8-byte bit plane per further bit; the grouped family's bitstream of mean KVC_KEY_BITS)
+static constexpr int32_t kKEY_ROW = kFP16 ? KVC_D : KVC_D * KVC_KEY_BITS / 8;
+static constexpr int32_t kVAL_ROW = kFP16 ? KVC_D : KVC_D * KVC_VAL_BITS / 8;
 static constexpr int32_t kNG = KVC_D / KVC_GROUP;
 static constexpr int32_t kNKS = kPER_TOKEN ? KVC_D / (KVC_KGROUP > 0 ? KVC_KGROUP : 1) : 0;  // per-token key scales per token
 static constexpr int32_t kDECODE_IN = kNQ + kNKEYP + kNCACHE + 1;    // 14 (static, grouped) or 12 (per-token)
