@@ -130,6 +130,7 @@ FORMATS = {
     "int4": CacheFormat("int4", 4, 4, 32, 4, 128, 2),
     "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
     "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
+    "rot7k_int5v": CacheFormat("rot7k_int5v", 7, 5, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
     # mean 4 key bits (water-filled widths are a runtime table: the bytes are those of a uniform 4)
     "wf4": CacheFormat("wf4", 4, 4, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
 }

@@ -421,15 +421,14 @@ def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: 
         nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
         hi = tl.load(base + rows[:, None] * ROW + HALF + c[None, :], mask=mask[:, None] & (c < ROW - HALF)[None, :], other=0)
         code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
-        a, b = tl.split(tl.reshape(tl.permute(tl.reshape(hi, (BLOCK_T, 4, E)), (0, 2, 1)), (BLOCK_T, E, 2, 2)))  # planes (0, 2), (1, 3)
-        p0, p2 = tl.split(a)
-        sh = tl.arange(0, 8)[None, None, :]  # channel 8 j + i is bit i of plane byte j
-        h = (p0.to(tl.int32)[:, :, None] >> sh) & 1
+        # the four plane slots' bytes j as one 32-bit word (plane p in byte p; slots beyond the planes are masked to 0)
+        w = tl.sum(tl.reshape(hi, (BLOCK_T, 4, E)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
+        x = w[:, :, None] >> tl.arange(0, 8)[None, None, :]  # channel 8 j + i: bit i of each plane byte j
+        h = x & 1
         if BITS > 5:
-            p1, _p3 = tl.split(b)
-            h = h | (((p1.to(tl.int32)[:, :, None] >> sh) & 1) << 1)
+            h = h | ((x >> 7) & 2)
         if BITS > 6:
-            h = h | (((p2.to(tl.int32)[:, :, None] >> sh) & 1) << 2)
+            h = h | ((x >> 14) & 4)
         code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
     if SIGNED:
         code = code - 2 ** (BITS - 1)
