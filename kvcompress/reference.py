@@ -16,6 +16,8 @@ Rounding: round-half-to-even everywhere (torch.round). fp16 metadata is rounded 
 int4 packing: two codes per byte along the last dim; element 2i goes to the LOW nibble,
 element 2i+1 to the HIGH nibble. Signed int4 key codes q in [-7, 7] are stored
 offset-binary as q + 8 (so 0 encodes to 8). int8 key codes are stored as int8.
+5..7-bit codes (the per-token family; pack_codes): a row of D * bits / 8 bytes, the low nibbles
+packed as int4, then one D/8-byte plane per further bit; signed codes offset-binary (q + 2**(bits-1)).
 """
 from __future__ import annotations
 
