@@ -309,7 +309,6 @@ def kv_append_rot_kernel(
     bh = b * H + h
     enc, c, k_e, k_o, v_e, v_o = _ring_step(KN, VN, SK, SV, WK, WV, bh, tl.load(LENS + b), D, NS, W)
     if enc:
-        HALF: tl.constexpr = D // 2
         if ROT_K:
             k_e, k_o = _rotate_halves(k_e, k_o, D, LOG2D, INV_SQRT_D)
         if ROT_V:
@@ -323,7 +322,6 @@ def _encode_value_token(v_e, v_o, r, VP, VS, VM, D: tl.constexpr, VAL_BITS: tl.c
                         V_CODE: tl.constexpr, MIN_STEP: tl.constexpr):
     """A value (already rotated if the format rotates values) into store row r: symmetric (V_SYM) or
     asymmetric, the min an fp16 or (V_CODE) a uint8 code."""
-    HALF: tl.constexpr = D // 2
     vrow = VP + r * (D * VAL_BITS // 8)
     if V_SYM:
         _encode_symmetric(v_e, v_o, vrow, VS + r * (D // GROUP), D, VAL_BITS, GROUP)
