@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.spec import PLANE_BITS
+
 HP_DTYPE = torch.float16  # dtype of the window, sinks, outlier side store and value metadata
 HP_BYTES = 2
 KEY_SCALE_BYTES = 4  # static per-channel key scale and zero point (fp32)
@@ -68,7 +70,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
-PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (pack_codes); 4 and 8 pack as int4 and bytes
+# PLANE_BITS (kvcompress.spec): code widths stored as a nibble plus bit planes (pack_codes); 4 and 8 pack as int4 and bytes
 
 
 def row_width(head_dim: int, bits: int) -> int:

@@ -10,6 +10,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (reference.pack_codes); per-token family only
 GROUP_RANGE_TOKENS = (32, 64, 128)  # token-group sizes whose per-channel key ranges profile records (kv.key.alloc=waterfill)
 
 
@@ -24,7 +25,7 @@ class KeySpec(Frozen):
     (z = 0 when symmetric).
     """
 
-    # 5..7 (reference.PLANE_BITS): kv.key.granularity=token only (a nibble plus bit planes, reference.pack_codes)
+    # 5..7 (PLANE_BITS): kv.key.granularity=token only (a nibble plus bit planes, reference.pack_codes)
     bits: Literal[4, 5, 6, 7, 8, 16] = 8
     # "token" (CompressedCache, validate, the Triton kernels and the custom-tier export): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
@@ -53,7 +54,7 @@ class ValueSpec(Frozen):
     scale = (max - min) / (2**bits - 1), q = clamp(round_half_even((v - min) / scale), 0, 2**bits - 1)
     """
 
-    # 5..7 (reference.PLANE_BITS): beside per-token keys only (kv.key.granularity=token), as the rotated formats
+    # 5..7 (PLANE_BITS): beside per-token keys only (kv.key.granularity=token), as the rotated formats
     bits: Literal[4, 5, 6, 7, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
@@ -162,7 +163,7 @@ class KVSpec(Frozen):
                              f"sizes profile records ranges for), and kv.key.bits=4 (the mean); got group_tokens={self.key.group_tokens}, bits={self.key.bits}")
         if self.headroom != "auto" and not self.headroom >= 1.0:
             raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
-        odd = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in (5, 6, 7)]
+        odd = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in PLANE_BITS]
         if odd and not (self.key.granularity == "token" and not self.is_native):
             raise ValueError(f"{', '.join(odd)}: 5..7-bit codes are in the per-token family only (kv.key.granularity=token, "
                              f"format=kvcompress); allowed elsewhere: 4, 8 (16 = fp16); got granularity={self.key.granularity}, format={self.format}")
@@ -294,7 +295,7 @@ class KVSpec(Frozen):
             raise UserError(f"kv.outlier_channels={self.outlier_channels} must be < head_dim={head_dim}")
         if head_dim % 2:
             raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
-        if {self.key.bits, self.value.bits} & {5, 6, 7} and head_dim % 8:
+        if {self.key.bits, self.value.bits} & set(PLANE_BITS) and head_dim % 8:
             raise UserError(f"5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim={head_dim} is not a multiple of 8")
         if self.format == "native_nvfp4" and head_dim % 16:
             raise UserError(f"kv=native_nvfp4 needs head_dim divisible by its 16-element blocks; head_dim={head_dim}")

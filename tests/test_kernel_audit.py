@@ -61,6 +61,18 @@ def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_toke
             assert k["occupancy"]["sm_90"]["warps_per_sm"] >= 16, k["name"]
 
 
+def test_readme_per_token_figures_are_the_audit(audit_per_token_sm90):
+    """The README's preset paragraphs quote the per-token variants' registers and residency from the audit."""
+    kernels = {k["name"]: k for k in audit_per_token_sm90["kernels"]}
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    regs = {v: kernels[f"decode_split_rot_{v}"]["registers"] for v in ("d128_g8_rot8k_int4v", "d128_g8_rot7k_int5v", "d64_g3_rot7k_int5v")}
+    assert f"`d128_g8_rot8k_int4v`: {regs['d128_g8_rot8k_int4v']} registers, no spills, 16 warps per SM" in text
+    assert (f"`d128_g8_rot7k_int5v`, {regs['d128_g8_rot7k_int5v']} registers, and `d64_g3_rot7k_int5v`, {regs['d64_g3_rot7k_int5v']}; "
+            "no spills, 16 warps per SM") in text
+    for v in regs:
+        assert kernels[f"decode_split_rot_{v}"]["occupancy"]["sm_90"]["warps_per_sm"] == 16 and not kernels[f"decode_split_rot_{v}"]["spills"]
+
+
 @pytest.fixture(scope="module")
 def audit_grouped_sm90(tmp_path_factory):
     """The grouped family (kv=wf4 at head dims 128 and 64), compiled for sm_90 and audited."""

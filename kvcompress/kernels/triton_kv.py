@@ -402,10 +402,11 @@ def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: 
     or uint8 bytes, packed int4 (low nibble = even channel), or 5..7 bits as the nibbles and one D/8-byte plane
     per further bit. SIGNED: offset-binary codes below 8 bits get their offset 2**(BITS-1) removed.
 
-    Each row is read as one contiguous run of bytes, so the loads vectorize (aligned buffers): 5..7-bit rows
-    (D/2 < ROW < D bytes) as D bytes with the tail masked, halved in registers into the nibbles and the four
-    D/8-byte plane slots (the last one, and with 5 or 6 bits the unused ones, masked to 0); nibbles are split
-    and interleaved back to channel order, each plane byte spread over its 8 channels."""
+    Rows are read as contiguous runs of bytes, so the loads vectorize (aligned buffers): 5..7-bit rows
+    (D/2 < ROW < D bytes) as two D/2-byte halves, the nibbles and the four D/8-byte plane slots (the second
+    half's tail masked: the last slot, and with 5 or 6 bits the unused ones, read as 0); nibbles are split and
+    interleaved back to channel order, the plane slots' bytes of each column combined into one 32-bit word
+    and each of its bits spread over its channel."""
     HALF: tl.constexpr = D // 2
     if BITS == 8:
         return tl.load(base + rows[:, None] * D + tl.arange(0, D)[None, :], mask=mask[:, None], other=0).to(tl.float32)

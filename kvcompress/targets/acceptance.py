@@ -68,7 +68,7 @@ def _grouped_packed(t: dict[str, torch.Tensor], D: int, variant: dict) -> Packed
     """PackedKV of the grouped family from the op's buffers (the value options come from the variant)."""
     value_bits = _row_bits(t["v_payload"], D)
     return PackedKV(t["sink_k"], t["sink_v"], t["win_k"], t["win_v"], t["k_payload"], torch.zeros(*t["k_payload"].shape[:3], 0, dtype=torch.float16),
-                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], t["k_payload"].shape[-1] * 8 // D, value_bits, D // t["v_scale"].shape[-1],
+                    t["v_payload"], t["v_scale"], t["v_min"], t["lens"], _row_bits(t["k_payload"], D), value_bits, D // t["v_scale"].shape[-1],
                     value_symmetric=bool(variant["value_symmetric"]), value_rotate=bool(variant["value_rotate"]),
                     value_coded_min=bool(variant["value_coded_min"]), key_group_tokens=int(variant["key_group_tokens"]),
                     key_bits_table=t["k_bits"], k_gscale=t["k_gscale"], k_gmin=t["k_gmin"])
