@@ -152,7 +152,8 @@ DEFAULT_MENU = (
 
 
 class TuneConfig(Frozen):
-    """kv=auto: the tune stage's search (see kvcompress/stages/tune.py).
+    """kv=auto and kv.layers=split (kv=rot_split): the tune stage's search (see kvcompress/stages/tune.py;
+    split searches KVSpec.split_formats instead of `menu`, and neither windows nor sinks).
 
     The objective is the fewest cache bytes per token at `context` subject to every measurable
     release gate (eval.gates) scaled by `margin`, measured on `n_windows` windows of `seq_len`
@@ -206,7 +207,7 @@ class RunConfig(Frozen):
     eval: EvalConfig
     export: ExportConfig = ExportConfig()
     tune: TuneConfig = TuneConfig()
-    # None: profile, fit, (tune when kv=auto), validate, plus export unless export=none (resolved in to_run_config)
+    # None: profile, fit, (tune when kv.layers is auto or split), validate, plus export unless export=none (resolved in to_run_config)
     stages: list[Literal["profile", "fit", "tune", "validate", "export"]]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
@@ -228,7 +229,7 @@ class RunConfig(Frozen):
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
         if "tune" in self.stages and not self.kv.is_auto:
-            raise ValueError(f"stage tune searches per-layer formats for kv=auto (kv.layers=auto); kv={self.kv.name} has fixed formats")
+            raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto or split (kv=auto, kv=rot_split); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
             raise ValueError(
                 f"export.native_kv={self.export.native_kv} contradicts kv={self.kv.name} ({NATIVE_ALGO[self.kv.format]}); "
@@ -299,7 +300,7 @@ def resolve_stages(data: dict, overridden: set[str] = frozenset()) -> dict:
     data = dict(data)
     target = (data.get("export") or {}).get("name", "none")
     if data.get("stages") is None:
-        auto = (data.get("kv") or {}).get("layers") == "auto"
+        auto = (data.get("kv") or {}).get("layers") in ("auto", "split")
         data["stages"] = ["profile", "fit"] + (["tune"] if auto else []) + ["validate"] + (["export"] if target != "none" else [])
     elif "export" in overridden and target != "none" and "export" not in data["stages"]:
         raise UserError(f"export={target} was selected but stages={data['stages']} has no export stage; add export to stages")

@@ -75,15 +75,15 @@ class LayerFormat(Frozen):
     method, symmetry and RoPE tying are the spec's, shared by all layers.
     """
 
-    key_bits: Literal[4, 8, 16]
-    value_bits: Literal[4, 8, 16]
+    key_bits: Literal[4, 5, 6, 7, 8, 16]  # 5..7 (PLANE_BITS): in the per-token family only (KVSpec checks)
+    value_bits: Literal[4, 5, 6, 7, 8, 16]
     value_group: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
     outlier_channels: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> "LayerFormat":
         if (self.key_bits == 16) != (self.value_bits == 16):
-            raise ValueError(f"a layer format is fp16 (key_bits=value_bits=16) or quantized (4/8); got key_bits={self.key_bits} value_bits={self.value_bits}")
+            raise ValueError(f"a layer format is fp16 (key_bits=value_bits=16) or quantized (4..8); got key_bits={self.key_bits} value_bits={self.value_bits}")
         return self
 
     @property
@@ -141,8 +141,10 @@ class KVSpec(Frozen):
     outlier_channels: int = Field(0, ge=0)  # key channels per kv-head kept in fp16 (0 = off)
     # per-layer formats (kvcompress format only): a tuple with one LayerFormat per layer overrides
     # key.bits, value.bits, value.group_size and outlier_channels layer by layer; "auto" (kv=auto):
-    # the tune stage chooses them; None: the fields above apply to every layer
-    layers: Union[Literal["auto"], tuple[LayerFormat, ...], None] = None
+    # the tune stage chooses them (the fewest bytes within the gates); "split" (kv=rot_split, the
+    # per-token family): the tune stage chooses each layer's split of key.bits + value.bits between
+    # keys and values (split_formats: the same bytes), the lowest KL; None: the fields above apply to every layer
+    layers: Union[Literal["auto", "split"], tuple[LayerFormat, ...], None] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "KVSpec":
@@ -174,9 +176,20 @@ class KVSpec(Frozen):
         if self.value.min == "code" and (self.value.symmetric or self.key.granularity != "token" or self.is_native):
             raise ValueError("kv.value.min=code codes the asymmetric values' min in the per-token family: needs kv.value.symmetric=false "
                              f"and kv.key.granularity=token (format=kvcompress); got symmetric={self.value.symmetric}, granularity={self.key.granularity}, format={self.format}")
-        if (self.validate_only or self.key.group_tokens or self.token_keys) and (self.is_native or self.layers is not None):
-            raise ValueError(f"kv={self.name}: the comparison-only key/value options (per-token or rotated keys, symmetric values) "
-                             f"need format=kvcompress without kv.layers")
+        if (self.validate_only or self.key.group_tokens) and (self.is_native or self.layers is not None):
+            raise ValueError(f"kv={self.name}: the comparison-only key/value options (token-grouped keys, symmetric values beside "
+                             f"static keys) need format=kvcompress without kv.layers")
+        if self.token_keys and self.is_native:
+            raise ValueError(f"kv={self.name}: kv.key.granularity=token needs format=kvcompress")
+        if self.layers == "split" and not self.token_keys:
+            raise ValueError(f"kv.layers=split chooses each layer's key/value bit split, which needs the per-token family "
+                             f"(kv.key.granularity=token, 5..7-bit codes); got granularity={self.key.granularity}")
+        if self.is_mixed:
+            for i, f in enumerate(self.layers):
+                try:
+                    _layer_spec(self, i)
+                except ValueError as e:
+                    raise ValueError(f"kv.layers[{i}]={f.label}: {_first_error(e)}") from None
         if self.value_rotation_folded and self.is_native:
             raise ValueError(f"kv={self.name}: kv.value.rotate needs format=kvcompress")
         if self.pair_context and not self.pairs_folded:
@@ -257,8 +270,22 @@ class KVSpec(Frozen):
 
     @property
     def is_auto(self) -> bool:
-        """kv=auto before tuning: the per-layer formats are still to be chosen."""
-        return self.layers == "auto"
+        """kv=auto or kv.layers=split before tuning: the per-layer formats are still to be chosen."""
+        return self.layers in ("auto", "split")
+
+    @property
+    def is_split(self) -> bool:
+        """kv.layers=split before tuning: each layer's key/value bit split is still to be chosen."""
+        return self.layers == "split"
+
+    def split_formats(self) -> tuple["LayerFormat", ...]:
+        """kv.layers=split's candidates: every (key bits, value bits) with key.bits + value.bits between them,
+        each 4..8 and no fewer bits to keys than to values (on the embedded model 5/7 and 4/8 lost on every layer),
+        most bits to keys first; value.group_size and the value metadata as the spec's, so every candidate takes
+        the same bytes per token (reference.row_width: D * bits / 8 per row)."""
+        total = self.key.bits + self.value.bits
+        return tuple(LayerFormat(key_bits=k, value_bits=total - k, value_group=self.value.group_size)
+                     for k in range(8, 3, -1) if 4 <= total - k <= k)
 
     def layer(self, i: int) -> "KVSpec":
         """The uniform spec that layer i follows (self when the spec is not mixed)."""
@@ -284,6 +311,9 @@ class KVSpec(Frozen):
                 if head_dim % (f.value_group or head_dim) or f.outlier_channels >= head_dim:
                     raise UserError(f"kv.layers[{i}]: value_group={f.value_group} must divide head_dim={head_dim} and "
                                     f"outlier_channels={f.outlier_channels} must be < head_dim")
+                if {f.key_bits, f.value_bits} & set(PLANE_BITS) and head_dim % 8:
+                    raise UserError(f"kv.layers[{i}]={f.label}: 5..7-bit codes are stored as bit planes of head_dim / 8 bytes; "
+                                    f"head_dim={head_dim} is not a multiple of 8")
         if self.key.granularity == "token" and head_dim % self.key_group(head_dim):
             raise UserError(f"kv.key.group_size={self.key.group_size} must divide head_dim={head_dim}")
         if "hadamard" in (self.key.rotate, self.value.rotate) and head_dim & (head_dim - 1):
@@ -302,6 +332,12 @@ class KVSpec(Frozen):
 
     def value_group(self, head_dim: int) -> int:
         return self.value.group_size or head_dim
+
+
+def _first_error(e: ValueError) -> str:
+    """The message of a pydantic validation error's first error (or of a plain ValueError)."""
+    errs = getattr(e, "errors", None)
+    return str(errs()[0]["msg"]).removeprefix("Value error, ") if callable(errs) else str(e)
 
 
 @lru_cache(maxsize=4096)

@@ -214,13 +214,13 @@ def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, wr
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
 
 
-def _hf_dir(tmp_path, arch: str) -> Path:
+def _hf_dir(tmp_path, arch: str, head_dim: int = 32) -> Path:
     """A tiny model of `arch` saved as a Hugging Face directory with a byte tokenizer (model.path runs);
     Qwen2's q/k/v biases non-zero, Qwen3's q/k norm weights not all ones."""
     from kvcompress.models.synthetic import byte_tokenizer
     from kvcompress.models.tiny import build_tiny
 
-    model = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    model = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=head_dim)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for layer in model.model.layers:
@@ -279,6 +279,24 @@ def test_per_layer_formats_with_an_fp16_layer_ship_in_the_custom_tier(tmp_path):
     audit = json.loads((run / "export" / "plugin_bundle" / "kernels" / "sm_90" / "audit.json").read_text())
     loop = next(k for k in audit["kernels"] if k["name"] == "decode_split_d32_g3_mix_fp16")["main_loop"]
     assert set(loop["payload_loads"]) == {"KP", "VP"} and loop["narrowest_payload_bits"] == 128, loop  # fp16 K and V via 128-bit loads
+
+
+def test_per_layer_splits_of_the_per_token_family_ship_in_the_custom_tier(tmp_path):
+    """What kv=rot_split chooses, a different key/value split per layer of the per-token family (here fixed: 8/4 and
+    7/5 at head dim 64), exports its custom tier: one kernel variant per split (compiled, audited, its acceptance
+    kit reproduced) and the network's CPU oracle, each layer on its own variant, decodes like CompressedCache."""
+    layers = "+kv.layers=[{key_bits:8,value_bits:4},{key_bits:7,value_bits:5}]"
+    p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama", head_dim=64), "run", "kv=rot8k_int4v", "kv.name=rs", layers)
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] == "passed" for c in manifest["checks"]), manifest["checks"]
+    pb = manifest["artifacts"]["plugin_bundle"]
+    assert pb["layer_variants"] == ["d64_g3_rs_k8v4", "d64_g3_rs_k7v5"] and pb["network"]["check"]["crossed_into_store"]
+    assert {pb["variants"][n]["key_bits"] for n in pb["layer_variants"]} == {8, 7}
+    names = [c["check"] for c in manifest["checks"]]
+    assert all(any(f"acceptance kit {v}" in n for n in names) for v in pb["layer_variants"])
+    net = json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())
+    assert [v["key_bits"] for v in net["layers"]] == [8, 7] and [v["value_bits"] for v in net["layers"]] == [4, 5]
 
 
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),

@@ -24,6 +24,10 @@ K8 = LayerFormat(key_bits=8, value_bits=4, value_group=16)
 K4 = LayerFormat(key_bits=4, value_bits=4, value_group=32, outlier_channels=2)
 FP16 = LayerFormat(key_bits=16, value_bits=16)
 BASE = KVSpec(name="t", window=8, sink_tokens=2)
+# the per-token family (kv=rot8k_int4v's scheme at a test's sizes) and its split of 12 bits per element
+ROT = KVSpec(name="r", window=8, sink_tokens=2, key={"bits": 8, "granularity": "token", "rotate": "hadamard", "clip": "minmax"},
+             value={"bits": 4, "group_size": 16, "rotate": "hadamard", "min": "code"})
+K7V5, K6V6 = LayerFormat(key_bits=7, value_bits=5, value_group=16), LayerFormat(key_bits=6, value_bits=6, value_group=16)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +68,15 @@ def test_mixed_fit_takes_each_layer_from_its_own_format_and_loads_back(stats3, t
         ScaleBook.load(tmp_path / "b.safetensors", {**book.geometry, "n_layers": 2})
 
 
-@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+@pytest.mark.parametrize("rotate", ["none", "hadamard", "split"])
 def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3, rotate):
     """Per-layer formats through CompressedCache == the one-pass evaluation (with kv.value.rotate: every quantized
-    layer's values rotated, the fp16 layer untouched), and the bytes. float64 (conftest.float64_model): in float32 the
+    layer's values rotated, the fp16 layer untouched; "split": the per-token family with a different key/value split
+    of 12 bits per layer, as kv=rot_split chooses), and the bytes. float64 (conftest.float64_model): in float32 the
     two paths' summation orders (and the rotation's) flip the rounding of values on a midpoint."""
-    s = mixed_spec(BASE.model_copy(update={"value": BASE.value.model_copy(update={"rotate": rotate})}), [K4, FP16, K8])
+    base, formats = ((ROT, [K7V5, FP16, K6V6]) if rotate == "split" else
+                     (BASE.model_copy(update={"value": BASE.value.model_copy(update={"rotate": rotate})}), [K4, FP16, K8]))
+    s = mixed_spec(base, formats)
     book = fit(stats3, s)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     cache = CompressedCache(book)
@@ -85,10 +92,10 @@ def test_mixed_cache_decodes_like_the_one_pass_and_counts_its_bytes(lm3, stats3,
     got = cache.nbytes_breakdown()
     assert sum(v for k, v in got.items() if k != "static") == sum(v for k, v in acc.items() if k != "static")
     # the mixed accounting is the sum of the three formats' own
-    per = [ref.spec_cache_nbytes(uniform_spec(BASE, f), lm3.geometry, 40) for f in (K4, FP16, K8)]
+    per = [ref.spec_cache_nbytes(uniform_spec(base, f), lm3.geometry, 40) for f in formats]
     assert sum(acc.values()) * 3 == sum(sum(p.values()) for p in per)
-    # and an all-K4 book gives different logits from the mixed one (each layer reads its own format)
-    with torch.no_grad(), compressed_attention(lm3.model, fit(stats3, uniform_spec(BASE, K4))) as kw:
+    # and a book with the first layer's format everywhere gives different logits from the mixed one (each layer reads its own format)
+    with torch.no_grad(), compressed_attention(lm3.model, fit(stats3, uniform_spec(base, formats[0]))) as kw:
         assert (lm3.model(input_ids=ids, use_cache=False, **kw).logits - one).abs().max() > 1e-4
 
 
@@ -173,7 +180,7 @@ def test_kv_auto_end_to_end_on_the_tiny_model(tmp_path):
     want = sum(v for k, v in ref.spec_cache_nbytes(book.spec, geom, rep["memory"]["context"]).items() if k != "static")
     assert rep["memory"]["bytes_per_token_compressed"] * rep["memory"]["context"] == pytest.approx(want)
     page = (run / "report.html").read_text()
-    assert "Pareto" in page and "per-layer format map" in page and "Tuning (kv=auto)" in (run / "report.md").read_text()
+    assert "Pareto" in page and "per-layer format map" in page and "Tuning (kv.layers=auto)" in (run / "report.md").read_text()
     assert json.loads((run / "config.json").read_text())["tune"]["margin"] == 1.0
 
 
@@ -198,7 +205,7 @@ def test_kv_auto_report_renders_offline_in_headless_chromium(tmp_path):
              "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert "Tuning (kv=auto)" in dom.stdout and "Pareto" in dom.stdout and "<circle" in dom.stdout and "per-layer format map" in dom.stdout
+    assert "Tuning (kv.layers=auto)" in dom.stdout and "Pareto" in dom.stdout and "<circle" in dom.stdout and "per-layer format map" in dom.stdout
     assert "chosen" in dom.stdout and "release gate" in dom.stdout
 
 
@@ -212,3 +219,56 @@ def test_tune_searches_window_and_sinks_end_to_end(lm3, stats3):
     assert len(alts) == 3 and all("measured" in p for p in alts)
     assert (loose["chosen"]["window"], loose["chosen"]["sink_tokens"]) == (0, 0) and loose["chosen"]["name"].endswith("+w0s0")
     assert sum(p["chosen"] for p in loose["points"]) == 1
+
+
+def test_split_candidates_take_the_same_bytes_and_need_the_per_token_family():
+    """kv.layers=split: the candidates split key.bits + value.bits with no fewer bits to keys, every one the same
+    bytes per token; static per-channel keys (no 5..7-bit codes there) are refused with the reason, per layer too."""
+    split = KVSpec.model_validate({**ROT.model_dump(), "layers": "split"})
+    assert split.is_auto and split.is_split and not split.is_mixed
+    assert [f.label for f in split.split_formats()] == ["k8v4g16", "k7v5g16", "k6v6g16"]
+    geom = Geometry(n_layers=2, n_heads=6, n_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=256, max_position=4096, rope_theta=1e4, architecture="LlamaForCausalLM")
+    sizes = {f.label: ref.spec_cache_nbytes(uniform_spec(split, f), geom, 4096) for f in split.split_formats()}
+    assert len({sum(v.values()) for v in sizes.values()}) == 1, sizes
+    assert sizes["k7v5g16"]["key_payload"] == sizes["k8v4g16"]["key_payload"] * 7 // 8  # the split moves bytes, not adds them
+    with pytest.raises(ValueError, match="kv.layers=split .* per-token family"):
+        KVSpec(name="s", layers="split")
+    with pytest.raises(ValueError, match=r"kv.layers\[0\]=k7v5: kv.key.bits=7, kv.value.bits=5: 5..7-bit codes are in the per-token family"):
+        mixed_spec(BASE, [LayerFormat(key_bits=7, value_bits=5)])
+    whole = [LayerFormat(key_bits=8, value_bits=4, value_group=0), LayerFormat(key_bits=7, value_bits=5, value_group=0)]
+    with pytest.raises(UserError, match=r"kv.layers\[1\]=k7v5g0: 5..7-bit codes .* head_dim=36"):
+        mixed_spec(ROT, whole).check_geometry(36)
+
+
+def test_tune_split_gives_each_layer_its_least_kl_split_and_keeps_the_lowest_measured(lm3, stats3):
+    """kv.layers=split on the tiny model: the searched point takes each layer's split of least sensitivity KL, every
+    candidate is also measured uniformly, all at the same bytes, and the chosen one is the lowest measured KL."""
+    spec = KVSpec.model_validate({**ROT.model_dump(), "name": "rs", "layers": "split"})
+    book, rec = tune(lm3, stats3, spec, TuneConfig(n_windows=1, seq_len=96), _eval(10.0), SMOKE_CALIB, progress=False)
+    assert rec["mode"] == "split" and rec["menu"] == ["k8v4g16", "k7v5g16", "k6v6g16"]
+    sens = rec["sensitivity"]
+    least = [min(rec["menu"], key=lambda m: sens[m][i]["kl_mean"]) for i in range(3)]
+    pts = {p["name"]: p for p in rec["points"]}
+    assert pts["split"]["layers"] == least and set(pts) == {"split", *(f"uniform:{m}" for m in rec["menu"])}
+    assert len({p["bytes_per_token"] for p in pts.values()}) == 1
+    kls = {n: p["measured"]["kl_mean"] for n, p in pts.items()}
+    assert len({kls[f"uniform:{m}"] for m in rec["menu"]}) == 3  # the splits differ measurably on this model
+    best = "split" if kls["split"] == min(kls.values()) else min(kls, key=kls.get)  # a tie goes to the per-layer pick
+    assert [n for n, p in pts.items() if p["chosen"]] == [best] and rec["chosen"]["name"] == best
+    assert book.spec.is_mixed and book.spec.name == "rs" and [f.label for f in book.spec.layers] == pts[best]["layers"]
+    assert all(book.layer_spec(i).token_keys for i in range(3))
+
+
+def test_kv_rot_split_end_to_end_on_the_tiny_model(tmp_path):
+    """python -m kvcompress kv=rot_split: the tune stage runs by itself, the report shows the split search, and the
+    validated ScaleBook holds the chosen splits."""
+    run = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "kv=rot_split", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+                f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = json.loads((run / "tune.json").read_text())
+    assert t["mode"] == "split" and json.loads((run / "config.json").read_text())["stages"] == ["profile", "fit", "tune", "validate"]
+    book = ScaleBook.load(run / "scalebook.safetensors")
+    assert [f.label for f in book.spec.layers] == t["chosen"]["layers"] and {f.label for f in book.spec.layers} <= set(t["menu"])
+    md = (run / "report.md").read_text()
+    assert "Tuning (kv.layers=split)" in md and "the lowest KL at the same bytes" in md

@@ -315,7 +315,7 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     """Static key parameters for `spec` from profiled statistics; no model needed."""
     geom = stats.geometry
     if spec.is_auto:
-        raise UserError(f"kv={spec.name} has kv.layers=auto: the tune stage chooses the per-layer formats (add tune to stages)")
+        raise UserError(f"kv={spec.name} has kv.layers={spec.layers}: the tune stage chooses the per-layer formats (add tune to stages)")
     if spec.is_mixed:
         formats = spec.layer_formats(geom["n_layers"])
         return assemble(spec, {f: fit(stats, uniform_spec(spec, f)) for f in dict.fromkeys(formats)})

@@ -190,11 +190,11 @@ def tune_md(t: dict | None) -> list[str]:
     if not t:
         return []
     c = t["chosen"]
-    out = ["", "## Tuning (kv=auto)", "",
+    out = ["", f"## Tuning (kv.layers={t.get('mode', 'auto')})", "", *([t["objective"], ""] if t.get("objective") else []),
            f"Chosen: **{c['name']}**, {c['bytes_per_token']:.1f} bytes/token at {t['context']} tokens ({c['vs_int8k_int4v']:.3f} x int8k_int4v), "
            f"window {c['window']}, sinks {c['sink_tokens']}; on the held-out windows: **{t.get('held_out_verdict', 'not validated').upper()}** (the verdict above).",
            f"Searched on {t['tuning_text']['n_windows']} x {t['tuning_text']['seq_len']} tokens of {t['tuning_text']['origin']} (not the held-out text) "
-           f"against {', '.join(f'{k} <= {v:.3g}' for k, v in t['limits'].items())} (gates x margin {t['margin']}); "
+           f"against {', '.join(f'{k} <= {v:.3g}' for k, v in t['limits'].items()) or 'no gate'} (gates x margin {t['margin']}); "
            f"not searched against (validate measures them): {', '.join(t['gates_not_tuned']) or 'none'}. Native fallback: {t['native_fallback']}.",
            "", "Per-layer formats: " + " ".join(f"{i}:{f}" for i, f in enumerate(c["layers"])), "",
            "| " + " | ".join(TUNE_HEAD) + " |", "|" + "---|" * len(TUNE_HEAD)]
@@ -280,7 +280,7 @@ def tune_html(t: dict | None) -> str:
         return ""
     c = t["chosen"]
     gate = t["limits"].get("kl_mean")
-    parts = [f"<h2>Tuning (kv=auto)</h2><p>Chosen <b>{html.escape(str(c['name']))}</b>: {c['bytes_per_token']:.1f} bytes/token at {t['context']} tokens "
+    parts = [f"<h2>Tuning (kv.layers={html.escape(t.get('mode', 'auto'))})</h2>" + (f"<p>{html.escape(t['objective'])}</p>" if t.get("objective") else "") + f"<p>Chosen <b>{html.escape(str(c['name']))}</b>: {c['bytes_per_token']:.1f} bytes/token at {t['context']} tokens "
              f"({c['vs_int8k_int4v']:.3f} x int8k_int4v), window {c['window']}, sinks {c['sink_tokens']}. On the held-out windows: "
              f"<b>{html.escape(t.get('held_out_verdict', 'not validated').upper())}</b>. Searched on {t['tuning_text']['n_windows']} x {t['tuning_text']['seq_len']} "
              f"tokens of {html.escape(t['tuning_text']['origin'])}; limits {html.escape(', '.join(f'{k} <= {v:.3g}' for k, v in t['limits'].items()))}; "

@@ -11,6 +11,12 @@
    measurable gate x margin wins.
 5. Window and sink sizes (tune.windows x tune.sinks) are then checked end to end the same way.
 
+kv.layers=split (kv=rot_split, the per-token family) asks a different question at fixed bytes: how
+to split key.bits + value.bits between each layer's keys and values (KVSpec.split_formats; every
+candidate takes the same bytes). Each layer takes the candidate of least KL in step 3; that
+assignment and every uniform candidate are checked end to end on the tuning windows, and the
+lowest measured KL wins (tune_split).
+
 The chosen spec is fitted (kvcompress.stages.fit) and written as the run's ScaleBook; the
 search record (tune.json) goes into the report. validate then measures the chosen format on the
 held-out windows and the report says whether it passed there.
@@ -107,8 +113,73 @@ def _point(name: str, kind: str, spec: KVSpec, geom, context: int, fp16_bpt: flo
     return p
 
 
+def _windows(lm, cfg, calib_cfg):
+    texts = load_texts(calib_cfg)
+    return texts, token_windows(lm.tokenizer, texts, cfg.n_windows, cfg.seq_len, seed=cfg.seed)
+
+
+def _tuning_text(texts, windows, cfg) -> dict:
+    return {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed}
+
+
+def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
+    """kv.layers=split: (ScaleBook of the chosen per-layer split, the search record); see the module doc."""
+    t0 = time.time()
+    geom = lm.geometry
+    L = geom.n_layers
+    context = cfg.context or geom.max_position
+    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    menu = list(spec.split_formats())
+    for f in menu:
+        uniform_spec(spec, f).check_geometry(geom.head_dim)
+    texts, windows = _windows(lm, cfg, calib_cfg)
+    log.info("tune: the key/value split of %d bits per element, %d candidates x %d layers on %d x %d calibration tokens",
+             spec.key.bits + spec.value.bits, len(menu), L, *windows.shape)
+    uniform = {f: fit(stats, uniform_spec(spec, f)) for f in menu}
+    t_sens = time.time()
+    sens = layer_sensitivity(lm, windows, {f.label: b for f, b in uniform.items()}, progress)
+    t_sens = time.time() - t_sens
+    pick = [min(menu, key=lambda f: sens[f.label][i]["kl_mean"]) for i in range(L)]
+    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
+    specs = {"split": mixed_spec(spec, pick, name="split")} | {f"uniform:{f.label}": uniform_spec(spec, f) for f in menu}
+    measured = _measure(lm, {n: (assemble(s, uniform) if s.is_mixed else uniform[s.layer_formats(1)[0]]) for n, s in specs.items()}, windows, progress)
+    pred = {"kl_mean": sum(sens[f.label][i]["kl_mean"] for i, f in enumerate(pick)),
+            "ppl_delta_rel": math.expm1(sum(math.log1p(sens[f.label][i]["ppl_delta_rel"]) for i, f in enumerate(pick)))}
+    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
+                     None if n.startswith("uniform:") else pred) for n, s in specs.items()]
+    best = min(points, key=lambda p: (p["measured"]["kl_mean"], p["name"] != "split"))
+    for p in points:
+        p["chosen"] = p is best
+    final = mixed_spec(spec, specs[best["name"]].layer_formats(L), name=spec.name)
+    book = fit(stats, final)
+    record = {
+        "mode": "split",
+        "objective": (f"Objective: the lowest KL at the same bytes: each layer splits {spec.key.bits + spec.value.bits} bits per element between its keys "
+                      "and values; the per-layer picks of least sensitivity KL and every uniform split are measured end to end."),
+        "context": context,
+        "margin": cfg.margin,
+        "limits": limits,
+        "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
+        "tuning_text": _tuning_text(texts, windows, cfg),
+        "menu": [f.label for f in menu],
+        "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
+        "layer_bytes_per_token": {f.label: [layer_bytes(spec, f, geom, context, i) for i in range(L)] for f in menu},
+        "points": points,
+        "chosen": {"name": best["name"], "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,
+                   "bytes_per_token": spec_bytes(final, geom, context),
+                   "vs_int8k_int4v": spec_bytes(final, geom, context) / spec_bytes(kv_preset("int8k_int4v"), geom, context)},
+        "native_fallback": "native_int8 (trtllm_ckpt: TensorRT-LLM's INT8 KV cache; no native format holds per-layer formats)",
+        "times_s": {"sensitivity": round(t_sens, 1), "total": round(time.time() - t0, 1)},
+    }
+    log.info("tune: chose %s (KL %.3e on the tuning windows; uniform %s); layers %s", best["name"], best["measured"]["kl_mean"],
+             ", ".join(f"{p['name'][8:]} {p['measured']['kl_mean']:.3e}" for p in points if p["kind"] == "uniform"), " ".join(record["chosen"]["layers"]))
+    return book, record
+
+
 def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """(ScaleBook of the chosen per-layer spec, the search record). cfg: TuneConfig."""
+    if spec.is_split:
+        return tune_split(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
     t0 = time.time()
     geom = lm.geometry
     L = geom.n_layers
@@ -126,8 +197,7 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
     if not menu:
         raise UserError(f"tune.menu has no quantized format that applies to head_dim={geom.head_dim} (fp16 is always allowed); "
                         "give at least one, e.g. {key_bits: 8, value_bits: 4, value_group: 32}")
-    texts = load_texts(calib_cfg)
-    windows = token_windows(lm.tokenizer, texts, cfg.n_windows, cfg.seq_len, seed=cfg.seed)
+    texts, windows = _windows(lm, cfg, calib_cfg)
     log.info("tune: %d menu formats x %d layers on %d x %d calibration tokens; limits %s (gates x margin %.2f); bytes at %d tokens",
              len(menu), L, *windows.shape, limits, cfg.margin, context)
     books = {f.label: fit(stats, uniform_spec(spec, f)) for f in menu}
@@ -184,11 +254,13 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
         p["chosen"] = p["name"] == chosen_name
     default_bpt = spec_bytes(kv_preset("int8k_int4v"), geom, context)
     record = {
+        "mode": "auto",
+        "objective": "Objective: the fewest bytes per token within every measurable gate x margin.",
         "context": context,
         "margin": cfg.margin,
         "limits": limits,
         "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
-        "tuning_text": {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed},
+        "tuning_text": _tuning_text(texts, windows, cfg),
         "menu": [f.label for f in options],
         "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
         "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(options)},
