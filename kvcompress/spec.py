@@ -179,11 +179,12 @@ class KVSpec(Frozen):
         if (self.validate_only or self.key.group_tokens) and (self.is_native or self.layers is not None):
             raise ValueError(f"kv={self.name}: the comparison-only key/value options (token-grouped keys, symmetric values beside "
                              f"static keys) need format=kvcompress without kv.layers")
-        if self.token_keys and self.is_native:
-            raise ValueError(f"kv={self.name}: kv.key.granularity=token needs format=kvcompress")
         if self.layers == "split" and not self.token_keys:
             raise ValueError(f"kv.layers=split chooses each layer's key/value bit split, which needs the per-token family "
                              f"(kv.key.granularity=token, 5..7-bit codes); got granularity={self.key.granularity}")
+        if self.layers == "split" and not 8 <= self.key.bits + self.value.bits <= 16:
+            raise ValueError(f"kv.layers=split splits kv.key.bits + kv.value.bits between keys and values (each 4..8): the sum must be "
+                             f"8..16; got {self.key.bits} + {self.value.bits}")
         if self.is_mixed:
             for i, f in enumerate(self.layers):
                 try:
