@@ -165,6 +165,45 @@ def test_cache_tails_are_the_kernel_layout():
         assert tuple(t.shape[1:]) == tail and str(t.dtype).removeprefix("torch.") == dtype, name
 
 
+@pytest.mark.parametrize("base,layers", [
+    ("int8k_int4v", [{"key_bits": 16, "value_bits": 16}, {"key_bits": 8, "value_bits": 4}]),  # kv=auto's fp16 layer beside a k8v4 one
+    ("rot8k_int4v", [{"key_bits": 8, "value_bits": 4}, {"key_bits": 7, "value_bits": 5}]),  # kv=rot_split's splits
+    ("kivi_int4", None),  # token-grouped keys (kv=wf4 and kv=kivi_int4; wf4 needs 128-token calibration windows)
+], ids=["fp16_layer", "split", "grouped"])
+def test_shipped_cache_buffers_take_the_bytes_the_report_counts(tiny_stats, base, layers):
+    """What a compressed token costs in the plugins' cache buffers (network cache_tails, one capacity for every
+    layer) equals the byte accounting validate reports (reference.spec_cache_nbytes), layer by layer: an fp16
+    layer's unused value-scale buffers are one row per head, not one per token."""
+    from kvcompress.config import kv_preset
+    from kvcompress.models.base import Geometry
+    from kvcompress.spec import mixed_spec
+    from kvcompress.stages.export import bundle_variants
+    from kvcompress.stages.fit import fit
+
+    import kvcompress.reference as ref
+
+    spec = kv_preset(base).model_copy(update={"window": 128 if base == "kivi_int4" else 8, "sink_tokens": 2})
+    spec = mixed_spec(spec, layers, name="m") if layers else spec
+    book = fit(tiny_stats, spec)
+    geom = Geometry(**book.geometry)
+    variants, per_layer = bundle_variants(book, geom)
+    by_name = {v.name: v.__dict__ for v in variants}
+    H, D = geom.n_kv_heads, geom.head_dim
+    step = 128  # compressed tokens added (whole key groups of the grouped family)
+
+    def shipped(layer, cap):
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for n, (shape, dt) in tn.cache_tails(by_name[per_layer[layer]], H, D, cap).items()
+                   if not n.startswith(("sink_", "win_")))
+
+    for i in range(geom.n_layers):
+        one = Geometry(**{**book.geometry, "n_layers": 1})
+        counted = [sum(v for k, v in ref.spec_cache_nbytes(book.layer_spec(i), one, spec.sink_tokens + spec.window + c).items()
+                       if k not in ("static", "sinks", "window", "fp16_tokens")) for c in (step, 2 * step)]
+        if book.layer_spec(i).is_baseline:  # an fp16 layer: every token is counted as fp16 K and V
+            counted = [2 * 2 * D * H * c for c in (step, 2 * step)]
+        assert shipped(i, 2 * step) - shipped(i, step) == counted[1] - counted[0], (i, per_layer[i])
+
+
 def test_rotate_half_matrix_and_rope_tables():
     D = 8
     x = np.arange(D, dtype=np.float32)[None, None]

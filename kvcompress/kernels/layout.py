@@ -22,8 +22,8 @@ unused; value_rotate stores values in the rotated basis (reference.encode_rotate
 (kv.value.min=code) makes v_min uint8 codes (reference.value_meta_coded).
 An fp16 layer of a per-layer format (key_bits == value_bits == 16, static family, the same sinks and
 window as every layer, so one CAP serves all layers): k_payload and v_payload [B, H, CAP, D] fp16 hold
-each token leaving the window as it came; k_outliers is empty and v_scale, v_min ([B, H, CAP, 1]) are
-neither written nor read (4 bytes per token and kv head).
+each token leaving the window as it came; k_outliers is empty and v_scale, v_min are [B, H, 1, 1], one row
+per head that is neither written nor read (no bytes per token beyond the fp16 K and V).
 The grouped family (key_group_tokens = GT > 0: kv.key.group_tokens, e.g. kv=wf4 and kv=kivi_int4) stores
 keys per channel over groups of GT compressed tokens (group j: compressed indices [GT*j, GT*j + GT)):
 k_payload [B, H, CAPG*GT, D*key_bits/8] uint8 holds each token's codes as one bitstream of varying
@@ -124,6 +124,7 @@ class PackedKV:
             raise ValueError(f"5..7-bit codes (key_bits={key_bits}, value_bits={value_bits}) are in the per-token family only (key_group > 0)")
         f16 = dict(dtype=torch.float16, device=device)
         kd, vd = ref.row_width(D, key_bits), ref.row_width(D, value_bits)
+        vrows = 1 if fp16 else cap  # an fp16 store has no value scales: one unused row per head, not one per token
         capg = -(-cap // key_group_tokens) if key_group_tokens else 0
         cap = capg * key_group_tokens or cap  # the grouped family: every store holds whole groups of rows (one CAP for keys and values)
         return cls(
@@ -135,8 +136,8 @@ class PackedKV:
             k_outliers=torch.zeros(B, H, cap, n_out, **f16),
             v_payload=torch.zeros(B, H, cap, vd, dtype=torch.float16 if fp16 else torch.int8 if value_symmetric and value_bits == 8 else torch.uint8,
                                   device=device),
-            v_scale=torch.zeros(B, H, cap, D // group, **f16),
-            v_min=torch.zeros(B, H, cap, D // group, dtype=torch.uint8 if value_coded_min else torch.float16, device=device),
+            v_scale=torch.zeros(B, H, vrows, D // group, **f16),
+            v_min=torch.zeros(B, H, vrows, D // group, dtype=torch.uint8 if value_coded_min else torch.float16, device=device),
             lens=torch.zeros(B, dtype=torch.int32, device=device),
             key_bits=key_bits,
             value_bits=value_bits,

@@ -81,14 +81,15 @@ def cache_tails(v: dict, H: int, D: int, cap: int) -> dict[str, tuple[tuple[int,
             "v_payload": ((H, cap, vd), "int8" if v["value_symmetric"] and v["value_bits"] == 8 else "uint8"), "v_scale": ((H, cap, ng), "float16"),
             "v_min": ((H, cap, ng), "uint8" if v["value_coded_min"] else "float16"),
         }
-    hp_store = v["key_bits"] == 16  # an fp16 layer of a per-layer format: fp16 rows in the store (v_scale/v_min unused)
+    hp_store = v["key_bits"] == 16  # an fp16 layer of a per-layer format: fp16 rows in the store (v_scale/v_min: one unused row per head)
+    vrows = 1 if hp_store else cap
     vopt = {"v_payload": ((H, cap, vd), "float16" if hp_store else "int8" if v.get("value_symmetric") and v["value_bits"] == 8 else "uint8"),
-            "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "uint8" if v.get("value_coded_min") else "float16")}
+            "v_scale": ((H, vrows, ng), "float16"), "v_min": ((H, vrows, ng), "uint8" if v.get("value_coded_min") else "float16")}
     if per_token(v):
         return fp16 | {"k_payload": ((H, cap, kd), "uint8" if v["key_bits"] < 8 else "int8"), "k_scale": ((H, cap, D // v["key_group"]), "float16")} | vopt
     return fp16 | {
         "k_payload": ((H, cap, kd), "float16" if hp_store else "uint8" if v["key_bits"] == 4 else "int8"), "k_outliers": ((H, cap, n_out), "float16"),
-        "v_payload": ((H, cap, vd), "float16" if hp_store else "uint8"), "v_scale": ((H, cap, ng), "float16"), "v_min": ((H, cap, ng), "float16"),
+        "v_payload": ((H, cap, vd), "float16" if hp_store else "uint8"), "v_scale": ((H, vrows, ng), "float16"), "v_min": ((H, vrows, ng), "float16"),
     }
 
 

@@ -132,8 +132,8 @@ static std::vector<DynamicPluginTensorDesc> cache(int64_t B, int64_t H, int64_t 
   int64_t kr = KVC_KEY_BITS == 16 ? KVC_D : KVC_D * KVC_KEY_BITS / 8;
   DataType const kt = KVC_KEY_BITS == 16 ? DataType::kHALF : KVC_KEY_BITS == 8 ? DataType::kINT8 : DataType::kUINT8;  // 16: an fp16 layer
   for (auto d : {desc({B, H, cap, kr}, kt), desc({B, H, cap, KVC_N_OUT}, DataType::kHALF),
-                 desc({B, H, cap, vr}, KVC_VAL_BITS == 16 ? DataType::kHALF : DataType::kUINT8), desc({B, H, cap, ng}, DataType::kHALF),
-                 desc({B, H, cap, ng}, DataType::kHALF)})
+                 desc({B, H, cap, vr}, KVC_VAL_BITS == 16 ? DataType::kHALF : DataType::kUINT8), desc({B, H, KVC_VAL_BITS == 16 ? 1 : cap, ng}, DataType::kHALF),
+                 desc({B, H, KVC_VAL_BITS == 16 ? 1 : cap, ng}, DataType::kHALF)})
     out.push_back(d);
 #endif
   out.push_back(desc({B}, DataType::kINT32));

@@ -32,7 +32,8 @@ static constexpr char const* kNAMESPACE = KVC_PLUGIN_NAMESPACE;
 static constexpr bool kGROUPED = KVC_GT > 0;
 static constexpr bool kPER_TOKEN = KVC_KGROUP > 0;
 // an fp16 layer of a per-layer format (kv=auto): the static family with KVC_KEY_BITS == KVC_VAL_BITS == 16, no sinks or window;
-// k_payload and v_payload hold fp16 rows of KVC_D, k_outliers is empty, v_scale/v_min are neither written nor read
+// k_payload and v_payload hold fp16 rows of KVC_D, k_outliers is empty, v_scale/v_min are [B, H, 1, 1] (one row per head,
+// neither written nor read: no bytes per token beyond the fp16 K and V)
 static constexpr bool kFP16 = KVC_KEY_BITS == 16;
 static constexpr int32_t kNCACHE = kGROUPED ? 10 : 9;  // cache buffers (layout.py), in the plugins' input order
 static constexpr int32_t kNKEYP = kGROUPED ? 2 : kPER_TOKEN ? 0 : 3;  // key-parameter inputs before them (after q, or after k_new and v_new)
@@ -104,7 +105,8 @@ inline bool checkCache(nvinfer1::DynamicPluginTensorDesc const* in, int32_t firs
   }
   int64_t const capg = kGROUPED ? cap / (KVC_GT > 0 ? KVC_GT : 1) : 0;
   char const* sNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", kPER_TOKEN ? "k_scale" : "k_outliers", "v_payload", "v_scale", "v_min"};
-  int64_t const sRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, cap, cap, cap, cap};
+  int64_t const vRows = kFP16 ? 1 : cap;  // an fp16 layer's value scales: one unused row per head
+  int64_t const sRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, cap, cap, vRows, vRows};
   int64_t const sCols[] = {KVC_D, KVC_D, KVC_D, KVC_D, kKEY_ROW, kPER_TOKEN ? kNKS : KVC_N_OUT, kVAL_ROW, kNG, kNG};
   char const* gNames[] = {"sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min"};
   int64_t const gRows[] = {KVC_NS, KVC_NS, KVC_W, KVC_W, cap, capg, capg, cap, cap, cap};
