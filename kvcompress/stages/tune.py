@@ -118,8 +118,25 @@ def _windows(lm, cfg, calib_cfg):
     return texts, token_windows(lm.tokenizer, texts, cfg.n_windows, cfg.seq_len, seed=cfg.seed)
 
 
-def _tuning_text(texts, windows, cfg) -> dict:
-    return {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed}
+def _record(mode: str, objective: str, cfg, eval_cfg, limits, texts, windows, context: int, menu, sens, final: KVSpec, chosen_name,
+            geom, times: tuple[float, float]) -> dict:
+    """The fields of the search record (tune.json) both modes share."""
+    t_sens, t0 = times
+    bpt = spec_bytes(final, geom, context)
+    return {
+        "mode": mode,
+        "objective": objective,
+        "context": context,
+        "margin": cfg.margin,
+        "limits": limits,
+        "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
+        "tuning_text": {"origin": texts.origin, "sha256": texts.sha256, "n_windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "seed": cfg.seed},
+        "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
+        "chosen": {"name": chosen_name, "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,
+                   "bytes_per_token": bpt, "vs_int8k_int4v": bpt / spec_bytes(kv_preset("int8k_int4v"), geom, context)},
+        "native_fallback": "native_int8 (trtllm_ckpt: TensorRT-LLM's INT8 KV cache; no native format holds per-layer formats)",
+        "times_s": {"sensitivity": round(t_sens, 1), "total": round(time.time() - t0, 1)},
+    }
 
 
 def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
@@ -152,25 +169,11 @@ def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progr
         p["chosen"] = p is best
     final = mixed_spec(spec, specs[best["name"]].layer_formats(L), name=spec.name)
     book = fit(stats, final)
-    record = {
-        "mode": "split",
-        "objective": (f"Objective: the lowest KL at the same bytes: each layer splits {spec.key.bits + spec.value.bits} bits per element between its keys "
-                      "and values; the per-layer picks of least sensitivity KL and every uniform split are measured end to end."),
-        "context": context,
-        "margin": cfg.margin,
-        "limits": limits,
-        "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
-        "tuning_text": _tuning_text(texts, windows, cfg),
-        "menu": [f.label for f in menu],
-        "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
-        "layer_bytes_per_token": {f.label: [layer_bytes(spec, f, geom, context, i) for i in range(L)] for f in menu},
-        "points": points,
-        "chosen": {"name": best["name"], "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,
-                   "bytes_per_token": spec_bytes(final, geom, context),
-                   "vs_int8k_int4v": spec_bytes(final, geom, context) / spec_bytes(kv_preset("int8k_int4v"), geom, context)},
-        "native_fallback": "native_int8 (trtllm_ckpt: TensorRT-LLM's INT8 KV cache; no native format holds per-layer formats)",
-        "times_s": {"sensitivity": round(t_sens, 1), "total": round(time.time() - t0, 1)},
-    }
+    record = _record("split", (f"Objective: the lowest KL at the same bytes: each layer splits {spec.key.bits + spec.value.bits} bits per element "
+                               "between its keys and values; the per-layer picks of least sensitivity KL and every uniform split are measured end to end."),
+                     cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, best["name"], geom, (t_sens, t0))
+    record |= {"menu": [f.label for f in menu], "layer_bytes_per_token": {f.label: [layer_bytes(spec, f, geom, context, i) for i in range(L)] for f in menu},
+               "points": points}
     log.info("tune: chose %s (KL %.3e on the tuning windows; uniform %s); layers %s", best["name"], best["measured"]["kl_mean"],
              ", ".join(f"{p['name'][8:]} {p['measured']['kl_mean']:.3e}" for p in points if p["kind"] == "uniform"), " ".join(record["chosen"]["layers"]))
     return book, record
@@ -252,26 +255,10 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
     chosen_name = good[0]["name"] if good else None
     for p in points:
         p["chosen"] = p["name"] == chosen_name
-    default_bpt = spec_bytes(kv_preset("int8k_int4v"), geom, context)
-    record = {
-        "mode": "auto",
-        "objective": "Objective: the fewest bytes per token within every measurable gate x margin.",
-        "context": context,
-        "margin": cfg.margin,
-        "limits": limits,
-        "gates_not_tuned": [g.name for g in eval_cfg.gates if g.name not in TUNE_GATES],
-        "tuning_text": _tuning_text(texts, windows, cfg),
-        "menu": [f.label for f in options],
-        "sensitivity": {f.label: [{"kl_mean": r["kl_mean"], "ppl_delta_rel": r["ppl_delta_rel"]} for r in sens[f.label]] for f in menu},
-        "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(options)},
-        "hull_size": len(assignments),
-        "points": points,
-        "chosen": {"name": chosen_name, "layers": [f.label for f in final.layers], "window": final.window, "sink_tokens": final.sink_tokens,
-                   "bytes_per_token": spec_bytes(final, geom, context),
-                   "vs_int8k_int4v": spec_bytes(final, geom, context) / default_bpt},
-        "native_fallback": "native_int8 (trtllm_ckpt: TensorRT-LLM's INT8 KV cache; no native format holds per-layer formats)",
-        "times_s": {"sensitivity": round(t_sens, 1), "total": round(time.time() - t0, 1)},
-    }
+    record = _record("auto", "Objective: the fewest bytes per token within every measurable gate x margin.",
+                     cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, chosen_name, geom, (t_sens, t0))
+    record |= {"menu": [f.label for f in options], "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(options)},
+               "hull_size": len(assignments), "points": points}
     log.info("tune: chose %s: %.1f bytes/token at %d tokens (%.3f x int8k_int4v); layers %s", chosen_name, record["chosen"]["bytes_per_token"],
              context, record["chosen"]["vs_int8k_int4v"], " ".join(record["chosen"]["layers"]))
     return book, record
