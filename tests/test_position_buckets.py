@@ -43,3 +43,31 @@ def test_key_clip_rate_by_position_adds_up(tiny_llama):
     total = float(errors.clipped_by_bucket.sum() / errors.quantized_by_bucket.sum())
     assert math.isclose(total, errors.clip_rate(), rel_tol=1e-9) and errors.clip_rate() > 0
     assert [b["start"] for b in q["by_position"]] == [0, 1024]
+
+
+def test_scoring_a_block_of_positions_at_a_time_gives_the_whole_window_numbers(monkeypatch):
+    """validate forms the compressed log-probabilities a block of positions at a time (no third [B, T, V] tensor: at
+    8K context a 262K vocabulary held three and ran out of memory); blocks of 7 positions across the 64-token KL bins
+    and the 1K buckets give the numbers of whole windows, and next_token_logprobs is log_softmax to the bit."""
+    import kvcompress.eval.metrics as m
+
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 2, 1100, 13
+    logits_b, logits_c = torch.randn(B, T, V, generator=g), torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    whole = QualityAccumulator()
+    whole.update_logprobs(torch.log_softmax(logits_b[:, :-1], -1), torch.log_softmax(logits_c[:, :-1], -1), ids)
+    monkeypatch.setattr(m, "LOGPROB_BLOCK_BYTES", 7 * 4 * B * V)
+    assert m.position_block(B, V) == 7
+    lb = m.next_token_logprobs(logits_b)
+    assert torch.equal(lb, torch.log_softmax(logits_b[:, :-1], -1))
+    blocks = QualityAccumulator()
+    blocks.update_from_logits(lb, logits_c, ids)
+    want, got = whole.result(), blocks.result()
+    assert got.keys() == want.keys() and len(got["kl_by_position"]) == 18 and len(got["by_position"]) == 2
+    for k in want:
+        if isinstance(want[k], list):
+            for a, b in zip(want[k], got[k], strict=True):
+                assert a.keys() == b.keys() and all(math.isclose(a[f], b[f], rel_tol=1e-12) for f in a), (k, a, b)
+        else:
+            assert math.isclose(want[k], got[k], rel_tol=1e-9, abs_tol=1e-15), (k, want[k], got[k])

@@ -32,17 +32,27 @@ class QualityAccumulator:
         """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
         self.update_logprobs(next_token_logprobs(logits_base), next_token_logprobs(logits_comp), ids)
 
-    def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor) -> None:
-        """lb, lc: [B, T-1, V] next-token log-probabilities at positions 0..T-2; ids: [B, T]."""
-        tgt = ids[:, 1:].unsqueeze(-1)
-        self.nll_base += float(-lb.gather(-1, tgt).sum())
-        self.nll_comp += float(-lc.gather(-1, tgt).sum())
+    def update_from_logits(self, lb: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
+        """lb: the baseline's next_token_logprobs [B, T-1, V]; logits_comp: [B, T, V]; ids: [B, T]. The compressed
+        log-probabilities are formed and scored a block of positions at a time (position_block), so no second
+        [B, T, V] tensor is held beside the two given: the same numbers as update_logprobs on whole windows."""
+        step = position_block(*lb.shape[::2])
+        for lo in range(0, lb.shape[1], step):
+            hi = min(lb.shape[1], lo + step)
+            self.update_logprobs(lb[:, lo:hi], torch.log_softmax(logits_comp[:, lo:hi].float(), dim=-1).cpu(), ids, start=lo)
+
+    def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, start: int = 0) -> None:
+        """lb, lc: [B, n, V] next-token log-probabilities at positions start..start+n-1 (whole windows: start 0,
+        n = T-1); ids: [B, T]."""
+        tgt = ids[:, start + 1 : start + 1 + lb.shape[1]].unsqueeze(-1)
+        self.nll_base += float(-lb.gather(-1, tgt).double().sum())  # double sums: blocks of positions add up as whole windows
+        self.nll_comp += float(-lc.gather(-1, tgt).double().sum())
         self.n += tgt.numel()
         self.top1_agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
         kl = kl_per_position(lb, lc)  # [B, T-1]  KL(base || comp)
         self.kl_values.append(kl.flatten().double())
         nb, nc = -lb.gather(-1, tgt).squeeze(-1), -lc.gather(-1, tgt).squeeze(-1)  # [B, T-1]
-        pb = position_bucket(torch.arange(1, kl.shape[1] + 1))  # position of the predicted token
+        pb = position_bucket(torch.arange(start + 1, start + kl.shape[1] + 1))  # position of the predicted token
         for b in pb.unique().tolist():
             m = pb == b
             acc = self.buckets.setdefault(b, [0, 0.0, 0.0, 0.0])
@@ -50,10 +60,10 @@ class QualityAccumulator:
             acc[1] += float(nb[:, m].double().sum())
             acc[2] += float(nc[:, m].double().sum())
             acc[3] += float(kl[:, m].double().sum())
-        pos_bin = torch.arange(kl.shape[1]) // KL_POSITION_BIN
+        pos_bin = (start + torch.arange(kl.shape[1])) // KL_POSITION_BIN
         for b in pos_bin.unique().tolist():
             sel = kl[:, pos_bin == b]
-            self.kl_pos_sum[b] = self.kl_pos_sum.get(b, 0.0) + float(sel.sum())
+            self.kl_pos_sum[b] = self.kl_pos_sum.get(b, 0.0) + float(sel.double().sum())
             self.kl_pos_n[b] = self.kl_pos_n.get(b, 0) + sel.numel()
 
     def result(self) -> dict:
@@ -87,9 +97,25 @@ def kl_per_position(lb: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
     return (lb.exp() * (lb - lc)).sum(-1).clamp(min=0)
 
 
+LOGPROB_BLOCK_BYTES = 256 << 20  # float32 log-probabilities formed at once (a block of positions); bounds the temporaries
+
+
+def position_block(batch: int, vocab: int) -> int:
+    """Positions per block so that a block's [batch, positions, vocab] float32 takes at most LOGPROB_BLOCK_BYTES: at
+    8K context a 262K vocabulary (Gemma 3) would otherwise hold several 8.6 GB temporaries at once."""
+    return max(1, LOGPROB_BLOCK_BYTES // (4 * batch * vocab))
+
+
 def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, T, V] -> float32 log-probabilities [B, T-1, V] of the next token at positions 0..T-2 (CPU)."""
-    return torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
+    """logits [B, T, V] -> float32 log-probabilities [B, T-1, V] of the next token at positions 0..T-2 (CPU), formed
+    a block of positions at a time into one output tensor (log_softmax is per position: the same numbers)."""
+    B, T, V = logits.shape
+    out = torch.empty(B, max(0, T - 1), V, dtype=torch.float32)
+    step = position_block(B, V)
+    for lo in range(0, T - 1, step):
+        hi = min(T - 1, lo + step)
+        out[:, lo:hi] = torch.log_softmax(logits[:, lo:hi].float(), dim=-1).cpu()
+    return out
 
 
 def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:

@@ -78,13 +78,12 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
     base: dict[int, torch.Tensor] = {}
 
     def head(pi: int, i: int, logits: torch.Tensor) -> None:
-        lp = next_token_logprobs(logits)
         if pi == 0:
-            base[i] = lp
+            base[i] = next_token_logprobs(logits)
             if kept is not None:
-                kept.append(lp)
-        else:
-            acc[names[pi - 1]].update_logprobs(base[i], lp, batches[i])
+                kept.append(base[i])
+        else:  # scored a block of positions at a time: the baseline's log-probabilities and these logits, no third [B, T, V]
+            acc[names[pi - 1]].update_from_logits(base[i], logits, batches[i])
         if pi == len(calls) - 1:
             base.pop(i)
 
