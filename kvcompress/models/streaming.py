@@ -246,10 +246,9 @@ class LayerStreamer:
     @torch.no_grad()
     def run(self, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None] | None = None,
             before_batch: Callable[[int], None] | None = None, progress: bool = True, desc: str = "layers",
-            after_layer: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
+            after_layer: Callable[[int], None] | None = None) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
-        head(pass index, batch index, logits [B, T, V] float32) batch by batch, passes in order; with head_hidden,
-        head(pass index, batch index, final hidden [B, T, hidden], self.logits) (run_calls_hidden)."""
+        head(pass index, batch index, logits [B, T, V] float32) batch by batch, passes in order."""
         spill = self._spill(batches, passes)
         for p in passes:
             p.hidden, p.layer_kwargs = [], []
@@ -284,8 +283,7 @@ class LayerStreamer:
         try:
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
-                    h = p.hidden[i].to(self.device)
-                    head(pi, i, h, self.logits) if head_hidden else head(pi, i, self.logits(h))
+                    head(pi, i, self.logits(p.hidden[i].to(self.device)))
                     p.hidden[i] = None
         finally:
             self._release(self.model.model.norm)
@@ -359,39 +357,19 @@ def passes_for(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
                  context=lambda impl=impl: attention_implementation(model, impl)) for impl, kw in calls]
 
 
-def final_logits(model, normed: torch.Tensor) -> torch.Tensor:
-    """lm_head on final-normed hidden states (any block of positions) -> float32 logits, soft-capped where the
-    config says so (Gemma 2), as the model's own forward computes them."""
-    out = model.lm_head(normed).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return out if not cap else torch.tanh(out / cap) * cap
-
-
-def run_calls_hidden(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False,
-                     desc: str = "validate") -> None:
-    """head(call index, batch index, hidden [B, T, hidden], to_logits) for every batch under each (attention
-    implementation, forward keywords) call, calls in order per batch; to_logits maps hidden[:, positions] to float32
-    logits [B, positions, V], so a consumer can form logits a block of positions at a time (a 262K vocabulary at
-    8K context is 8.6 GB of logits per window). In memory: the decoder without its head (the causal LM's `model`,
-    final norm included) and final_logits (validate's self-check compares them with the model's own forward);
-    streamed: the executor's final hidden states and its vocabulary-chunked head."""
+def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
+    """head(call index, batch index, logits) for every batch under each (attention implementation,
+    forward keywords) call, calls in order per batch: in memory batch by batch, or layer by layer
+    when the model is streamed. The one way evaluations run a LoadedModel."""
     from kvcompress.models.observe import attention_implementation
 
     if lm.streamer is not None:
-        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc, head_hidden=True)
+        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc)
         return
     for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
         for pi, (impl, kw) in enumerate(calls):
             with attention_implementation(lm.model, impl):
-                h = lm.model.model(input_ids=ids.to(lm.device), use_cache=False, **kw).last_hidden_state
-            head(pi, i, h, lambda x: final_logits(lm.model, x))
-
-
-def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
-    """head(call index, batch index, logits [B, T, V] float32) for every batch under each call (run_calls_hidden with
-    every position's logits at once): in memory batch by batch, or layer by layer when the model is streamed. The
-    one way evaluations run a LoadedModel."""
-    run_calls_hidden(lm, batches, calls, lambda pi, i, h, to_logits: head(pi, i, to_logits(h)), progress, desc)
+                head(pi, i, lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
 
 
 def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):

@@ -21,10 +21,10 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_block, position_bucket
+from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
-from kvcompress.models.streaming import run_calls, run_calls_hidden
+from kvcompress.models.streaming import run_calls
 from kvcompress.stages.profile import rope_pairs_of, rotary_dim
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
@@ -52,15 +52,12 @@ def self_check(lm, ids: torch.Tensor, name: str) -> dict:
     run_calls(lm, [ids], [(None, {}), eval_call(None, exact=True)], lambda pi, i, logits: got.__setitem__(pi, logits))
     base, same = got[0], got[1]
     kl = kl_mean(base, same)
-    if lm.streamer is None:  # the evaluation's head (run_calls_hidden: decoder, then final_logits) is the model's own
-        own = lm.model(input_ids=ids.to(lm.device), use_cache=False).logits
-        kl = max(kl, kl_mean(own, base))
     out = {"kl_mean": kl, "max_kl": SELF_CHECK_MAX_KL, "tokens": int(ids.numel()), "passed": kl < SELF_CHECK_MAX_KL}
     if not out["passed"]:
         raise UserError(
             f"validate: on model {name} the evaluation path with nothing compressed differs from the model's own forward "
             f"(KL {kl:.2e} > {SELF_CHECK_MAX_KL:.0e}); likely cause: an attention feature kvcompress does not simulate "
-            "(custom masks, soft-capping, alibi, non-standard attention) or an output head it does not reproduce (final_logits)"
+            "(custom masks, soft-capping, alibi, non-standard attention)"
         )
     return out
 
@@ -78,29 +75,19 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
     kept = [] if keep else None
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
     calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
-    hidden: dict[int, list] = {}
+    base: dict[int, torch.Tensor] = {}
 
-    def head(pi: int, i: int, h: torch.Tensor, to_logits) -> None:
-        # every call's final hidden states of batch i (small), then scored a block of positions at a time: no [B, T, V]
-        # tensor is ever whole (a 262K vocabulary at 8K context is 8.6 GB per window)
-        hidden.setdefault(i, []).append(h)
-        if pi < len(calls) - 1:
-            return
-        hs, ids = hidden.pop(i), batches[i]
-        T = ids.shape[1]
-        step = position_block(ids.shape[0], lm.geometry.vocab_size)
-        lbs = []
-        for lo in range(0, T - 1, step):
-            hi = min(T - 1, lo + step)
-            lb = next_token_logprobs(to_logits(hs[0][:, lo : hi + 1]))
-            for n, hc in zip(names, hs[1:]):
-                acc[n].update_logprobs(lb, next_token_logprobs(to_logits(hc[:, lo : hi + 1])), ids, start=lo)
+    def head(pi: int, i: int, logits: torch.Tensor) -> None:
+        if pi == 0:
+            base[i] = next_token_logprobs(logits)
             if kept is not None:
-                lbs.append(lb)
-        if kept is not None:
-            kept.append(torch.cat(lbs, 1))
+                kept.append(base[i])
+        else:  # scored a block of positions at a time: the baseline's log-probabilities and these logits, no third [B, T, V]
+            acc[names[pi - 1]].update_from_logits(base[i], logits, batches[i])
+        if pi == len(calls) - 1:
+            base.pop(i)
 
-    run_calls_hidden(lm, batches, calls, head, progress)
+    run_calls(lm, batches, calls, head, progress)
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
 
 
