@@ -124,9 +124,9 @@ class PackedKV:
             raise ValueError(f"5..7-bit codes (key_bits={key_bits}, value_bits={value_bits}) are in the per-token family only (key_group > 0)")
         f16 = dict(dtype=torch.float16, device=device)
         kd, vd = ref.row_width(D, key_bits), ref.row_width(D, value_bits)
-        vrows = 1 if fp16 else cap  # an fp16 store has no value scales: one unused row per head, not one per token
         capg = -(-cap // key_group_tokens) if key_group_tokens else 0
         cap = capg * key_group_tokens or cap  # the grouped family: every store holds whole groups of rows (one CAP for keys and values)
+        vrows = 1 if fp16 else cap  # an fp16 store has no value scales: one unused row per head, not one per token
         return cls(
             sink_k=torch.zeros(B, H, n_sink, D, **f16),
             sink_v=torch.zeros(B, H, n_sink, D, **f16),
