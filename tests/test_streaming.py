@@ -73,7 +73,11 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
 
     corpus = list(load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})).texts[0].encode())
     tcfg = TasksConfig(names=["passkey", "copy_uuid"], lengths=[256], depths=[0.3], seeds=2, greedy=False)
+    widths, head = [], lm_st.streamer.logits
+    lm_st.streamer.logits = lambda h: (widths.append(h.shape[1]), head(h))[1]
     t_mem, t_st = run_tasks(lm_mem, books, corpus, tcfg, 8, progress=False), run_tasks(lm_st, books, corpus, tcfg, 8, progress=False)
+    del lm_st.streamer.logits
+    assert widths[0::4] == [1] * 4 and min(widths[1::4]) > 1  # per sample: the prefill's last position only, then every answer position
     drop = lambda t: {n: {k: v for k, v in r.items() if k != "greedy_check"} for n, r in t.items()}  # noqa: E731  (greedy: in memory only)
     assert drop(t_mem) == drop(t_st) and len(t_mem["kv"]["rows"]) == 4
     assert all(torch.equal(a, b) for a, b in zip(kept_mem, kept_st))

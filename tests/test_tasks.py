@@ -50,3 +50,18 @@ def test_task_facts_sit_outside_the_fp16_window_and_short_lengths_are_refused():
         assert len(s.prompt) - 1 - s.needle_pos >= window + FACT_GAP, name
         with pytest.raises(UserError, match=f"eval.tasks.lengths contains 80: a {name} prompt needs at least"):
             TASKS.get(name)(lm.tokenizer, corpus, 80, 0.5, 0, window)
+
+
+def test_the_prompt_prefill_forms_the_last_positions_logits_only():
+    """A task prompt of 8K tokens would otherwise form [8K, vocabulary] logits that are never read (8.6 GB for
+    Gemma 3's 262K vocabulary in float32): the prefill asks the model for its last position only."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, key={"bits": 8}, value={"bits": 4, "group_size": 16}, window=4, sink_tokens=1)
+    rows = []
+    hook = lm.model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[-2]))
+    try:
+        score_sample(lm.model, list(range(1, 41)), [5, 6, 7], {"b": book})
+    finally:
+        hook.remove()
+    assert rows[0] == 1, rows  # the prefill (40 prompt tokens)
+    assert rows[1:] == [2, 2], rows  # teacher-forced answers: every answer position but the first is read

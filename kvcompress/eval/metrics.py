@@ -119,7 +119,12 @@ def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:
-    """Mean KL(base || other) of next-token distributions over every position. logits: [..., V]."""
-    lb = torch.log_softmax(logits_base.double(), -1)
-    lo = torch.log_softmax(logits_other.double(), -1)
-    return float(kl_per_position(lb, lo).mean())
+    """Mean KL(base || other) of next-token distributions over every position. logits: [..., V]. In double, a block
+    of positions at a time (position_block): no double copy of either whole tensor is formed."""
+    V = logits_base.shape[-1]
+    lb_all, lo_all = logits_base.reshape(-1, V), logits_other.reshape(-1, V)
+    step, total = max(1, position_block(1, V) // 2), 0.0
+    for lo in range(0, lb_all.shape[0], step):
+        lb = torch.log_softmax(lb_all[lo : lo + step].double(), -1)
+        total += float(kl_per_position(lb, torch.log_softmax(lo_all[lo : lo + step].double(), -1)).sum())
+    return total / max(1, lb_all.shape[0])

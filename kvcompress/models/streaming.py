@@ -157,6 +157,7 @@ class Pass:
     kwargs: Callable[[int], dict] = lambda i: {}
     context: Callable[[], ContextManager] = nullcontext
     inputs: Callable[[int], torch.Tensor] | None = None  # this pass's ids of batch i (default: the batch itself)
+    last_only: bool = False  # the head forms the last position's logits only ([B, 1, V]: a prefill whose other positions are never read)
     hidden: list = field(default_factory=list)
     layer_kwargs: list = field(default_factory=list)
 
@@ -248,7 +249,8 @@ class LayerStreamer:
             before_batch: Callable[[int], None] | None = None, progress: bool = True, desc: str = "layers",
             after_layer: Callable[[int], None] | None = None) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
-        head(pass index, batch index, logits [B, T, V] float32) batch by batch, passes in order."""
+        head(pass index, batch index, logits [B, T, V] float32; [B, 1, V] for a last_only pass) batch by batch,
+        passes in order."""
         spill = self._spill(batches, passes)
         for p in passes:
             p.hidden, p.layer_kwargs = [], []
@@ -283,7 +285,8 @@ class LayerStreamer:
         try:
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
-                    head(pi, i, self.logits(p.hidden[i].to(self.device)))
+                    h = p.hidden[i][:, -1:] if p.last_only else p.hidden[i]
+                    head(pi, i, self.logits(h.to(self.device)))
                     p.hidden[i] = None
         finally:
             self._release(self.model.model.norm)
