@@ -157,6 +157,44 @@ def test_self_check_fails_with_one_line_when_the_path_cannot_reproduce_the_model
     assert "differs from the model's own forward" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_self_check_fails_when_the_evaluation_head_is_not_the_models(monkeypatch):
+    """validate forms logits from the decoder's hidden states a block of positions at a time (streaming.final_logits);
+    the self-check compares them with the model's own forward, so a head it does not reproduce (here: logits scaled,
+    as a Cohere-style logit_scale would be) fails in one line, and the real head passes."""
+    import kvcompress.models.streaming as st
+    from kvcompress.errors import UserError
+    from kvcompress.stages.validate import self_check
+
+    lm = tiny_lm("llama")
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    assert self_check(lm, ids, "tiny_llama")["passed"]
+    real = st.final_logits
+    monkeypatch.setattr(st, "final_logits", lambda model, h: real(model, h) * 1.5)
+    with pytest.raises(UserError) as e:
+        self_check(lm, ids, "tiny_llama")
+    assert "output head" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere"])
+def test_self_check_passes_for_heads_that_scale_their_logits(arch):
+    """Granite divides lm_head's output by logits_scaling and Cohere multiplies it by logit_scale: the evaluation's
+    head (streaming.head_transform) does the same, or the self-check's head comparison fails."""
+    from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
+
+    from kvcompress.models.base import Geometry, LoadedModel
+    from kvcompress.models.tokenizer import ByteTokenizer
+    from kvcompress.stages.validate import self_check
+
+    common = dict(vocab_size=ByteTokenizer.vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    cfg = (GraniteConfig(**common, logits_scaling=4.0, attention_multiplier=0.1, embedding_multiplier=6.0, residual_multiplier=0.5)
+           if arch == "granite" else CohereConfig(**common, logit_scale=0.25))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    lm = LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), {"name": arch})
+    assert self_check(lm, torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0)), arch)["passed"]
+
+
 def test_softcapping_models_are_refused_before_any_work():
     from kvcompress.errors import UserError
     from kvcompress.eval.attention import check_supported

@@ -225,8 +225,7 @@ class LayerStreamer:
                     self._head_cache[lo] = w  # one chunk: keep it for the head phase
             out[..., lo:hi] = torch.nn.functional.linear(h, w).float()
             del w
-        cap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma 2: tanh soft cap
-        return out if not cap else torch.tanh(out / cap) * cap
+        return head_transform(self.model, out)
 
     # --- execution ---------------------------------------------------------------------------
     def _spill(self, batches: list[torch.Tensor], passes: list[Pass]) -> bool:
@@ -247,10 +246,11 @@ class LayerStreamer:
     @torch.no_grad()
     def run(self, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None] | None = None,
             before_batch: Callable[[int], None] | None = None, progress: bool = True, desc: str = "layers",
-            after_layer: Callable[[int], None] | None = None) -> None:
+            after_layer: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
         head(pass index, batch index, logits [B, T, V] float32; [B, 1, V] for a last_only pass) batch by batch,
-        passes in order."""
+        passes in order; with head_hidden, head(pass index, batch index, final hidden [B, T, hidden], self.logits)
+        (run_calls_hidden)."""
         spill = self._spill(batches, passes)
         for p in passes:
             p.hidden, p.layer_kwargs = [], []
@@ -285,8 +285,8 @@ class LayerStreamer:
         try:
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
-                    h = p.hidden[i][:, -1:] if p.last_only else p.hidden[i]
-                    head(pi, i, self.logits(h.to(self.device)))
+                    h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i]).to(self.device)
+                    head(pi, i, h, self.logits) if head_hidden else head(pi, i, self.logits(h))
                     p.hidden[i] = None
         finally:
             self._release(self.model.model.norm)
@@ -360,19 +360,50 @@ def passes_for(model, calls: list[tuple[str | None, dict]]) -> list[Pass]:
                  context=lambda impl=impl: attention_implementation(model, impl)) for impl, kw in calls]
 
 
-def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
-    """head(call index, batch index, logits) for every batch under each (attention implementation,
-    forward keywords) call, calls in order per batch: in memory batch by batch, or layer by layer
-    when the model is streamed. The one way evaluations run a LoadedModel."""
+def final_logits(model, normed: torch.Tensor) -> torch.Tensor:
+    """lm_head on final-normed hidden states (any block of positions) -> float32 logits, as the model's own forward
+    computes them (head_transform)."""
+    return head_transform(model, model.lm_head(normed).float())
+
+
+def head_transform(model, logits: torch.Tensor) -> torch.Tensor:
+    """What causal LMs of transformers do to lm_head's output: Cohere's logit_scale, Granite's logits_scaling,
+    Gemma 2's tanh soft cap. A head not listed here fails validate's self-check in one line."""
+    scale = getattr(model, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    div = getattr(model.config, "logits_scaling", None)
+    if div:
+        logits = logits / div
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def run_calls_hidden(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False,
+                     desc: str = "validate") -> None:
+    """head(call index, batch index, hidden [B, T, hidden], to_logits) for every batch under each (attention
+    implementation, forward keywords) call, calls in order per batch; to_logits maps hidden[:, positions] to float32
+    logits [B, positions, V], so a consumer can form logits a block of positions at a time (a 262K vocabulary at
+    8K context is 8.6 GB of logits per window). In memory: the decoder without its head (the causal LM's `model`,
+    final norm included) and final_logits (validate's self-check compares them with the model's own forward);
+    streamed: the executor's final hidden states and its vocabulary-chunked head."""
     from kvcompress.models.observe import attention_implementation
 
     if lm.streamer is not None:
-        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc)
+        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc, head_hidden=True)
         return
     for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
         for pi, (impl, kw) in enumerate(calls):
             with attention_implementation(lm.model, impl):
-                head(pi, i, lm.model(input_ids=ids.to(lm.device), use_cache=False, **kw).logits)
+                h = lm.model.model(input_ids=ids.to(lm.device), use_cache=False, **kw).last_hidden_state
+            head(pi, i, h, lambda x: final_logits(lm.model, x))
+
+
+def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
+    """head(call index, batch index, logits [B, T, V] float32) for every batch under each call (run_calls_hidden with
+    every position's logits at once): in memory batch by batch, or layer by layer when the model is streamed. The
+    one way evaluations run a LoadedModel."""
+    run_calls_hidden(lm, batches, calls, lambda pi, i, h, to_logits: head(pi, i, to_logits(h)), progress, desc)
 
 
 def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):

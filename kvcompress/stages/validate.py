@@ -21,10 +21,10 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_bucket
+from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_block, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
-from kvcompress.models.streaming import run_calls
+from kvcompress.models.streaming import run_calls_hidden
 from kvcompress.stages.profile import rope_pairs_of, rotary_dim
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
@@ -37,6 +37,7 @@ log = logging.getLogger("kvcompress")
 REPORT_FILE = "report.json"
 BASELINE = KVSpec(name="fp16", key={"bits": 16}, value={"bits": 16}, window=0, sink_tokens=0)
 SELF_CHECK_MAX_KL = 1e-6  # float32: the eval path and the model's SDPA differ only in summation order
+HEAD_CHECK_TOKENS = 256  # positions on which the evaluation's output head is compared with the model's own forward
 KEEP_BASELINE_BYTES = 3 << 30  # baseline log-probs up to this size are kept for export's re-measurement
 
 
@@ -45,22 +46,40 @@ def baseline_label(model) -> str:
     return f"unquantized cache ({str(next(model.parameters()).dtype).removeprefix('torch.')})"
 
 
+def _kl_by_blocks(h_base: torch.Tensor, h_other: torch.Tensor, to_logits, vocab: int) -> float:
+    """kl_mean of the logits of two final hidden states [B, T, hidden], formed a block of positions at a time."""
+    B, T = h_base.shape[:2]
+    step, total = position_block(B, vocab), 0.0
+    for lo in range(0, T, step):
+        hi = min(T, lo + step)
+        total += kl_mean(to_logits(h_base[:, lo:hi]), to_logits(h_other[:, lo:hi])) * (hi - lo)
+    return total / T
+
+
 @torch.no_grad()
 def self_check(lm, ids: torch.Tensor, name: str) -> dict:
-    """The evaluation attention with nothing compressed must reproduce the model's own forward."""
+    """The evaluation path with nothing compressed must reproduce the model's own forward: the decoder with the
+    evaluation attention against the decoder with the model's own attention, every position's logits formed by
+    the evaluation's head a block of positions at a time (run_calls_hidden), and, in memory, that head against the
+    model's own forward on the first HEAD_CHECK_TOKENS positions (the head works position by position)."""
     got = {}
 
-    def head(pi: int, i: int, logits: torch.Tensor) -> None:  # the second pass is scored as it arrives: two [T, V] tensors at most
-        got[pi] = logits if pi == 0 else kl_mean(got.pop(0), logits)
+    def head(pi: int, i: int, h: torch.Tensor, to_logits) -> None:
+        got[pi] = h if pi == 0 else _kl_by_blocks(got.pop(0), h, to_logits, lm.geometry.vocab_size)
 
-    run_calls(lm, [ids], [(None, {}), eval_call(None, exact=True)], head)
+    run_calls_hidden(lm, [ids], [(None, {}), eval_call(None, exact=True)], head)
     kl = got[1]
+    if lm.streamer is None:
+        short = ids[:, :HEAD_CHECK_TOKENS].to(lm.device)
+        own = lm.model(input_ids=short, use_cache=False).logits
+        run_calls_hidden(lm, [short], [(None, {})], lambda pi, i, h, to_logits: got.__setitem__("head", kl_mean(own, to_logits(h))))
+        kl = max(kl, got["head"])
     out = {"kl_mean": kl, "max_kl": SELF_CHECK_MAX_KL, "tokens": int(ids.numel()), "passed": kl < SELF_CHECK_MAX_KL}
     if not out["passed"]:
         raise UserError(
             f"validate: on model {name} the evaluation path with nothing compressed differs from the model's own forward "
             f"(KL {kl:.2e} > {SELF_CHECK_MAX_KL:.0e}); likely cause: an attention feature kvcompress does not simulate "
-            "(custom masks, soft-capping, alibi, non-standard attention)"
+            "(custom masks, soft-capping, alibi, non-standard attention) or an output head it does not reproduce (final_logits)"
         )
     return out
 
@@ -78,19 +97,29 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
     kept = [] if keep else None
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
     calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
-    base: dict[int, torch.Tensor] = {}
+    hidden: dict[int, list] = {}
 
-    def head(pi: int, i: int, logits: torch.Tensor) -> None:
-        if pi == 0:
-            base[i] = next_token_logprobs(logits)
+    def head(pi: int, i: int, h: torch.Tensor, to_logits) -> None:
+        # every call's final hidden states of batch i (small), then scored a block of positions at a time: no [B, T, V]
+        # tensor is ever whole (a 262K vocabulary at 8K context is 8.6 GB per window)
+        hidden.setdefault(i, []).append(h)
+        if pi < len(calls) - 1:
+            return
+        hs, ids = hidden.pop(i), batches[i]
+        T = ids.shape[1]
+        step = position_block(ids.shape[0], lm.geometry.vocab_size)
+        lbs = []
+        for lo in range(0, T - 1, step):
+            hi = min(T - 1, lo + step)
+            lb = next_token_logprobs(to_logits(hs[0][:, lo : hi + 1]))
+            for n, hc in zip(names, hs[1:]):
+                acc[n].update_logprobs(lb, next_token_logprobs(to_logits(hc[:, lo : hi + 1])), ids, start=lo)
             if kept is not None:
-                kept.append(base[i])
-        else:  # scored a block of positions at a time: the baseline's log-probabilities and these logits, no third [B, T, V]
-            acc[names[pi - 1]].update_from_logits(base[i], logits, batches[i])
-        if pi == len(calls) - 1:
-            base.pop(i)
+                lbs.append(lb)
+        if kept is not None:
+            kept.append(torch.cat(lbs, 1))
 
-    run_calls(lm, batches, calls, head, progress)
+    run_calls_hidden(lm, batches, calls, head, progress)
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
 
 

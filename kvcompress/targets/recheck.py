@@ -41,7 +41,7 @@ def _score_streamed(streamer, book: ScaleBook, windows: torch.Tensor, base: list
     acc = QualityAccumulator()
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
     streamer.run(batches, passes_for(streamer.model, [eval_call(book)]),
-                 head=lambda pi, i, logits: acc.update_logprobs(base[i], next_token_logprobs(logits), batches[i]), progress=False)
+                 head=lambda pi, i, logits: acc.update_from_logits(base[i], logits, batches[i]), progress=False)
     r = acc.result()
     return {k: r[k] for k in SCORED}
 
