@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kvcompress.eval.attention import LayerErrors, eval_call
 from kvcompress.eval.metrics import kl_per_position
 from kvcompress.models.observe import attention_implementation
-from kvcompress.models.streaming import catch_layer_inputs
+from kvcompress.models.streaming import catch_layer_inputs, final_logits
 from kvcompress.scalebook import ScaleBook
 
 
@@ -56,7 +56,7 @@ class _Layers:
         if self.s is not None:
             return self.s.logits(hidden)
         m = self.lm.model
-        return m.lm_head(m.model.norm(hidden)).float()
+        return final_logits(m, m.model.norm(hidden))  # the evaluation's head (logit scales, soft cap: head_transform)
 
     def head_context(self):
         if self.s is None:
