@@ -28,17 +28,11 @@ class QualityAccumulator:
     kl_pos_n: dict = field(default_factory=dict)
     buckets: dict = field(default_factory=dict)  # bucket -> [tokens, nll_base, nll_comp, kl_sum]
 
-    def update(self, logits_base: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
-        """logits_*: [B, T, V] at positions 0..T-1; ids: [B, T]. Scores predictions of ids[:, 1:]."""
-        self.update_logprobs(next_token_logprobs(logits_base), next_token_logprobs(logits_comp), ids)
-
     def update_from_logits(self, lb: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
         """lb: the baseline's next_token_logprobs [B, T-1, V]; logits_comp: [B, T, V]; ids: [B, T]. The compressed
         log-probabilities are formed and scored a block of positions at a time (position_block), so no second
         [B, T, V] tensor is held beside the two given: the same numbers as update_logprobs on whole windows."""
-        step = position_block(*lb.shape[::2])
-        for lo in range(0, lb.shape[1], step):
-            hi = min(lb.shape[1], lo + step)
+        for lo, hi in blocks(lb.shape[1], position_block(*lb.shape[::2])):
             self.update_logprobs(lb[:, lo:hi], torch.log_softmax(logits_comp[:, lo:hi].float(), dim=-1).cpu(), ids, start=lo)
 
     def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, start: int = 0) -> None:
@@ -100,6 +94,11 @@ def kl_per_position(lb: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
 LOGPROB_BLOCK_BYTES = 256 << 20  # float32 log-probabilities formed at once (a block of positions); bounds the temporaries
 
 
+def blocks(n: int, step: int):
+    """(lo, hi) of consecutive blocks of at most `step` positions covering 0..n."""
+    return ((lo, min(n, lo + step)) for lo in range(0, n, step))
+
+
 def position_block(batch: int, vocab: int) -> int:
     """Positions per block so that a block's [batch, positions, vocab] float32 takes at most LOGPROB_BLOCK_BYTES: at
     8K context a 262K vocabulary (Gemma 3) would otherwise hold several 8.6 GB temporaries at once."""
@@ -111,9 +110,7 @@ def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
     a block of positions at a time into one output tensor (log_softmax is per position: the same numbers)."""
     B, T, V = logits.shape
     out = torch.empty(B, max(0, T - 1), V, dtype=torch.float32)
-    step = position_block(B, V)
-    for lo in range(0, T - 1, step):
-        hi = min(T - 1, lo + step)
+    for lo, hi in blocks(T - 1, position_block(B, V)):
         out[:, lo:hi] = torch.log_softmax(logits[:, lo:hi].float(), dim=-1).cpu()
     return out
 
@@ -123,8 +120,8 @@ def kl_mean(logits_base: torch.Tensor, logits_other: torch.Tensor) -> float:
     of positions at a time (position_block): no double copy of either whole tensor is formed."""
     V = logits_base.shape[-1]
     lb_all, lo_all = logits_base.reshape(-1, V), logits_other.reshape(-1, V)
-    step, total = max(1, position_block(1, V) // 2), 0.0
-    for lo in range(0, lb_all.shape[0], step):
-        lb = torch.log_softmax(lb_all[lo : lo + step].double(), -1)
-        total += float(kl_per_position(lb, torch.log_softmax(lo_all[lo : lo + step].double(), -1)).sum())
+    total = 0.0
+    for lo, hi in blocks(lb_all.shape[0], max(1, position_block(1, V) // 2)):
+        lb = torch.log_softmax(lb_all[lo:hi].double(), -1)
+        total += float(kl_per_position(lb, torch.log_softmax(lo_all[lo:hi].double(), -1)).sum())
     return total / max(1, lb_all.shape[0])

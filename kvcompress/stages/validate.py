@@ -21,7 +21,7 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, kl_mean, next_token_logprobs, position_block, position_bucket
+from kvcompress.eval.metrics import QualityAccumulator, blocks, kl_mean, next_token_logprobs, position_block, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls_hidden
@@ -49,9 +49,8 @@ def baseline_label(model) -> str:
 def _kl_by_blocks(h_base: torch.Tensor, h_other: torch.Tensor, to_logits, vocab: int) -> float:
     """kl_mean of the logits of two final hidden states [B, T, hidden], formed a block of positions at a time."""
     B, T = h_base.shape[:2]
-    step, total = position_block(B, vocab), 0.0
-    for lo in range(0, T, step):
-        hi = min(T, lo + step)
+    total = 0.0
+    for lo, hi in blocks(T, position_block(B, vocab)):
         total += kl_mean(to_logits(h_base[:, lo:hi]), to_logits(h_other[:, lo:hi])) * (hi - lo)
     return total / T
 
@@ -107,10 +106,8 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
             return
         hs, ids = hidden.pop(i), batches[i]
         T = ids.shape[1]
-        step = position_block(ids.shape[0], lm.geometry.vocab_size)
         lbs = []
-        for lo in range(0, T - 1, step):
-            hi = min(T - 1, lo + step)
+        for lo, hi in blocks(T - 1, position_block(ids.shape[0], lm.geometry.vocab_size)):
             lb = next_token_logprobs(to_logits(hs[0][:, lo : hi + 1]))
             for n, hc in zip(names, hs[1:]):
                 acc[n].update_logprobs(lb, next_token_logprobs(to_logits(hc[:, lo : hi + 1])), ids, start=lo)
