@@ -34,7 +34,7 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: bool = True):
         self.cfg, self.dir, self.progress = cfg, Path(run_dir), progress
         self._lm = None
-        self.baseline = None  # (windows, baseline log-probs) kept by validate for export's re-measurement
+        self.baseline = None  # metrics.Baseline kept by validate for export's re-measurement
 
     @property
     def lm(self):

@@ -47,9 +47,10 @@ def test_key_clip_rate_by_position_adds_up(tiny_llama):
 
 
 def test_scoring_a_block_of_positions_at_a_time_gives_the_whole_window_numbers(monkeypatch):
-    """validate forms the compressed log-probabilities a block of positions at a time (no third [B, T, V] tensor: at
-    8K context a 262K vocabulary held three and ran out of memory); blocks of 7 positions across the 64-token KL bins
-    and the 1K buckets give the numbers of whole windows, and next_token_logprobs is log_softmax to the bit."""
+    """validate and export's re-measurement form both log-probabilities from hidden states a block of positions at a
+    time (score_hidden: no [B, T, V] tensor is whole; at 8K context a 262K vocabulary held three and ran out of memory);
+    blocks of 7 positions across the 64-token KL bins and the 1K buckets give the numbers of whole windows, and
+    next_token_logprobs is log_softmax to the bit. The heads see every position but the last, each once."""
     import kvcompress.eval.metrics as m
 
     g = torch.Generator().manual_seed(1)
@@ -62,8 +63,10 @@ def test_scoring_a_block_of_positions_at_a_time_gives_the_whole_window_numbers(m
     assert m.position_block(B, V) == 7
     lb = m.next_token_logprobs(logits_b)
     assert torch.equal(lb, torch.log_softmax(logits_b[:, :-1], -1))
-    blocks = QualityAccumulator()
-    blocks.update_from_logits(lb, logits_c, ids)
+    blocks, seen = QualityAccumulator(), []
+    head = lambda x: (seen.append(x.shape[1]), x)[1]  # noqa: E731  (the "hidden states" are the logits themselves)
+    m.score_hidden(logits_b, head, [(blocks, logits_c, head)], ids, V)
+    assert seen[0::2] == seen[1::2] and max(seen) == 8 and sum(seen[0::2]) - len(seen[0::2]) == T - 1
     want, got = whole.result(), blocks.result()
     assert got.keys() == want.keys() and len(got["kl_by_position"]) == 18 and len(got["by_position"]) == 2
     for k in want:

@@ -80,7 +80,13 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     assert widths[0::4] == [1] * 4 and min(widths[1::4]) > 1  # per sample: the prefill's last position only, then every answer position
     drop = lambda t: {n: {k: v for k, v in r.items() if k != "greedy_check"} for n, r in t.items()}  # noqa: E731  (greedy: in memory only)
     assert drop(t_mem) == drop(t_st) and len(t_mem["kv"]["rows"]) == 4
-    assert all(torch.equal(a, b) for a, b in zip(kept_mem, kept_st))
+    # the kept baseline (export re-measures against it): the same hidden states, and the streamed head, read from the
+    # checkpoint after the run (no module materialized), gives the in-memory head's logits
+    assert len(kept_mem.hidden) == 2 and all(torch.equal(a, b) for a, b in zip(kept_mem.hidden, kept_st.hidden, strict=True))
+    assert all(torch.equal(kept_mem.head(h), kept_st.head(h)) for h in kept_mem.hidden)
+    assert [b.shape[0] for b in kept_st.batches()] == [2, 1] and torch.equal(torch.cat(kept_st.batches()), windows)
+    alone = evaluate_quality(lm_st, {}, windows, 2, progress=False, keep=True)  # export's baseline when validate did not run
+    assert alone[0] == {} and all(torch.equal(a, b) for a, b in zip(alone[1].hidden, kept_mem.hidden, strict=True))
     assert q_mem["kv"][0]["kl_mean"] > 0  # something was compressed: the comparison is not of two baselines
     assert self_check(lm_st, windows[:1], "tiny")["passed"]
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())

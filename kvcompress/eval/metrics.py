@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,13 +28,6 @@ class QualityAccumulator:
     kl_pos_sum: dict = field(default_factory=dict)
     kl_pos_n: dict = field(default_factory=dict)
     buckets: dict = field(default_factory=dict)  # bucket -> [tokens, nll_base, nll_comp, kl_sum]
-
-    def update_from_logits(self, lb: torch.Tensor, logits_comp: torch.Tensor, ids: torch.Tensor) -> None:
-        """lb: the baseline's next_token_logprobs [B, T-1, V]; logits_comp: [B, T, V]; ids: [B, T]. The compressed
-        log-probabilities are formed and scored a block of positions at a time (position_block), so no second
-        [B, T, V] tensor is held beside the two given: the same numbers as update_logprobs on whole windows."""
-        for lo, hi in blocks(lb.shape[1], position_block(*lb.shape[::2])):
-            self.update_logprobs(lb[:, lo:hi], torch.log_softmax(logits_comp[:, lo:hi].float(), dim=-1).cpu(), ids, start=lo)
 
     def update_logprobs(self, lb: torch.Tensor, lc: torch.Tensor, ids: torch.Tensor, start: int = 0) -> None:
         """lb, lc: [B, n, V] next-token log-probabilities at positions start..start+n-1 (whole windows: start 0,
@@ -103,6 +97,33 @@ def position_block(batch: int, vocab: int) -> int:
     """Positions per block so that a block's [batch, positions, vocab] float32 takes at most LOGPROB_BLOCK_BYTES: at
     8K context a 262K vocabulary (Gemma 3) would otherwise hold several 8.6 GB temporaries at once."""
     return max(1, LOGPROB_BLOCK_BYTES // (4 * batch * vocab))
+
+
+@dataclass
+class Baseline:
+    """The unquantized model's final-normed hidden states of each batch of windows and its head: what validate keeps
+    for export's re-measurement. Hidden states, not log-probabilities: [N, T, hidden] is small where [N, T, V] is not
+    (17 GB for Llama 3's vocabulary at 4 x 8K tokens); logits are formed a block of positions at a time (score_hidden)."""
+
+    windows: torch.Tensor  # [N, T] token ids
+    hidden: list  # per batch of windows, [B, T, hidden] on the CPU
+    head: Callable[[torch.Tensor], torch.Tensor]  # final-normed hidden [B, n, hidden] (any device) -> float32 logits [B, n, V]
+    vocab: int
+
+    def batches(self) -> list[torch.Tensor]:
+        """The windows' batches [B, T] that `hidden` holds, in order."""
+        ends = torch.tensor([h.shape[0] for h in self.hidden]).cumsum(0).tolist()
+        return [self.windows[lo:hi] for lo, hi in zip([0] + ends[:-1], ends)]
+
+
+def score_hidden(base_hidden: torch.Tensor, base_head, scored: list, ids: torch.Tensor, vocab: int) -> None:
+    """Score one batch ids [B, T]: the baseline's final-normed hidden states [B, T, hidden] (through base_head) against
+    each (QualityAccumulator, hidden, head) of `scored`, a block of positions at a time (position_block): no [B, T, V]
+    tensor is ever whole, and the numbers are those of whole windows (update_logprobs with start)."""
+    for lo, hi in blocks(ids.shape[1] - 1, position_block(ids.shape[0], vocab)):
+        lb = next_token_logprobs(base_head(base_hidden[:, lo : hi + 1]))
+        for acc, h, head in scored:
+            acc.update_logprobs(lb, next_token_logprobs(head(h[:, lo : hi + 1])), ids, start=lo)
 
 
 def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:

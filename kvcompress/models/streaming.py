@@ -213,8 +213,15 @@ class LayerStreamer:
         return out if scale is None else out * torch.tensor(scale).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head, vocabulary chunk by chunk: [B, T, hidden] -> [B, T, V] float32."""
-        h = self.model.model.norm(hidden)
+        """Final norm and lm_head, vocabulary chunk by chunk: [B, T, hidden] -> [B, T, V] float32 (the final norm must
+        be materialized: the head phase of run)."""
+        return self.head(self.model.model.norm(hidden))
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """lm_head on final-normed hidden states [B, T, hidden] -> [B, T, V] float32, vocabulary chunk by chunk read
+        from the checkpoint, as the model applies it (head_transform). Needs no materialized module: it serves after
+        a run too (export's re-measurement scores against validate's kept baseline hidden states)."""
+        h = normed.to(self.device)
         out = torch.empty(*h.shape[:-1], self.vocab, dtype=torch.float32, device=h.device)
         for lo in range(0, self.vocab, self.chunk_rows):
             hi = min(self.vocab, lo + self.chunk_rows)
@@ -249,7 +256,7 @@ class LayerStreamer:
             after_layer: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
         head(pass index, batch index, logits [B, T, V] float32; [B, 1, V] for a last_only pass) batch by batch,
-        passes in order; with head_hidden, head(pass index, batch index, final hidden [B, T, hidden], self.logits)
+        passes in order; with head_hidden, head(pass index, batch index, final-normed hidden [B, T, hidden], self.head)
         (run_calls_hidden)."""
         spill = self._spill(batches, passes)
         for p in passes:
@@ -286,7 +293,7 @@ class LayerStreamer:
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
                     h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i]).to(self.device)
-                    head(pi, i, h, self.logits) if head_hidden else head(pi, i, self.logits(h))
+                    head(pi, i, self.model.model.norm(h), self.head) if head_hidden else head(pi, i, self.logits(h))
                     p.hidden[i] = None
         finally:
             self._release(self.model.model.norm)
@@ -382,11 +389,12 @@ def head_transform(model, logits: torch.Tensor) -> torch.Tensor:
 def run_calls_hidden(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False,
                      desc: str = "validate") -> None:
     """head(call index, batch index, hidden [B, T, hidden], to_logits) for every batch under each (attention
-    implementation, forward keywords) call, calls in order per batch; to_logits maps hidden[:, positions] to float32
-    logits [B, positions, V], so a consumer can form logits a block of positions at a time (a 262K vocabulary at
-    8K context is 8.6 GB of logits per window). In memory: the decoder without its head (the causal LM's `model`,
-    final norm included) and final_logits (validate's self-check compares them with the model's own forward);
-    streamed: the executor's final hidden states and its vocabulary-chunked head."""
+    implementation, forward keywords) call, calls in order per batch: hidden is the decoder's final-normed output and
+    to_logits maps hidden[:, positions] to float32 logits [B, positions, V] (at any time, also after the run), so a
+    consumer can form logits a block of positions at a time (a 262K vocabulary at 8K context is 8.6 GB of logits per
+    window). In memory: the decoder without its head (the causal LM's `model`, final norm included) and final_logits
+    (validate's self-check compares them with the model's own forward); streamed: the executor's final hidden states
+    through the final norm and its vocabulary-chunked head (LayerStreamer.head)."""
     from kvcompress.models.observe import attention_implementation
 
     if lm.streamer is not None:

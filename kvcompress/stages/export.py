@@ -38,6 +38,7 @@ from kvcompress.models.base import DTYPES
 from kvcompress.models.fused import unfuse
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
+from kvcompress.stages.validate import evaluate_quality
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
 from kvcompress.targets.hf_ckpt import HFWriter
@@ -449,25 +450,25 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 
     # ---- checks: read back and re-measure what was written
-    windows, base = run.baseline if run.baseline and run.baseline[1] is not None else (None, None)
-    if base is None:
+    base = run.baseline
+    if base is None:  # export without validate in this process: the baseline of the same held-out windows
         windows = token_windows(lm.tokenizer, load_texts(cfg.eval, "eval"), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
-        base = recheck.baseline_logprobs(lm, windows, cfg.eval.batch_size)
+        base = evaluate_quality(lm, {}, windows, cfg.eval.batch_size, progress=False, keep=True)[1]
     tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
-    bs, g = cfg.eval.batch_size, books["primary"].geometry
+    g = books["primary"].geometry
     streamed = lm.streamer is not None  # a model that does not fit is re-measured layer by layer, never loaded whole
     how = f"streamed layer by layer into transformers' {type(lm.model).__name__}" if streamed else "reader"
     v_trt = _validated(report, trt_book.spec.name)
-    m_trt = recheck.remeasure_trtllm_streamed(tp_dirs[0], lm.model.config, g, windows, base, bs, lm.device) if streamed \
-        else recheck.remeasure_trtllm(tp_dirs[0], windows, base, bs)
+    m_trt = recheck.remeasure_trtllm_streamed(tp_dirs[0], lm.model.config, g, base, lm.device) if streamed \
+        else recheck.remeasure_trtllm(tp_dirs[0], base)
     c_trt = recheck.compare(v_trt["quality"], m_trt, *tol)
     checks.add(f"trtllm_ckpt/tp{ecfg.tp_sizes[0]} re-measured ({how}, {ecfg.dtype} weights, {algo} KV from its stored scales) matches validated {trt_book.spec.name}", c_trt["passed"], c_trt)
     for tp, d in list(zip(ecfg.tp_sizes, tp_dirs))[1:]:
         same = recheck.same_trtllm_tensors(tp_dirs[0], d, geom.n_layers)
         checks.add(f"trtllm_ckpt/tp{tp} shards merge to exactly the tensors of tp{ecfg.tp_sizes[0]}", same, None)
     v_hf = _validated(report, hf_book.spec.name)
-    m_hf = recheck.remeasure_hf_streamed(out / "hf_ckpt", g, windows, base, bs, lm.device) if streamed \
-        else recheck.remeasure_hf(out / "hf_ckpt", g, windows, base, bs)
+    m_hf = recheck.remeasure_hf_streamed(out / "hf_ckpt", g, base, lm.device) if streamed \
+        else recheck.remeasure_hf(out / "hf_ckpt", g, base)
     c_hf = recheck.compare(v_hf["quality"], m_hf, *tol)
     checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards{', layer by layer' if streamed else ''}, FP8 KV from k_scale/v_scale) matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
     for label, c in (("trtllm_ckpt", c_trt), ("hf_ckpt", c_hf)):

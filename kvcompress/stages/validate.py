@@ -21,7 +21,7 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import QualityAccumulator, blocks, kl_mean, next_token_logprobs, position_block, position_bucket
+from kvcompress.eval.metrics import Baseline, QualityAccumulator, blocks, score_hidden, kl_mean, position_block, position_bucket
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls_hidden
@@ -38,7 +38,6 @@ REPORT_FILE = "report.json"
 BASELINE = KVSpec(name="fp16", key={"bits": 16}, value={"bits": 16}, window=0, sink_tokens=0)
 SELF_CHECK_MAX_KL = 1e-6  # float32: the eval path and the model's SDPA differ only in summation order
 HEAD_CHECK_TOKENS = 256  # positions on which the evaluation's output head is compared with the model's own forward
-KEEP_BASELINE_BYTES = 3 << 30  # baseline log-probs up to this size are kept for export's re-measurement
 
 
 def baseline_label(model) -> str:
@@ -88,15 +87,16 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
     """Baseline vs each book (one-pass) over token windows [N, T]; in memory batch by batch, or
     streamed layer by layer (every pass of every batch through one layer at a time: same numbers).
 
-    Returns ({name: (quality dict, LayerErrors)}, kept baseline log-probs or None).
+    Returns ({name: (quality dict, LayerErrors)}, the kept metrics.Baseline or None).
     """
     names = list(books)
     acc = {n: QualityAccumulator() for n in names}
     errors = {n: LayerErrors(b.geometry["n_layers"]) for n, b in books.items()}
-    kept = [] if keep else None
+    V = lm.geometry.vocab_size
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
     calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
     hidden: dict[int, list] = {}
+    kept = Baseline(windows, [], None, V) if keep else None
 
     def head(pi: int, i: int, h: torch.Tensor, to_logits) -> None:
         # every call's final hidden states of batch i (small), then scored a block of positions at a time: no [B, T, V]
@@ -104,17 +104,12 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
         hidden.setdefault(i, []).append(h)
         if pi < len(calls) - 1:
             return
-        hs, ids = hidden.pop(i), batches[i]
-        T = ids.shape[1]
-        lbs = []
-        for lo, hi in blocks(T - 1, position_block(ids.shape[0], lm.geometry.vocab_size)):
-            lb = next_token_logprobs(to_logits(hs[0][:, lo : hi + 1]))
-            for n, hc in zip(names, hs[1:]):
-                acc[n].update_logprobs(lb, next_token_logprobs(to_logits(hc[:, lo : hi + 1])), ids, start=lo)
-            if kept is not None:
-                lbs.append(lb)
+        hs = hidden.pop(i)
+        if names:  # (export's baseline alone: nothing to score)
+            score_hidden(hs[0], to_logits, [(acc[n], hc, to_logits) for n, hc in zip(names, hs[1:])], batches[i], V)
         if kept is not None:
-            kept.append(torch.cat(lbs, 1))
+            kept.hidden.append(hs[0].cpu())
+            kept.head = lambda x, f=to_logits, d=hs[0].device: f(x.to(d))
 
     run_calls_hidden(lm, batches, calls, head, progress)
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
@@ -152,7 +147,7 @@ def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: 
 
 
 def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = None, progress: bool = True, keep_baseline: bool = False):
-    """books: {role: ScaleBook}, role "primary" first. Returns (Report, kept baseline or None, windows)."""
+    """books: {role: ScaleBook}, role "primary" first. Returns (Report, the kept metrics.Baseline or None)."""
     t0 = time.time()
     name = lm.identity.get("name", "model")
     check_supported(lm.model, name)
@@ -162,8 +157,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
     check = self_check(lm, windows[:1], name)
     by_name = {b.spec.name: b for b in books.values()}
-    keep = keep_baseline and windows.numel() * lm.geometry.vocab_size * 4 <= KEEP_BASELINE_BYTES
-    measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep)
+    measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep_baseline)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
     pairs, rot, D = rope_pairs_of(lm.model, lm.geometry), rotary_dim(lm.model, lm.geometry), lm.geometry.head_dim
@@ -233,7 +227,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
         notes=notes,
         runtime_s=time.time() - t0,
     )
-    return report, kept, windows
+    return report, kept
 
 
 def print_summary(report: Report) -> None:
@@ -258,14 +252,14 @@ def validate_run(run, books: dict[str, Path]) -> dict[str, Path]:
             raise UserError("stage validate needs the run's scalebooks: add fit to stages")
     loaded = {role: run.scalebook(Path(p)) for role, p in books.items()}
     calib_sha = loaded["primary"].provenance.get("stats", {}).get("calib", {}).get("sha256")
-    report, kept, windows = validate(run.lm, loaded, run.cfg.eval, calib_sha, run.progress, keep_baseline="export" in run.cfg.stages)
+    report, kept = validate(run.lm, loaded, run.cfg.eval, calib_sha, run.progress, keep_baseline="export" in run.cfg.stages)
     tune_file = run.dir / "tune.json"
     if loaded["primary"].spec.is_mixed and tune_file.is_file():
         import json
 
         report.tune = json.loads(tune_file.read_text())
         report.tune["held_out_verdict"] = report.verdict
-    run.baseline = (windows, kept)
+    run.baseline = kept
     out = run.dir / REPORT_FILE
     atomic_write_json(out, report.model_dump(mode="json"))
     print_summary(report)

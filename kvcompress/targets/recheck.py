@@ -5,7 +5,8 @@
   kv_cache_quant_algo and per-layer kv_cache_scaling_factor stored in it, as TensorRT-LLM does.
 * Hugging Face checkpoint: transformers builds the model from the written config.json and loads
   the written shards; the KV cache is quantized to FP8 with the k_scale/v_scale read from them.
-Both are compared, on the same held-out windows, with the unquantized original model.
+Both are compared, on the same held-out windows, with the unquantized original model: validate's kept
+metrics.Baseline (its final hidden states and head), logits formed a block of positions at a time.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 import torch
 
 from kvcompress.eval.attention import eval_call
-from kvcompress.eval.metrics import QualityAccumulator, next_token_logprobs
-from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, passes_for, run_calls
+from kvcompress.eval.metrics import Baseline, QualityAccumulator, score_hidden
+from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, final_logits, passes_for
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import ALGO_FORMAT
 from kvcompress.spec import native_spec
@@ -27,36 +28,43 @@ SCORED = ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_se", "kl_p
 KL_SE_Z = 3.0  # compare(): KLs this many standard errors apart are still "the same"
 
 
-@torch.no_grad()
-def baseline_logprobs(lm, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
-    out = {}
-    run_calls(lm, batches, [(None, {})], lambda pi, i, logits: out.__setitem__(i, next_token_logprobs(logits)))
-    return [out[i] for i in range(len(batches))]
-
-
-@torch.no_grad()
-def _score_streamed(streamer, book: ScaleBook, windows: torch.Tensor, base: list[torch.Tensor], batch_size: int) -> dict:
-    """_score through the layer-streamed executor: the checkpoint is never loaded whole."""
-    acc = QualityAccumulator()
-    batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
-    streamer.run(batches, passes_for(streamer.model, [eval_call(book)]),
-                 head=lambda pi, i, logits: acc.update_from_logits(base[i], logits, batches[i]), progress=False)
+def _result(acc: QualityAccumulator) -> dict:
     r = acc.result()
     return {k: r[k] for k in SCORED}
 
 
-def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
+@torch.no_grad()
+def _score(hidden_of, base: Baseline) -> dict:
+    """hidden_of(ids [B, T]) -> (final-normed hidden [B, T, hidden], head) of the re-measured model, scored batch by
+    batch against validate's kept baseline a block of positions at a time (score_hidden)."""
+    acc = QualityAccumulator()
+    for i, ids in enumerate(base.batches()):
+        h, head = hidden_of(ids)
+        score_hidden(base.hidden[i], base.head, [(acc, h, head)], ids, base.vocab)
+    return _result(acc)
+
+
+@torch.no_grad()
+def _score_streamed(streamer, book: ScaleBook, base: Baseline) -> dict:
+    """_score through the layer-streamed executor: the checkpoint is never loaded whole."""
+    acc = QualityAccumulator()
+    batches = base.batches()
+    streamer.run(batches, passes_for(streamer.model, [eval_call(book)]), progress=False, head_hidden=True,
+                 head=lambda pi, i, h, head: score_hidden(base.hidden[i], base.head, [(acc, h, head)], batches[i], base.vocab))
+    return _result(acc)
+
+
+def remeasure_trtllm_streamed(ckpt, hf_config, geometry: dict, base: Baseline, device="cpu") -> dict:
     """The TensorRT-LLM checkpoint read back layer by layer under HF names (trtllm_reader.TrtllmAsHF)
     into transformers' model of the source config (Llama, Mistral, Qwen2, Qwen3; float32 math on the stored values), K/V quantized with its stored
     kv_cache_quant_algo and per-layer scales."""
     src = trtllm_reader.TrtllmAsHF(ckpt)
     fmt = ALGO_FORMAT[src.cfg["quantization"]["kv_cache_quant_algo"]]
     streamer = LayerStreamer(build_empty(None, torch.float32, config=copy.deepcopy(hf_config)), src, torch.float32, device)
-    return _score_streamed(streamer, native_book_from_scales(geometry, fmt, src.kv_scales()), windows, base, batch_size)
+    return _score_streamed(streamer, native_book_from_scales(geometry, fmt, src.kv_scales()), base)
 
 
-def remeasure_hf_streamed(ckpt, geometry: dict, windows, base, batch_size: int, device="cpu") -> dict:
+def remeasure_hf_streamed(ckpt, geometry: dict, base: Baseline, device="cpu") -> dict:
     """The HF checkpoint streamed from its written config.json and shards, FP8 KV from its k_scale/v_scale."""
     ck = Checkpoint(ckpt)
     L = geometry["n_layers"]
@@ -65,7 +73,7 @@ def remeasure_hf_streamed(ckpt, geometry: dict, windows, base, batch_size: int, 
     if not torch.equal(k, v):
         raise ValueError("k_scale != v_scale: kvcompress writes one shared scale per layer")
     streamer = LayerStreamer(build_empty(Path(ckpt), torch.float32), ck, torch.float32, device)
-    return _score_streamed(streamer, native_book_from_scales(geometry, "native_fp8", k.reshape(-1)), windows, base, batch_size)
+    return _score_streamed(streamer, native_book_from_scales(geometry, "native_fp8", k.reshape(-1)), base)
 
 
 def same_trtllm_tensors(a: Path, b: Path, n_layers: int) -> bool:
@@ -89,19 +97,9 @@ def same_trtllm_tensors(a: Path, b: Path, n_layers: int) -> bool:
     return True
 
 
-@torch.no_grad()
-def _score(logits_fn, windows: torch.Tensor, base: list[torch.Tensor], batch_size: int) -> dict:
-    acc = QualityAccumulator()
-    for i, lo in enumerate(range(0, windows.shape[0], batch_size)):
-        ids = windows[lo : lo + batch_size]
-        acc.update_logprobs(base[i], next_token_logprobs(logits_fn(ids)), ids)
-    r = acc.result()
-    return {k: r[k] for k in SCORED}
-
-
-def remeasure_trtllm(ckpt, windows, base, batch_size: int) -> dict:
+def remeasure_trtllm(ckpt, base: Baseline) -> dict:
     loaded = trtllm_reader.merge_shards(ckpt)
-    return _score(lambda ids: trtllm_reader.forward(loaded, ids, simulate_kv_quant=True), windows, base, batch_size)
+    return _score(lambda ids: (trtllm_reader.final_hidden(loaded, ids, simulate_kv_quant=True), lambda x: trtllm_reader.head(loaded, x)), base)
 
 
 def native_book_from_scales(geometry: dict, fmt: str, scales: torch.Tensor) -> ScaleBook:
@@ -140,17 +138,17 @@ def load_hf_checkpoint(ckpt):
     return model, k
 
 
-def remeasure_hf(ckpt, geometry: dict, windows, base, batch_size: int) -> dict:
+def remeasure_hf(ckpt, geometry: dict, base: Baseline) -> dict:
     from kvcompress.eval.attention import compressed_attention
 
     model, scales = load_hf_checkpoint(ckpt)
     book = native_book_from_scales(geometry, "native_fp8", scales)
 
-    def logits(ids):
+    def hidden_of(ids):
         with compressed_attention(model, book) as kw:
-            return model(input_ids=ids, use_cache=False, **kw).logits
+            return model.model(input_ids=ids, use_cache=False, **kw).last_hidden_state, lambda x: final_logits(model, x)
 
-    return _score(logits, windows, base, batch_size)
+    return _score(hidden_of, base)
 
 
 def compare(validated: dict, remeasured: dict, rel: float, abs_: float) -> dict:

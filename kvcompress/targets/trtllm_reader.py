@@ -221,6 +221,17 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
     and V to fp16, then through the checkpoint's kv_cache_quant_algo with its per-layer
     kv_cache_scaling_factor, before attention (what TensorRT-LLM caches).
     """
+    loaded = ckpt if isinstance(ckpt, tuple) else merge_shards(ckpt)
+    return head(loaded, final_hidden(loaded, ids, simulate_kv_quant))
+
+
+def head(loaded, normed: torch.Tensor) -> torch.Tensor:
+    """lm_head of merge_shards(dir) on final-normed hidden states [..., hidden] -> logits [..., V]."""
+    return F.linear(normed, loaded[1]["lm_head.weight"])
+
+
+def final_hidden(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.Tensor:
+    """The decoder's final-normed hidden states [B, T, hidden] of forward (its logits are head of them)."""
     cfg, w = ckpt if isinstance(ckpt, tuple) else merge_shards(ckpt)
     nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"], cfg["norm_epsilon"]
     algo = (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
@@ -248,4 +259,4 @@ def forward(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> torch.T
             x = x + _experts(h, w[t + "mlp.router.weight"], w[t + "mlp.fc.weight"], w[t + "mlp.proj.weight"], cfg["moe"])
         else:
             x = x + F.linear(F.silu(F.linear(h, w[t + "mlp.fc.weight"])) * F.linear(h, w[t + "mlp.gate.weight"]), w[t + "mlp.proj.weight"])
-    return F.linear(_rms(x, w["transformer.ln_f.weight"], eps), w["lm_head.weight"])
+    return _rms(x, w["transformer.ln_f.weight"], eps)
