@@ -92,6 +92,34 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, keep):
+    """validate applies the streamed head a block of positions at a time; within a run's head phase lm_head's rows are
+    read once and kept when the head takes at most HEAD_KEEP_LAYERS layers' bytes, else once per block and pass (the
+    same numbers either way). Blocks of 5 positions over 47 predictions: 10 blocks x 2 passes x 3 vocabulary chunks."""
+    import kvcompress.eval.metrics as metrics
+
+    monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 3 chunks of the 257-row vocabulary
+    monkeypatch.setattr(metrics, "LOGPROB_BLOCK_BYTES", 5 * 4 * 257)
+    if not keep:
+        monkeypatch.setattr(streaming, "HEAD_KEEP_LAYERS", 0)
+    lm_mem, lm_st = _pair(tmp_path)
+    reads, rows = [], lm_st.streamer.ckpt.rows
+    monkeypatch.setattr(lm_st.streamer.ckpt, "rows", lambda key, *a: (reads.append(key), rows(key, *a))[1])
+    book = fit(profile(lm_mem, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
+    windows = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})), 1, 48, seed=1)
+    measured, kept = evaluate_quality(lm_st, {"kv": book}, windows, 1, progress=False, keep=True)
+    (q, _), = measured.values()
+    assert reads.count("lm_head.weight") == (3 if keep else 3 * 10 * 2) and not lm_st.streamer._head_cache
+    reads.clear()
+    with kept.phase():  # export's re-measurement: the kept baseline's head, applied after the run, block by block
+        for _ in range(4):
+            kept.head(kept.hidden[0][:, :5])
+    assert reads.count("lm_head.weight") == (3 if keep else 3 * 4) and not lm_st.streamer._head_cache
+    (q_mem, _), = evaluate_quality(lm_mem, {"kv": book}, windows, 1, progress=False)[0].values()
+    assert q == q_mem and q["kl_mean"] > 0
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_checkpoint_reads_converted_tensors_as_transformers_loads_them(tmp_path, arch):
     """A mixture-of-experts checkpoint stores each expert's w1/w3/w2 (Mixtral also under block_sparse_moe.); transformers 5

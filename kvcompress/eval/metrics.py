@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
+from typing import ContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +111,7 @@ class Baseline:
     hidden: list  # per batch of windows, [B, T, hidden] on the CPU
     head: Callable[[torch.Tensor], torch.Tensor]  # final-normed hidden [B, n, hidden] (any device) -> float32 logits [B, n, V]
     vocab: int
+    phase: Callable[[], ContextManager] = nullcontext  # held around scoring: a streamed head keeps its rows (LayerStreamer.head_phase)
 
     def batches(self) -> list[torch.Tensor]:
         """The windows' batches [B, T] that `hidden` holds, in order."""

@@ -59,19 +59,7 @@ class _Layers:
         return final_logits(m, m.model.norm(hidden))  # the evaluation's head (logit scales, soft cap: head_transform)
 
     def head_context(self):
-        if self.s is None:
-            return nullcontext()
-        s = self.s
-
-        class _Norm:
-            def __enter__(self_):
-                s._materialize(s.model.model.norm, "model.norm.")
-
-            def __exit__(self_, *exc):
-                s._release(s.model.model.norm)
-                s._head_cache.clear()
-
-        return _Norm()
+        return nullcontext() if self.s is None else self.s.head_phase()
 
 
 def _run_layer(layer, h: torch.Tensor, kw: dict, model, impl) -> torch.Tensor:

@@ -17,7 +17,7 @@ arguments, exactly as the model's own loop does.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from kvcompress.errors import UserError
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
+HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes
 
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64,
@@ -185,7 +186,9 @@ class LayerStreamer:
         esize = torch.empty(0, dtype=dtype).element_size()
         self.layer_bytes = max(sum(p.numel() for p in self.layers[0].parameters()) * esize, 1)
         self.chunk_rows = max(1, min(self.vocab, HEAD_CHUNK_BYTES // (self.hidden_size * esize)))
+        self.head_bytes = self.vocab * self.hidden_size * esize
         self._head_cache: dict[int, torch.Tensor] = {}
+        self._keep_head = False  # head_phase: rows read are kept
 
     # --- weights -----------------------------------------------------------------------------
     def _materialize(self, module: torch.nn.Module, prefix: str) -> None:
@@ -228,11 +231,25 @@ class LayerStreamer:
             w = self._head_cache.get(lo)
             if w is None:
                 w = self.ckpt.rows(self.head_key, lo, hi, self.dtype, self.device)
-                if self.chunk_rows >= self.vocab:
-                    self._head_cache[lo] = w  # one chunk: keep it for the head phase
+                if self._keep_head:
+                    self._head_cache[lo] = w
             out[..., lo:hi] = torch.nn.functional.linear(h, w).float()
             del w
         return head_transform(self.model, out)
+
+    @contextmanager
+    def head_phase(self):
+        """The final norm materialized for logits(); lm_head's rows are kept as they are read if the whole head
+        takes at most HEAD_KEEP_LAYERS decoder layers' bytes (none is loaded by then: a 70B's head is 1.2 of its
+        layers), so a head applied a block of positions at a time reads each row once per phase, not once per block."""
+        self._materialize(self.model.model.norm, "model.norm.")
+        self._keep_head = self.head_bytes <= max(HEAD_CHUNK_BYTES, HEAD_KEEP_LAYERS * self.layer_bytes)
+        try:
+            yield
+        finally:
+            self._release(self.model.model.norm)
+            self._keep_head = False
+            self._head_cache.clear()
 
     # --- execution ---------------------------------------------------------------------------
     def _spill(self, batches: list[torch.Tensor], passes: list[Pass]) -> bool:
@@ -288,16 +305,12 @@ class LayerStreamer:
                 after_layer(li)
         if head is None:
             return
-        self._materialize(self.model.model.norm, "model.norm.")
-        try:
+        with self.head_phase():
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
                     h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i]).to(self.device)
                     head(pi, i, self.model.model.norm(h), self.head) if head_hidden else head(pi, i, self.logits(h))
                     p.hidden[i] = None
-        finally:
-            self._release(self.model.model.norm)
-            self._head_cache.clear()
 
 
 def catch_layer_inputs(model, **forward_kwargs) -> tuple[torch.Tensor, list[dict]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -96,7 +97,7 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
     calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
     hidden: dict[int, list] = {}
-    kept = Baseline(windows, [], None, V) if keep else None
+    kept = Baseline(windows, [], None, V, lm.streamer.head_phase if lm.streamer is not None else nullcontext) if keep else None
 
     def head(pi: int, i: int, h: torch.Tensor, to_logits) -> None:
         # every call's final hidden states of batch i (small), then scored a block of positions at a time: no [B, T, V]

@@ -38,9 +38,10 @@ def _score(hidden_of, base: Baseline) -> dict:
     """hidden_of(ids [B, T]) -> (final-normed hidden [B, T, hidden], head) of the re-measured model, scored batch by
     batch against validate's kept baseline a block of positions at a time (score_hidden)."""
     acc = QualityAccumulator()
-    for i, ids in enumerate(base.batches()):
-        h, head = hidden_of(ids)
-        score_hidden(base.hidden[i], base.head, [(acc, h, head)], ids, base.vocab)
+    with base.phase():
+        for i, ids in enumerate(base.batches()):
+            h, head = hidden_of(ids)
+            score_hidden(base.hidden[i], base.head, [(acc, h, head)], ids, base.vocab)
     return _result(acc)
 
 
@@ -49,8 +50,9 @@ def _score_streamed(streamer, book: ScaleBook, base: Baseline) -> dict:
     """_score through the layer-streamed executor: the checkpoint is never loaded whole."""
     acc = QualityAccumulator()
     batches = base.batches()
-    streamer.run(batches, passes_for(streamer.model, [eval_call(book)]), progress=False, head_hidden=True,
-                 head=lambda pi, i, h, head: score_hidden(base.hidden[i], base.head, [(acc, h, head)], batches[i], base.vocab))
+    with base.phase():  # the baseline's head is read as the re-measured model's head phase asks for it, then kept
+        streamer.run(batches, passes_for(streamer.model, [eval_call(book)]), progress=False, head_hidden=True,
+                     head=lambda pi, i, h, head: score_hidden(base.hidden[i], base.head, [(acc, h, head)], batches[i], base.vocab))
     return _result(acc)
 
 
