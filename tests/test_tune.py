@@ -116,6 +116,22 @@ def test_sensitivity_equals_compressing_only_that_layer(lm3, stats3, arch):
         assert got > 0 and abs(got - q["kl_mean"]) <= 0.05 * q["kl_mean"] + 1e-7, (li, got, q["kl_mean"])
 
 
+@pytest.mark.parametrize("states,groups", [(2, [(0, 1), (1, 2), (2, 3)]), (4, [(0, 2), (2, 3)]), (6, [(0, 3)])])
+def test_sensitivity_in_groups_of_start_layers_equals_one_group(lm3, stats3, monkeypatch, states, groups):
+    """Where the passes in flight (layers x candidates hidden states) would exceed SENSITIVITY_LIVE_BYTES, the start
+    layers are taken in groups, each running the layers from its first start: the same numbers, to the bit."""
+    import kvcompress.eval.sensitivity as sensitivity
+
+    books = {f.label: fit(stats3, uniform_spec(BASE, f)) for f in (K4, K8)}
+    w = token_windows(lm3.tokenizer, load_texts(SMOKE_CALIB), 2, 64, seed=4)
+    whole = layer_sensitivity(lm3, w, books, progress=False)
+    one = sensitivity._state_bytes(lm3, 64)
+    assert sensitivity.start_groups(3, 2, one) == [(0, 3)]
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_LIVE_BYTES", states * one)
+    assert sensitivity.start_groups(3, 2, one) == groups
+    assert layer_sensitivity(lm3, w, books, progress=False) == whole and all(r["kl_mean"] > 0 for r in whole[K4.label])
+
+
 def test_hull_is_ordered_from_compact_to_accurate():
     cost = [[10, 6, 3], [10, 6, 3], [10, 6, 3]]
     kl = [[0, 1, 5], [0, 0.1, 0.2], [0, 2, 9]]

@@ -7,7 +7,9 @@ passes run layer-major (layer 0 for every live pass, then layer 1, ...). A pass 
 layer l from the baseline's hidden state there, runs layer l under the evaluation attention with
 c's ScaleBook and the layers above with the model's own attention. This costs about half of one
 forward per (layer, candidate) instead of a full one. In-memory and layer-streamed models run the
-same schedule (a streamed layer is loaded once for all passes).
+same schedule (a streamed layer is loaded once for all passes). The passes in flight hold L x candidates
+hidden states at the last layer; where that would exceed SENSITIVITY_LIVE_BYTES, the start layers are
+taken in groups (start_groups), each running the layers from its first start (the same numbers).
 """
 from __future__ import annotations
 
@@ -68,6 +70,24 @@ def _run_layer(layer, h: torch.Tensor, kw: dict, model, impl) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+SENSITIVITY_LIVE_BYTES = 4 << 30  # hidden states of passes in flight at once (layer_sensitivity's groups of start layers)
+
+
+def _state_bytes(lm, T: int) -> int:
+    """Bytes of one pass's hidden states [1, T, hidden] in the compute dtype."""
+    dtype = lm.streamer.dtype if lm.streamer is not None else next(lm.model.parameters()).dtype
+    return T * lm.geometry.hidden_size * torch.empty(0, dtype=dtype).element_size()
+
+
+def start_groups(L: int, n_candidates: int, state_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive groups [g0, g1) of start layers whose passes (n_candidates per layer) are in flight together: as
+    many layers as keep the states within SENSITIVITY_LIVE_BYTES (at least one). One group, the whole model, unless
+    L x candidates states would exceed it (a 70B in float32 at 1K tokens: 80 x 4 x 32 MB); each further group runs
+    the layers from its first start again (streamed: reads them again)."""
+    per = max(1, SENSITIVITY_LIVE_BYTES // max(1, n_candidates * state_bytes))
+    return [(g0, min(L, g0 + per)) for g0 in range(0, L, per)] or [(0, 0)]
+
+
 def scored_positions(T: int, first: int, stride: int) -> torch.Tensor:
     """Positions whose next-token prediction is scored: from `first` (the first query that reads a
     compressed key; earlier ones read only fp16 keys and change by fp16 rounding alone) every
@@ -100,25 +120,16 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
     names = [n for n, b in books.items() if not b.spec.is_baseline]
     acc: dict[tuple[int, str], list[dict]] = {(li, n): [] for li in range(L) for n in names}
     first = min((b.spec.sink_tokens + b.spec.window for n, b in books.items() if n in names), default=0)
-    # progress in layer calls (pass (l, c) runs L - l layers) and lm-head calls, so the ETA holds
-    total = windows.shape[0] * (len(names) * L * (L + 1) // 2 + L + len(names) * L)
+    groups = start_groups(L, len(names), _state_bytes(lm, windows.shape[1]))
+    # progress in layer calls (pass (l, c) runs L - l layers; the baseline runs every layer once, and again up to the
+    # end of each later group's starts) and lm-head calls, so the ETA holds
+    total = windows.shape[0] * (len(names) * L * (L + 1) // 2 + L + sum(g1 - g0 for g0, g1 in groups[1:]) + len(names) * L)
     bar = tqdm(total=total, desc="tune: per-layer sensitivity", unit="call", disable=not progress)
     for wi in range(windows.shape[0]):
         ids = windows[wi : wi + 1]
-        base_h, base_kw = layers.catch(ids, None, {})
+        start_h, base_kw = layers.catch(ids, None, {})
         impl, ekw = eval_call(books[names[0]], LayerErrors(L)) if names else (None, {})
         _, eval_kw = layers.catch(ids, impl, ekw)
-        live: dict[tuple[int, str], torch.Tensor] = {}
-        for li in range(L):
-            layer = layers.layers[li]
-            with layers.loaded(li):
-                for n in names:  # passes that start here: the baseline's input to layer li, compressed at li
-                    _, kw = eval_call(books[n], LayerErrors(L))
-                    live[(li, n)] = _run_layer(layer, base_h, {**eval_kw[li], **kw}, lm.model, impl)
-                for key in [k for k in live if k[0] < li]:  # passes compressed below: exact attention here
-                    live[key] = _run_layer(layer, live[key], base_kw[li], lm.model, None)
-                base_h = _run_layer(layer, base_h, base_kw[li], lm.model, None)
-            bar.update((li + 1) * len(names) + 1)
         T = ids.shape[1]
         pos = scored_positions(T, first, stride)
         tgt = ids[0, pos + 1].view(1, -1, 1)
@@ -127,11 +138,30 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
         def logprobs(h, pos=pos):
             return torch.log_softmax(layers.logits(h[:, pos]).float(), dim=-1).cpu()
 
-        with layers.head_context():
-            lb = logprobs(base_h)
-            for key, h in live.items():
-                acc[key].append(_quality(lb, logprobs(h), tgt, T - 1, scale))
-                live[key] = None
-                bar.update(1)
+        final_h = None
+        for g0, g1 in groups:  # passes starting at layers g0..g1-1 live together; the layers from g0 up run for them
+            base_h, live = start_h, {}
+            for li in range(g0, L):
+                layer = layers.layers[li]
+                with layers.loaded(li):
+                    if li < g1:
+                        for n in names:  # passes that start here: the baseline's input to layer li, compressed at li
+                            _, kw = eval_call(books[n], LayerErrors(L))
+                            live[(li, n)] = _run_layer(layer, base_h, {**eval_kw[li], **kw}, lm.model, impl)
+                    for key in [k for k in live if k[0] < li]:  # passes compressed below: exact attention here
+                        live[key] = _run_layer(layer, live[key], base_kw[li], lm.model, None)
+                    if li < g1 or final_h is None:  # the baseline: to the next group's start (the first group: to the end)
+                        base_h = _run_layer(layer, base_h, base_kw[li], lm.model, None)
+                if li == g1 - 1:
+                    start_h = base_h
+                bar.update((min(li, g1 - 1) - g0 + 1) * len(names) + (li < g1 or final_h is None))
+            if final_h is None:
+                final_h = base_h
+            with layers.head_context():
+                lb = logprobs(final_h)
+                for key, h in live.items():
+                    acc[key].append(_quality(lb, logprobs(h), tgt, T - 1, scale))
+                    live[key] = None
+                    bar.update(1)
     bar.close()
     return {n: [_merge(acc[(li, n)]) for li in range(L)] for n in names}
