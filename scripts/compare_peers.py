@@ -121,7 +121,7 @@ def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "defaul
     import tempfile
 
     from kvcompress.spec import native_spec
-    from kvcompress.targets.recheck import baseline_logprobs, remeasure_trtllm
+    from kvcompress.targets.recheck import baseline, remeasure_trtllm
 
     if importlib.util.find_spec("modelopt") is None:
         print("nvidia-modelopt not installed (pip install -e .[dev]): the Model Optimizer rows are skipped")
@@ -129,19 +129,19 @@ def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "defaul
     calib, ev = calib_config(calib_name), eval_config(eval_name)
     cw = token_windows(lm.tokenizer, load_texts(calib), calib.n_samples, calib.seq_len, seed=calib.seed)
     windows = token_windows(lm.tokenizer, load_texts(ev), ev.n_windows, ev.seq_len, seed=ev.seed)
-    base = baseline_logprobs(lm, windows, 1)
+    base = baseline(lm, windows, 1)
     stats = profile(lm, calib, load_texts(calib), progress=False)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for algo in ("FP8", "INT8"):
             ck = modelopt_checkpoint(lm, algo, cw, Path(tmp) / f"modelopt_{algo}")
-            rows[f"Model Optimizer {algo}"] = (ck, remeasure_trtllm(ck, windows, base, 1))
+            rows[f"Model Optimizer {algo}"] = (ck, remeasure_trtllm(ck, base))
         specs = {f"kvcompress {fmt}": native_spec(fmt) for fmt in ("native_fp8", "native_int8")}
         if pair_context:
             specs[f"native_fp8 pair_context={pair_context}"] = native_spec("native_fp8").model_copy(update={"pair_context": pair_context})
         for i, (name, spec) in enumerate(specs.items()):
             ck = kvcompress_checkpoint(lm, fit(stats, spec), Path(tmp) / f"kvcompress_{i}")
-            rows[name] = (ck, remeasure_trtllm(ck, windows, base, 1))
+            rows[name] = (ck, remeasure_trtllm(ck, base))
         ref_kl = rows["Model Optimizer FP8"][1]["kl_mean"]
         print(f"native tier: TensorRT-LLM checkpoints read back and scored on {windows.shape[0]} x {windows.shape[1]} held-out tokens "
               f"(eval={eval_name}); calibration {cw.shape[0]} x {cw.shape[1]} tokens")

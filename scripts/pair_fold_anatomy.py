@@ -67,7 +67,7 @@ def main() -> None:
     mcfg, calib, ev = model_config(a.model), calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
     from compare_peers import kvcompress_checkpoint
 
-    from kvcompress.targets.recheck import baseline_logprobs, remeasure_trtllm
+    from kvcompress.targets.recheck import baseline, remeasure_trtllm
 
     lm = load_model(mcfg, cache_dir())
     stats = profile(lm, calib, load_texts(calib), progress=False)
@@ -83,13 +83,13 @@ def main() -> None:
     for lo in range(0, P, q):
         books[f"default, pairs {lo}-{min(P, lo + q) - 1} as {a.pair_context}"] = with_pairs_from(base, far, list(range(lo, min(P, lo + q))))
     windows = token_windows(lm.tokenizer, load_texts(ev), ev.n_windows, ev.seq_len, seed=ev.seed)
-    ref = baseline_logprobs(lm, windows, 1)
+    ref = baseline(lm, windows, 1)
     print(f"native_fp8 TensorRT-LLM checkpoints read back, {windows.shape[0]} x {windows.shape[1]} held-out tokens (eval={a.eval})")
     print(f"{'checkpoint':<36} {'ppl delta':>10} {'KL mean':>9} {'KL / default':>13}")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, book) in enumerate(books.items()):
-            rows[name] = remeasure_trtllm(kvcompress_checkpoint(lm, book, Path(tmp) / f"ck{i}"), windows, ref, 1)
+            rows[name] = remeasure_trtllm(kvcompress_checkpoint(lm, book, Path(tmp) / f"ck{i}"), ref)
             r = rows[name]
             print(f"{name:<36} {100 * r['ppl_delta_rel']:+9.3f}% {r['kl_mean']:9.2e} {r['kl_mean'] / rows['default (pair_context=0)']['kl_mean']:12.2f}x", flush=True)
 

@@ -38,7 +38,6 @@ from kvcompress.models.base import DTYPES
 from kvcompress.models.fused import unfuse
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
-from kvcompress.stages.validate import evaluate_quality
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
 from kvcompress.targets.hf_ckpt import HFWriter
@@ -453,7 +452,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     base = run.baseline
     if base is None:  # export without validate in this process: the baseline of the same held-out windows
         windows = token_windows(lm.tokenizer, load_texts(cfg.eval, "eval"), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
-        base = evaluate_quality(lm, {}, windows, cfg.eval.batch_size, progress=False, keep=True)[1]
+        base = recheck.baseline(lm, windows, cfg.eval.batch_size)
     tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
     g = books["primary"].geometry
     streamed = lm.streamer is not None  # a model that does not fit is re-measured layer by layer, never loaded whole

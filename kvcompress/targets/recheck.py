@@ -28,6 +28,14 @@ SCORED = ("tokens", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_se", "kl_p
 KL_SE_Z = 3.0  # compare(): KLs this many standard errors apart are still "the same"
 
 
+def baseline(lm, windows: torch.Tensor, batch_size: int) -> Baseline:
+    """The unquantized model's final hidden states of `windows` and its head (validate's kept baseline, computed alone),
+    to re-measure checkpoints against."""
+    from kvcompress.stages.validate import evaluate_quality
+
+    return evaluate_quality(lm, {}, windows, batch_size, progress=False, keep=True)[1]
+
+
 def _result(acc: QualityAccumulator) -> dict:
     r = acc.result()
     return {k: r[k] for k in SCORED}
