@@ -92,17 +92,19 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, keep):
+@pytest.mark.parametrize("layers,free,keep", [(2, 0.0, True), (0, 0.25, True), (0, 0.0, False)])
+def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, layers, free, keep):
     """validate applies the streamed head a block of positions at a time; within a run's head phase lm_head's rows are
-    read once and kept when the head takes at most HEAD_KEEP_LAYERS layers' bytes, else once per block and pass (the
-    same numbers either way). Blocks of 5 positions over 47 predictions: 10 blocks x 2 passes x 3 vocabulary chunks."""
+    read once and kept when the head takes at most HEAD_KEEP_LAYERS layers' bytes or HEAD_KEEP_FREE of the device's
+    free memory (a GPU's; here the CPU stands in for one), else once per block and pass (the same numbers either way).
+    Blocks of 5 positions over 47 predictions: 10 blocks x 2 passes x 3 vocabulary chunks."""
     import kvcompress.eval.metrics as metrics
 
     monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 3 chunks of the 257-row vocabulary
     monkeypatch.setattr(metrics, "LOGPROB_BLOCK_BYTES", 5 * 4 * 257)
-    if not keep:
-        monkeypatch.setattr(streaming, "HEAD_KEEP_LAYERS", 0)
+    monkeypatch.setattr(streaming, "HEAD_KEEP_LAYERS", layers)
+    monkeypatch.setattr(streaming, "HEAD_KEEP_FREE", free)
+    monkeypatch.setattr(streaming, "HEAD_KEEP_FREE_DEVICES", ("cuda", "cpu"))
     lm_mem, lm_st = _pair(tmp_path)
     reads, rows = [], lm_st.streamer.ckpt.rows
     monkeypatch.setattr(lm_st.streamer.ckpt, "rows", lambda key, *a: (reads.append(key), rows(key, *a))[1])

@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 from kvcompress.errors import UserError
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
-HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes
+HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes,
+HEAD_KEEP_FREE = 0.25  # or, on these devices, at most this share of their free memory (Gemma 3 27B: a 2.8 GB head, about 3.4
+HEAD_KEEP_FREE_DEVICES = ("cuda",)  # of its layers). Not on a CPU host: it streams to bound RSS, and a re-read there is a copy
 
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64,
@@ -241,9 +243,11 @@ class LayerStreamer:
     def head_phase(self):
         """The final norm materialized for logits(); lm_head's rows are kept as they are read if the whole head
         takes at most HEAD_KEEP_LAYERS decoder layers' bytes (none is loaded by then: a 70B's head is 1.2 of its
-        layers), so a head applied a block of positions at a time reads each row once per phase, not once per block."""
+        layers) or, on a GPU, HEAD_KEEP_FREE of its free memory, so a head applied a block of positions at a time reads
+        each row once per phase, not once per block (a head that fits neither: once per block)."""
         self._materialize(self.model.model.norm, "model.norm.")
-        self._keep_head = self.head_bytes <= max(HEAD_CHUNK_BYTES, HEAD_KEEP_LAYERS * self.layer_bytes)
+        self._keep_head = (self.head_bytes <= max(HEAD_CHUNK_BYTES, HEAD_KEEP_LAYERS * self.layer_bytes)
+                           or (self.device.type in HEAD_KEEP_FREE_DEVICES and self.head_bytes <= HEAD_KEEP_FREE * free_bytes(self.device)))
         try:
             yield
         finally:
@@ -444,15 +448,19 @@ def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):
 def weights_exceed_device(ckpt: Checkpoint, dtype: torch.dtype, device: str) -> bool:
     """model.streaming=auto: stream when the weights (in the compute dtype) exceed 80% of what the
     compute device has free (CPU: available RAM; CUDA: free device memory)."""
-    import psutil
-
     stored = ckpt.stored_dtype("model.embed_tokens.weight").itemsize
     need = ckpt.nbytes() * dtype.itemsize / stored
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-    else:
-        free = psutil.virtual_memory().available
-    return need > 0.8 * free
+    return need > 0.8 * free_bytes(device)
+
+
+def free_bytes(device: str | torch.device) -> int:
+    """What the compute device has free: CUDA, its free device memory; CPU, the available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
