@@ -88,3 +88,75 @@ def test_kl_mean_in_blocks_of_positions_equals_the_whole_tensor(monkeypatch):
     monkeypatch.setattr(metrics, "LOGPROB_BLOCK_BYTES", 4 * 300 * 14)  # 7 positions per double block: 74 rows in 11 blocks
     assert metrics.position_block(1, 300) // 2 == 7
     assert metrics.kl_mean(a, b) == pytest.approx(want, rel=1e-12) and want > 0
+
+
+class _RowsHead:
+    """A head that reads its weight rows again on every application (as a streamed lm_head not kept), counting reads."""
+
+    rereads, device = True, "cpu"
+
+    def __init__(self, w: torch.Tensor, chunk: int):
+        self.w, self.chunk, self.reads = w, chunk, []
+
+    def __call__(self, x):
+        self.reads.append((0, self.w.shape[0]))
+        return x @ self.w.T
+
+    def rows(self, lo, hi):
+        self.reads.append((lo, hi))
+        w = self.w[lo:hi]
+        return lambda x: x @ w.T
+
+
+def test_scoring_a_vocabulary_range_at_a_time_matches_float64_and_reads_each_head_twice(monkeypatch):
+    """A head that re-reads its weights on every application (a streamed lm_head too large to keep) is applied a
+    vocabulary range at a time to every position, in two passes (vocab_stats: online log-sum-exp, top-1 and target
+    logit, then the KL terms): each distinct head's ranges are read twice per batch, however many positions and sides,
+    and shared by the sides that use it. Ranges of 29 that do not divide 100 rows, targets on every range, ties in the
+    top-1 (the first index, as argmax) and two different heads (export re-measures another checkpoint's): the
+    numbers are float64 log_softmax's to float32 precision, and the report is that of update_logprobs."""
+    import kvcompress.eval.metrics as m
+
+    g = torch.Generator().manual_seed(3)
+    B, T, V, H = 2, 1100, 100, 16
+    w_base = torch.randn(V, H, generator=g)
+    w_base[57] = w_base[12]  # a tie: rows 12 and 57 give equal logits; top-1 is 12 where they lead
+    w_other = w_base + 0.05 * torch.randn(V, H, generator=g)
+    hb = torch.randn(B, T, H, generator=g)
+    hb[0, 5] = w_base[12] * 4  # position 5 of window 0: 12 (and 57) lead
+    hc = hb + 0.1 * torch.randn(B, T, H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    monkeypatch.setattr(m, "LOGPROB_BLOCK_BYTES", 4 * B * 29 * 300)  # 300 positions per block of a range
+    base, same, other = _RowsHead(w_base, 29), _RowsHead(w_base, 29), _RowsHead(w_other, 29)
+    acc_same, acc_other = QualityAccumulator(), QualityAccumulator()
+    m.score_hidden(hb, base, [(acc_same, hc, base), (acc_other, hc, other)], ids, V)
+    ranges = [(0, 29), (29, 58), (58, 87), (87, 100)]
+    assert base.reads == ranges * 2 and other.reads == ranges * 2 and not same.reads
+
+    def whole(w_c):
+        lb = torch.log_softmax((hb[:, :-1] @ w_base.T).double(), -1)
+        lc = torch.log_softmax((hc[:, :-1] @ w_c.T).double(), -1)
+        acc = QualityAccumulator()
+        acc.update_logprobs(lb, lc, ids)
+        return acc.result()
+
+    for acc, w_c in ((acc_same, w_base), (acc_other, w_other)):
+        want, got = whole(w_c), acc.result()
+        assert got.keys() == want.keys() and got["tokens"] == want["tokens"] == B * (T - 1)
+        assert got["top1_agree"] == want["top1_agree"] and 0.3 < want["top1_agree"] < 1
+        for k in ("ppl_baseline", "ppl_compressed"):
+            assert got[k] == pytest.approx(want[k], rel=1e-6), k
+        for k in ("kl_mean", "kl_p99", "kl_max"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5), k
+        for a, b in zip(want["by_position"], got["by_position"], strict=True):
+            assert a["tokens"] == b["tokens"] and a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-5)
+    stats = m.vocab_stats([(hb[:, :-1], base)], ids[:, 1:], V)[0]
+    assert torch.equal(stats["top1"], (hb[:, :-1] @ w_base.T).argmax(-1)) and int(stats["top1"][0, 5]) == 12
+    # the cheaper path in reads: one block of positions and one side sharing the base head read it twice either way,
+    # so the block path (the in-memory numbers to the bit) is kept; a head without ranges is never split
+    monkeypatch.setattr(m, "LOGPROB_BLOCK_BYTES", 1 << 30)
+    base.reads.clear()
+    m.score_hidden(hb, base, [(QualityAccumulator(), hc, base)], ids, V)
+    assert base.reads == [(0, V)] * 2
+    assert m.by_vocabulary([base] * 3, 1) and not m.by_vocabulary([base, other], 1) and m.by_vocabulary([base, other], 3)
+    assert not m.by_vocabulary([base, lambda x: x @ w_base.T], 9)

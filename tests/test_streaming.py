@@ -96,9 +96,12 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
 def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, layers, free, keep):
     """validate applies the streamed head a block of positions at a time; within a run's head phase lm_head's rows are
     read once and kept when the head takes at most HEAD_KEEP_LAYERS layers' bytes or HEAD_KEEP_FREE of the device's
-    free memory (a GPU's; here the CPU stands in for one), else once per block and pass (the same numbers either way).
-    Blocks of 5 positions over 47 predictions: 10 blocks x 2 passes x 3 vocabulary chunks."""
+    free memory (a GPU's; here the CPU stands in for one). A head kept by neither is applied a vocabulary range at a
+    time to every position and pass at once, in two passes (metrics.vocab_stats): 2 reads of each of its 3 chunks per
+    batch, where blocks of 5 positions over 47 predictions would read it 10 blocks x 2 passes times. The numbers are
+    the in-memory ones: the same bits when kept, the same to float32 summation order when not."""
     import kvcompress.eval.metrics as metrics
+    from kvcompress.eval.metrics import QualityAccumulator, score_hidden
 
     monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 3 chunks of the 257-row vocabulary
     monkeypatch.setattr(metrics, "LOGPROB_BLOCK_BYTES", 5 * 4 * 257)
@@ -109,17 +112,57 @@ def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, 
     reads, rows = [], lm_st.streamer.ckpt.rows
     monkeypatch.setattr(lm_st.streamer.ckpt, "rows", lambda key, *a: (reads.append(key), rows(key, *a))[1])
     book = fit(profile(lm_mem, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), KVSpec(name="kv", window=8, sink_tokens=2))
-    windows = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})), 1, 48, seed=1)
+    windows = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})), 2, 48, seed=1)
     measured, kept = evaluate_quality(lm_st, {"kv": book}, windows, 1, progress=False, keep=True)
     (q, _), = measured.values()
-    assert reads.count("lm_head.weight") == (3 if keep else 3 * 10 * 2) and not lm_st.streamer._head_cache
-    reads.clear()
-    with kept.phase():  # export's re-measurement: the kept baseline's head, applied after the run, block by block
-        for _ in range(4):
-            kept.head(kept.hidden[0][:, :5])
-    assert reads.count("lm_head.weight") == (3 if keep else 3 * 4) and not lm_st.streamer._head_cache
+    assert reads.count("lm_head.weight") == (3 if keep else 2 * 3 * 2) and not lm_st.streamer._head_cache
     (q_mem, _), = evaluate_quality(lm_mem, {"kv": book}, windows, 1, progress=False)[0].values()
-    assert q == q_mem and q["kl_mean"] > 0
+    assert q_mem["kl_mean"] > 0
+    if keep:
+        assert q == q_mem
+    else:
+        assert q.keys() == q_mem.keys() and q["tokens"] == q_mem["tokens"] and q["top1_agree"] == q_mem["top1_agree"]
+        for k in ("ppl_baseline", "ppl_compressed"):
+            assert q[k] == pytest.approx(q_mem[k], rel=1e-6), k
+        for k in ("kl_mean", "kl_p99", "kl_max"):  # float32 log-probabilities: about 1e-7 of noise on either side
+            assert q[k] == pytest.approx(q_mem[k], rel=1e-2, abs=1e-7), k
+    # export's re-measurement: the kept baseline's head, applied after the run, scored against itself
+    reads.clear()
+    acc = QualityAccumulator()
+    with kept.phase():
+        for h, ids in zip(kept.hidden, kept.batches(), strict=True):
+            score_hidden(h, kept.head, [(acc, h, kept.head)], ids, kept.vocab)
+    assert reads.count("lm_head.weight") == (3 if keep else 2 * 3 * 2) and not lm_st.streamer._head_cache
+    r = acc.result()
+    assert r["top1_agree"] == 1 and abs(r["kl_mean"]) < 1e-7 and r["ppl_baseline"] == pytest.approx(q_mem["ppl_baseline"], rel=1e-5)
+
+
+def test_streamed_remeasure_reads_two_heads_too_large_to_keep_twice_per_batch(tmp_path, monkeypatch):
+    """Export's streamed re-measurement scores a re-read model (its own streamer) against the kept baseline's head:
+    two heads, neither kept, each read twice per batch (a vocabulary range at a time); the result is validate's
+    in-memory quality of the same format to float32 summation order."""
+    import kvcompress.eval.metrics as metrics
+    from kvcompress.models.streaming import LayerStreamer, build_empty
+    from kvcompress.targets import recheck
+
+    monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 3 ranges of the 257-row vocabulary
+    monkeypatch.setattr(streaming, "HEAD_KEEP_LAYERS", 0)
+    monkeypatch.setattr(metrics, "LOGPROB_BLOCK_BYTES", 5 * 4 * 2 * 257)  # blocks of 5 positions: 10 per batch, 20 reads of each head by blocks
+    lm_mem, lm_st = _pair(tmp_path)
+    book = fit(profile(lm_mem, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False), native_spec("native_fp8"))
+    windows = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB.model_copy(update={"split": "heldout"})), 3, 48, seed=1)
+    base = recheck.baseline(lm_st, windows, 2)
+    d = lm_st.streamer.ckpt.dir
+    other = LayerStreamer(build_empty(d, torch.float32), Checkpoint(d), torch.float32, "cpu")
+    reads = {"base": [], "other": []}
+    for name, st in (("base", lm_st.streamer), ("other", other)):
+        monkeypatch.setattr(st.ckpt, "rows", lambda key, *a, f=st.ckpt.rows, r=reads[name]: (r.append(key), f(key, *a))[1])
+    got = recheck._score_streamed(other, book, base)
+    assert [r.count("lm_head.weight") for r in reads.values()] == [2 * 2 * 3, 2 * 2 * 3]  # batches x passes x ranges
+    (want, _), = evaluate_quality(lm_mem, {"b": book}, windows, 2, progress=False)[0].values()
+    assert want["kl_mean"] > 0 and got["tokens"] == want["tokens"] and got["top1_agree"] == want["top1_agree"]
+    assert got["kl_mean"] == pytest.approx(want["kl_mean"], rel=1e-3, abs=1e-7)
+    assert got["ppl_compressed"] == pytest.approx(want["ppl_compressed"], rel=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -275,9 +318,18 @@ def test_embedded_smollm2_streamed_equals_in_memory():
         assert torch.equal(stats[False].tensors[k], stats[True].tensors[k]), k
     books = {b.spec.name: b for b in (fit(stats[False], KVSpec(name="int8k_int4v")), fit(stats[False], native_spec("native_int8")))}
     windows = token_windows(lms[False].tokenizer, load_texts(calib.model_copy(update={"split": "heldout"})), 2, 384, seed=1)
-    q = {s: _quality(lm, books, windows) for s, lm in lms.items()}
-    assert q[False][0] == q[True][0]
-    assert q[False][0]["int8k_int4v"][0]["kl_mean"] > 0
+    q = {s: _quality(lm, books, windows)[0] for s, lm in lms.items()}
+    # the tied 49152 x 576 head is 113 MB in float32, over two 14 MB layers: on a CPU host the head phase does not keep
+    # it, and every position is scored a vocabulary range at a time (metrics.vocab_stats; the same numbers up to float32
+    # summation order); the decoder's per-layer errors and clip rates are the in-memory ones to the bit
+    st = lms[True].streamer
+    assert st.head_bytes > max(streaming.HEAD_CHUNK_BYTES, streaming.HEAD_KEEP_LAYERS * st.layer_bytes)
+    for name, (qm, err, clip) in q[False].items():
+        qs, err_s, clip_s = q[True][name]
+        assert err == err_s and clip == clip_s and qs["tokens"] == qm["tokens"] and qs["top1_agree"] == qm["top1_agree"]
+        assert qm["kl_mean"] > 0 and qs["kl_mean"] == pytest.approx(qm["kl_mean"], rel=1e-3, abs=1e-7), name
+        for k in ("ppl_baseline", "ppl_compressed"):  # the in-memory log_softmax sums 49152 terms in float32: nll off by ~4e-6
+            assert qs[k] == pytest.approx(qm[k], rel=5e-5), (name, k)
 
 
 def test_calibration_sees_positions_beyond_512(tiny_llama):
@@ -338,3 +390,31 @@ def test_streamed_tune_sensitivity_equals_in_memory(tmp_path, monkeypatch, arch)
     s_st = layer_sensitivity(lm_st, w, books, progress=False)
     assert s_mem == s_st and all(r["kl_mean"] > 0 for r in s_mem[f.label])
     assert all(p.device.type == "meta" for p in lm_st.model.parameters())
+
+
+def test_streamed_tune_sensitivity_with_a_head_too_large_to_keep_reads_it_twice_per_group(tmp_path, monkeypatch):
+    """A streamed head the head phase cannot keep (a large vocabulary on a CPU host) scores every pass in flight a
+    vocabulary range at a time (metrics.vocab_stats): 2 reads of its 3 ranges per group of start layers and window,
+    not one per pass; the numbers are the in-memory ones to float32 summation order."""
+    from kvcompress.eval import sensitivity
+    from kvcompress.eval.sensitivity import layer_sensitivity
+    from kvcompress.spec import LayerFormat
+    from kvcompress.stages.fit import uniform_spec
+
+    monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 3 ranges of the 257-row vocabulary
+    monkeypatch.setattr(streaming, "HEAD_KEEP_LAYERS", 0)
+    lm_mem, lm_st = _pair(tmp_path)
+    stats = profile(lm_mem, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    fs = [LayerFormat(key_bits=4, value_bits=4, value_group=32, outlier_channels=2), LayerFormat(key_bits=8, value_bits=4, value_group=32)]
+    books = {f.label: fit(stats, uniform_spec(KVSpec(name="t", window=8, sink_tokens=2), f)) for f in fs}
+    w = token_windows(ByteTokenizer(), load_texts(SMOKE_CALIB), 2, 48, seed=2)
+    s_mem = layer_sensitivity(lm_mem, w, books, progress=False)
+    reads, rows = [], lm_st.streamer.ckpt.rows
+    monkeypatch.setattr(lm_st.streamer.ckpt, "rows", lambda key, *a: (reads.append(key), rows(key, *a))[1])
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_LIVE_BYTES", 2 * sensitivity._state_bytes(lm_st, 48))  # groups of one start layer
+    s_st = layer_sensitivity(lm_st, w, books, progress=False)
+    assert reads.count("lm_head.weight") == 2 * 3 * 2 * 3  # windows x groups x passes x ranges (6 passes in flight per window)
+    for name in s_mem:
+        assert all(r["kl_mean"] > 1e-6 for r in s_mem[name])
+        for a, b in zip(s_mem[name], s_st[name], strict=True):
+            assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3, abs=1e-7) and b["ppl_delta_rel"] == pytest.approx(a["ppl_delta_rel"], rel=1e-3, abs=1e-6)

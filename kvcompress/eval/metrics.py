@@ -35,13 +35,17 @@ class QualityAccumulator:
         """lb, lc: [B, n, V] next-token log-probabilities at positions start..start+n-1 (whole windows: start 0,
         n = T-1); ids: [B, T]."""
         tgt = ids[:, start + 1 : start + 1 + lb.shape[1]].unsqueeze(-1)
-        self.nll_base += float(-lb.gather(-1, tgt).double().sum())  # double sums: blocks of positions add up as whole windows
-        self.nll_comp += float(-lc.gather(-1, tgt).double().sum())
-        self.n += tgt.numel()
-        self.top1_agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
-        kl = kl_per_position(lb, lc)  # [B, T-1]  KL(base || comp)
+        nb, nc = -lb.gather(-1, tgt).squeeze(-1), -lc.gather(-1, tgt).squeeze(-1)  # [B, n]
+        self.update_stats(nb, nc, lb.argmax(-1) == lc.argmax(-1), kl_per_position(lb, lc), start)
+
+    def update_stats(self, nb: torch.Tensor, nc: torch.Tensor, agree: torch.Tensor, kl: torch.Tensor, start: int = 0) -> None:
+        """Per-position statistics [B, n] at positions start..start+n-1: the baseline's and the compressed
+        negative log-likelihoods of the next token, whether their top-1 tokens agree, KL(base || comp)."""
+        self.nll_base += float(nb.double().sum())  # double sums: blocks of positions add up as whole windows
+        self.nll_comp += float(nc.double().sum())
+        self.n += nb.numel()
+        self.top1_agree += int(agree.sum())
         self.kl_values.append(kl.flatten().double())
-        nb, nc = -lb.gather(-1, tgt).squeeze(-1), -lc.gather(-1, tgt).squeeze(-1)  # [B, T-1]
         pb = position_bucket(torch.arange(start + 1, start + kl.shape[1] + 1))  # position of the predicted token
         for b in pb.unique().tolist():
             m = pb == b
@@ -122,11 +126,95 @@ class Baseline:
 def score_hidden(base_hidden: torch.Tensor, base_head, scored: list, ids: torch.Tensor, vocab: int) -> None:
     """Score one batch ids [B, T]: the baseline's final-normed hidden states [B, T, hidden] (through base_head) against
     each (QualityAccumulator, hidden, head) of `scored`, a block of positions at a time (position_block): no [B, T, V]
-    tensor is ever whole, and the numbers are those of whole windows (update_logprobs with start)."""
-    for lo, hi in blocks(ids.shape[1] - 1, position_block(ids.shape[0], vocab)):
+    tensor is ever whole, and the numbers are those of whole windows (update_logprobs with start). Where a head would
+    read its weights again for every application (rereads: a layer-streamed lm_head the head phase cannot keep) and
+    reading it twice is fewer reads (by_vocabulary), every position is scored at once a vocabulary range at a time
+    instead (vocab_stats)."""
+    heads = [base_head] + [head for _, _, head in scored]
+    n = ids.shape[1] - 1
+    if by_vocabulary(heads, -(-n // position_block(ids.shape[0], vocab))):
+        base, *others = vocab_stats([(base_hidden[:, :n], base_head)] + [(h[:, :n], head) for _, h, head in scored], ids[:, 1:], vocab)
+        for (acc, _, _), o in zip(scored, others, strict=True):
+            acc.update_stats(base["nll"], o["nll"], base["top1"] == o["top1"], o["kl"])
+        return
+    for lo, hi in blocks(n, position_block(ids.shape[0], vocab)):
         lb = next_token_logprobs(base_head(base_hidden[:, lo : hi + 1]))
         for acc, h, head in scored:
             acc.update_logprobs(lb, next_token_logprobs(head(h[:, lo : hi + 1])), ids, start=lo)
+
+
+def rereads(head) -> bool:
+    """Whether applying `head` reads its weights again each time (LayerStreamer's head outside a phase that keeps it)."""
+    return bool(getattr(head, "rereads", False))
+
+
+def by_vocabulary(heads: list, n_blocks: int) -> bool:
+    """Score a vocabulary range at a time (vocab_stats) rather than a block of positions at a time: when every head can
+    be applied by ranges and that reads the checkpoint fewer times (twice per distinct re-reading head, against once
+    per block of positions for each application of one). Otherwise the block path, whose numbers are the in-memory
+    ones to the bit."""
+    if not all(callable(getattr(h, "rows", None)) for h in heads):
+        return False
+    again = [h for h in heads if rereads(h)]
+    return 2 * len({id(h) for h in again}) < n_blocks * len(again)
+
+
+@torch.no_grad()
+def vocab_stats(sides: list, targets: torch.Tensor, vocab: int) -> list[dict]:
+    """Per-position statistics of the next-token distributions of `sides`, [(final-normed hidden [B, n, hidden],
+    head)], side 0 the baseline, against targets [B, n]: {"nll", "top1"} per side and {"kl"} (KL(side 0 || side k))
+    for the others, all [B, n] on the CPU. Every head is applied a vocabulary range at a time through head.rows(lo, hi)
+    (its weights for that range, read once and applied to every side that shares it) in two passes: an online
+    log-sum-exp, argmax and target logit, then the KL terms. So a head too large to keep is read twice per batch, not
+    once per block of positions; the numbers are log_softmax's up to float32 summation order."""
+    heads = list({id(h): h for _, h in sides}.values())
+    chunk = min(int(getattr(h, "chunk", vocab)) for h in heads)
+    dev = [torch.device(getattr(h, "device", "cpu")) for _, h in sides]
+    hs = [hid.to(d) for (hid, _), d in zip(sides, dev)]
+    B, n = targets.shape
+    step = max(1, LOGPROB_BLOCK_BYTES // (4 * max(1, B) * chunk))
+    inf = float("inf")
+    st = [{"m": torch.full((B, n), -inf, device=d), "s": torch.zeros(B, n, dtype=torch.float64, device=d),
+           "best": torch.full((B, n), -inf, device=d), "top1": torch.zeros(B, n, dtype=torch.long, device=d),
+           "tl": torch.zeros(B, n, device=d), "t": targets.to(d)} for d in dev]
+    for lo, hi in blocks(vocab, chunk):  # pass 1: log-sum-exp, top-1 and the target's logit
+        fns = {id(h): h.rows(lo, hi) for h in heads}
+        for (_, head), h, s in zip(sides, hs, st):
+            for plo, phi in blocks(n, step):
+                z = fns[id(head)](h[:, plo:phi])  # [B, p, hi - lo] float32 logits
+                zmax, zarg = z.max(-1)
+                best = s["best"][:, plo:phi]
+                up = zmax > best  # the first index of the largest logit, as argmax over the whole row
+                s["top1"][:, plo:phi] = torch.where(up, zarg + lo, s["top1"][:, plo:phi])
+                s["best"][:, plo:phi] = torch.where(up, zmax, best)
+                m = torch.maximum(s["m"][:, plo:phi], zmax)
+                s["s"][:, plo:phi] = (s["s"][:, plo:phi] * (s["m"][:, plo:phi] - m).exp().double()
+                                      + (z - m.unsqueeze(-1)).exp().sum(-1).double())
+                s["m"][:, plo:phi] = m
+                t = s["t"][:, plo:phi]
+                inside = (t >= lo) & (t < hi)
+                got = z.gather(-1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
+                s["tl"][:, plo:phi] = torch.where(inside, got, s["tl"][:, plo:phi])
+        del fns
+    for s in st:
+        s["lse"] = s["m"].double() + s["s"].log()  # float64: one rounding of it would shift every KL term alike
+    kl = [torch.zeros(B, n, dtype=torch.float64, device=d) for d in dev[1:]]
+    (hb, base_head), sb = (hs[0], sides[0][1]), st[0]
+    for lo, hi in blocks(vocab, chunk):  # pass 2: sum over the vocabulary of p_base * (log p_base - log p_side)
+        fns = {id(h): h.rows(lo, hi) for h in heads}
+        for plo, phi in blocks(n, step):
+            zb, lse_b = fns[id(base_head)](hb[:, plo:phi]), sb["lse"][:, plo:phi]
+            pb = (zb - lse_b.float().unsqueeze(-1)).exp()
+            for k, ((_, head), h, s) in enumerate(zip(sides[1:], hs[1:], st[1:])):
+                # log p_base - log p_side = (z_base - z_side) - (lse_base - lse_side), the difference of the lse's in float64
+                shift = (lse_b - s["lse"][:, plo:phi].to(lse_b.device)).float().unsqueeze(-1)
+                d = zb - fns[id(head)](h[:, plo:phi]).to(zb.device) - shift
+                kl[k][:, plo:phi] += (pb * d).sum(-1).double().to(kl[k].device)
+        del fns
+    out = [{"nll": (s["lse"] - s["tl"].double()).float().cpu(), "top1": s["top1"].cpu()} for s in st]
+    for o, k in zip(out[1:], kl):
+        o["kl"] = k.float().clamp(min=0).cpu()
+    return out
 
 
 def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:

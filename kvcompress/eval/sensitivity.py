@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.eval.attention import LayerErrors, eval_call
-from kvcompress.eval.metrics import kl_per_position
+from kvcompress.eval.metrics import by_vocabulary, kl_per_position, vocab_stats
 from kvcompress.models.observe import attention_implementation
 from kvcompress.models.streaming import catch_layer_inputs, final_logits
 from kvcompress.scalebook import ScaleBook
@@ -63,6 +63,10 @@ class _Layers:
     def head_context(self):
         return nullcontext() if self.s is None else self.s.head_phase()
 
+    def vocab_head(self):
+        """The streamed head as scoring uses it (None in memory)."""
+        return None if self.s is None else self.s.scoring_head
+
 
 def _run_layer(layer, h: torch.Tensor, kw: dict, model, impl) -> torch.Tensor:
     with attention_implementation(model, impl):
@@ -85,7 +89,7 @@ def start_groups(L: int, n_candidates: int, state_bytes: int) -> list[tuple[int,
     L x candidates states would exceed it (a 70B in float32 at 1K tokens: 80 x 4 x 32 MB); each further group runs
     the layers from its first start again (streamed: reads them again)."""
     per = max(1, SENSITIVITY_LIVE_BYTES // max(1, n_candidates * state_bytes))
-    return [(g0, min(L, g0 + per)) for g0 in range(0, L, per)] or [(0, 0)]
+    return [(g0, min(L, g0 + per)) for g0 in range(0, L, per)]
 
 
 def scored_positions(T: int, first: int, stride: int) -> torch.Tensor:
@@ -95,12 +99,30 @@ def scored_positions(T: int, first: int, stride: int) -> torch.Tensor:
     return torch.arange(min(first, T - 2), T - 1, stride)
 
 
-def _quality(lb: torch.Tensor, lc: torch.Tensor, tgt: torch.Tensor, n_all: int, scale: float) -> dict:
-    """KL mean and perplexity change over all n_all predictions, estimated from the scored ones
-    (their sums times `scale`; the unscored early positions counted as unchanged)."""
-    kl = float(kl_per_position(lb, lc).double().sum()) * scale
-    dnll = float((lb.gather(-1, tgt) - lc.gather(-1, tgt)).double().sum()) * scale
-    return {"kl_sum": kl, "dnll_sum": dnll, "n": n_all}
+def _quality(kl: torch.Tensor, nll_base: torch.Tensor, nll_comp: torch.Tensor, n_all: int, scale: float) -> dict:
+    """KL mean and perplexity change over all n_all predictions, estimated from the scored ones' per-position KL
+    and negative log-likelihoods (their sums times `scale`; the unscored early positions counted as unchanged)."""
+    return {"kl_sum": float(kl.double().sum()) * scale, "dnll_sum": float((nll_comp - nll_base).double().sum()) * scale, "n": n_all}
+
+
+def _score_live(layers, final_h: torch.Tensor, live: dict, pos: torch.Tensor, tgt: torch.Tensor):
+    """(key, per-position KL, baseline nll, compressed nll) of each live pass's final states against the baseline's at
+    the scored positions `pos` (targets tgt [1, n]). A streamed head that the head phase cannot keep is applied a
+    vocabulary range at a time to every pass at once (metrics.vocab_stats: two reads), not read once per pass, when
+    more than one pass is live."""
+    head = layers.vocab_head()
+    if head is not None and by_vocabulary([head] * (1 + len(live)), 1):  # one block: all scored positions at once
+        norm = layers.lm.model.model.norm
+        sides = [(norm(final_h[:, pos]), head)] + [(norm(h[:, pos]), head) for h in live.values()]
+        base, *others = vocab_stats(sides, tgt, layers.lm.geometry.vocab_size)
+        for key, o in zip(list(live), others, strict=True):
+            yield key, o["kl"], base["nll"], o["nll"]
+        return
+    lb = torch.log_softmax(layers.logits(final_h[:, pos]).float(), dim=-1).cpu()
+    nb = -lb.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    for key, h in live.items():
+        lc = torch.log_softmax(layers.logits(h[:, pos]).float(), dim=-1).cpu()
+        yield key, kl_per_position(lb, lc), nb, -lc.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
 
 
 def _merge(parts: list[dict]) -> dict:
@@ -132,12 +154,8 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
         _, eval_kw = layers.catch(ids, impl, ekw)
         T = ids.shape[1]
         pos = scored_positions(T, first, stride)
-        tgt = ids[0, pos + 1].view(1, -1, 1)
+        tgt = ids[0, pos + 1].view(1, -1)
         scale = (T - 1 - min(first, T - 2)) / len(pos)
-
-        def logprobs(h, pos=pos):
-            return torch.log_softmax(layers.logits(h[:, pos]).float(), dim=-1).cpu()
-
         final_h = None
         for g0, g1 in groups:  # passes starting at layers g0..g1-1 live together; the layers from g0 up run for them
             base_h, live = start_h, {}
@@ -158,9 +176,8 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
             if final_h is None:
                 final_h = base_h
             with layers.head_context():
-                lb = logprobs(final_h)
-                for key, h in live.items():
-                    acc[key].append(_quality(lb, logprobs(h), tgt, T - 1, scale))
+                for key, kl, nb, nc in _score_live(layers, final_h, live, pos, tgt):
+                    acc[key].append(_quality(kl, nb, nc, T - 1, scale))
                     live[key] = None
                     bar.update(1)
     bar.close()

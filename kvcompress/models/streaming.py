@@ -191,6 +191,7 @@ class LayerStreamer:
         self.head_bytes = self.vocab * self.hidden_size * esize
         self._head_cache: dict[int, torch.Tensor] = {}
         self._keep_head = False  # head_phase: rows read are kept
+        self.scoring_head = StreamedHead(self)
 
     # --- weights -----------------------------------------------------------------------------
     def _materialize(self, module: torch.nn.Module, prefix: str) -> None:
@@ -230,14 +231,17 @@ class LayerStreamer:
         out = torch.empty(*h.shape[:-1], self.vocab, dtype=torch.float32, device=h.device)
         for lo in range(0, self.vocab, self.chunk_rows):
             hi = min(self.vocab, lo + self.chunk_rows)
-            w = self._head_cache.get(lo)
-            if w is None:
-                w = self.ckpt.rows(self.head_key, lo, hi, self.dtype, self.device)
-                if self._keep_head:
-                    self._head_cache[lo] = w
-            out[..., lo:hi] = torch.nn.functional.linear(h, w).float()
-            del w
+            out[..., lo:hi] = torch.nn.functional.linear(h, self.head_rows(lo, hi)).float()
         return head_transform(self.model, out)
+
+    def head_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """lm_head's rows lo..hi on the device: read from the checkpoint, or from what the head phase keeps."""
+        w = self._head_cache.get((lo, hi))
+        if w is None:
+            w = self.ckpt.rows(self.head_key, lo, hi, self.dtype, self.device)
+            if self._keep_head:
+                self._head_cache[(lo, hi)] = w
+        return w
 
     @contextmanager
     def head_phase(self):
@@ -277,8 +281,8 @@ class LayerStreamer:
             after_layer: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
         """Push every batch (ids [B, T]) of every pass through all layers, then (if `head`) call
         head(pass index, batch index, logits [B, T, V] float32; [B, 1, V] for a last_only pass) batch by batch,
-        passes in order; with head_hidden, head(pass index, batch index, final-normed hidden [B, T, hidden], self.head)
-        (run_calls_hidden)."""
+        passes in order; with head_hidden, head(pass index, batch index, final-normed hidden [B, T, hidden], the head
+        as a StreamedHead) (run_calls_hidden)."""
         spill = self._spill(batches, passes)
         for p in passes:
             p.hidden, p.layer_kwargs = [], []
@@ -313,8 +317,37 @@ class LayerStreamer:
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
                     h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i]).to(self.device)
-                    head(pi, i, self.model.model.norm(h), self.head) if head_hidden else head(pi, i, self.logits(h))
+                    head(pi, i, self.model.model.norm(h), self.scoring_head) if head_hidden else head(pi, i, self.logits(h))
                     p.hidden[i] = None
+
+
+class StreamedHead:
+    """A LayerStreamer's head as the evaluation scores with it (run(head_hidden=True) passes it): called on final-normed
+    hidden states it is LayerStreamer.head; rows(lo, hi) applies the rows lo..hi alone (read once, for every side that
+    shares them), and `rereads` says whether each application reads the checkpoint again (outside a head phase that
+    keeps the head): metrics.score_hidden then scores a vocabulary range at a time (metrics.vocab_stats)."""
+
+    def __init__(self, streamer: LayerStreamer):
+        self.s = streamer
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.s.head(normed)
+
+    @property
+    def rereads(self) -> bool:
+        return not self.s._keep_head
+
+    @property
+    def chunk(self) -> int:
+        return self.s.chunk_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.s.device
+
+    def rows(self, lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = self.s.head_rows(lo, hi)
+        return lambda normed: head_transform(self.s.model, torch.nn.functional.linear(normed.to(w.device), w).float())
 
 
 def catch_layer_inputs(model, **forward_kwargs) -> tuple[torch.Tensor, list[dict]]:

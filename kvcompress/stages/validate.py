@@ -110,7 +110,8 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
             score_hidden(hs[0], to_logits, [(acc[n], hc, to_logits) for n, hc in zip(names, hs[1:])], batches[i], V)
         if kept is not None:
             kept.hidden.append(hs[0].cpu())
-            kept.head = lambda x, f=to_logits, d=hs[0].device: f(x.to(d))
+            if kept.head is None:  # a streamed head moves its input itself and can be scored a vocabulary range at a time
+                kept.head = to_logits if callable(getattr(to_logits, "rows", None)) else lambda x, f=to_logits, d=hs[0].device: f(x.to(d))
 
     run_calls_hidden(lm, batches, calls, head, progress)
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
