@@ -135,6 +135,20 @@ def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, 
     assert reads.count("lm_head.weight") == (3 if keep else 2 * 3 * 2) and not lm_st.streamer._head_cache
     r = acc.result()
     assert r["top1_agree"] == 1 and abs(r["kl_mean"]) < 1e-7 and r["ppl_baseline"] == pytest.approx(q_mem["ppl_baseline"], rel=1e-5)
+    # validate's self-check on the streamed model: two passes' logits compared the same way (a vocabulary range at a
+    # time when the head is not kept: 2 reads of 3 ranges, not 2 per block of 5 positions)
+    reads.clear()
+    assert self_check(lm_st, windows[:1], "tiny")["passed"]
+    assert reads.count("lm_head.weight") == (3 if keep else 2 * 3)
+    from kvcompress.stages.validate import _kl_by_blocks
+
+    h = kept.hidden[0]
+    other = h + 0.5 * torch.randn(h.shape, generator=torch.Generator().manual_seed(0))
+    with lm_st.streamer.head_phase():
+        got = _kl_by_blocks(h, other, lm_st.streamer.scoring_head, kept.vocab)
+    with torch.no_grad():
+        want = metrics.kl_mean(lm_mem.model.lm_head(h), lm_mem.model.lm_head(other))
+    assert want > 1e-4 and got == pytest.approx(want, rel=1e-4)
 
 
 def test_streamed_remeasure_reads_two_heads_too_large_to_keep_twice_per_batch(tmp_path, monkeypatch):

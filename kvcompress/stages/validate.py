@@ -22,7 +22,8 @@ from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
-from kvcompress.eval.metrics import Baseline, QualityAccumulator, blocks, score_hidden, kl_mean, position_block, position_bucket
+from kvcompress.eval.metrics import (Baseline, QualityAccumulator, blocks, by_vocabulary, kl_mean, position_block, position_bucket, score_hidden,
+                                     vocab_stats)
 from kvcompress.eval.retrieval import run_tasks
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls_hidden
@@ -47,8 +48,13 @@ def baseline_label(model) -> str:
 
 
 def _kl_by_blocks(h_base: torch.Tensor, h_other: torch.Tensor, to_logits, vocab: int) -> float:
-    """kl_mean of the logits of two final hidden states [B, T, hidden], formed a block of positions at a time."""
+    """kl_mean of the logits of two final hidden states [B, T, hidden], formed a block of positions at a time; with a
+    streamed head that would be read again for each (metrics.by_vocabulary), a vocabulary range at a time instead
+    (metrics.vocab_stats: two reads)."""
     B, T = h_base.shape[:2]
+    if by_vocabulary([to_logits, to_logits], -(-T // position_block(B, vocab))):
+        _, other = vocab_stats([(h_base, to_logits), (h_other, to_logits)], torch.zeros(B, T, dtype=torch.long), vocab)
+        return float(other["kl"].double().mean())
     total = 0.0
     for lo, hi in blocks(T, position_block(B, vocab)):
         total += kl_mean(to_logits(h_base[:, lo:hi]), to_logits(h_other[:, lo:hi])) * (hi - lo)
