@@ -189,7 +189,7 @@ class LayerStreamer:
         self.layer_bytes = max(sum(p.numel() for p in self.layers[0].parameters()) * esize, 1)
         self.chunk_rows = max(1, min(self.vocab, HEAD_CHUNK_BYTES // (self.hidden_size * esize)))
         self.head_bytes = self.vocab * self.hidden_size * esize
-        self._head_cache: dict[int, torch.Tensor] = {}
+        self._head_cache: dict[tuple[int, int], torch.Tensor] = {}  # (lo, hi) -> lm_head rows kept by the head phase
         self._keep_head = False  # head_phase: rows read are kept
         self.scoring_head = StreamedHead(self)
 
@@ -231,8 +231,8 @@ class LayerStreamer:
         out = torch.empty(*h.shape[:-1], self.vocab, dtype=torch.float32, device=h.device)
         for lo in range(0, self.vocab, self.chunk_rows):
             hi = min(self.vocab, lo + self.chunk_rows)
-            out[..., lo:hi] = torch.nn.functional.linear(h, self.head_rows(lo, hi)).float()
-        return head_transform(self.model, out)
+            out[..., lo:hi] = self.scoring_head.rows(lo, hi)(h)  # head_transform is elementwise: per range as whole
+        return out
 
     def head_rows(self, lo: int, hi: int) -> torch.Tensor:
         """lm_head's rows lo..hi on the device: read from the checkpoint, or from what the head phase keeps."""
@@ -248,7 +248,8 @@ class LayerStreamer:
         """The final norm materialized for logits(); lm_head's rows are kept as they are read if the whole head
         takes at most HEAD_KEEP_LAYERS decoder layers' bytes (none is loaded by then: a 70B's head is 1.2 of its
         layers) or, on a GPU, HEAD_KEEP_FREE of its free memory, so a head applied a block of positions at a time reads
-        each row once per phase, not once per block (a head that fits neither: once per block)."""
+        each row once per phase, not once per block. A head that fits neither is scored a vocabulary range at a time
+        where that reads less (metrics.by_vocabulary: twice per batch); applied whole, it is read once per call."""
         self._materialize(self.model.model.norm, "model.norm.")
         self._keep_head = (self.head_bytes <= max(HEAD_CHUNK_BYTES, HEAD_KEEP_LAYERS * self.layer_bytes)
                            or (self.device.type in HEAD_KEEP_FREE_DEVICES and self.head_bytes <= HEAD_KEEP_FREE * free_bytes(self.device)))
