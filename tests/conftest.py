@@ -9,6 +9,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Under pytest-xdist (the README's `-n 2`), the workers share the cores: each takes its share of threads,
+# and so do the CLI runs it starts (OMP_NUM_THREADS is inherited), instead of every process oversubscribing them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 import subprocess
 import sys
 from pathlib import Path
