@@ -10,7 +10,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (reference.pack_codes); per-token family only
+PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (reference.pack_codes); per-token and token-grouped families
+WATERFILL_MEANS = (4, 5, 6, 7)  # kv.key.bits of kv.key.alloc=waterfill: the mean width (each RoPE pair gets 1..8 bits; a mean of 8 is uniform)
 GROUP_RANGE_TOKENS = (32, 64, 128)  # token-group sizes whose per-channel key ranges profile records (kv.key.alloc=waterfill)
 
 
@@ -25,7 +26,8 @@ class KeySpec(Frozen):
     (z = 0 when symmetric).
     """
 
-    # 5..7 (PLANE_BITS): kv.key.granularity=token only (a nibble plus bit planes, reference.pack_codes)
+    # 5..7 (PLANE_BITS): kv.key.granularity=token (a nibble plus bit planes, reference.pack_codes) or token-grouped keys
+    # (group_tokens > 0: the mean width of one bitstream per row, reference.pack_bits)
     bits: Literal[4, 5, 6, 7, 8, 16] = 8
     # "token" (CompressedCache, validate, the Triton kernels and the custom-tier export): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
@@ -54,7 +56,7 @@ class ValueSpec(Frozen):
     scale = (max - min) / (2**bits - 1), q = clamp(round_half_even((v - min) / scale), 0, 2**bits - 1)
     """
 
-    # 5..7 (PLANE_BITS): beside per-token keys only (kv.key.granularity=token), as the rotated formats
+    # 5..7 (PLANE_BITS): beside per-token or token-grouped keys, as the rotated formats and kv=wf5/wf6
     bits: Literal[4, 5, 6, 7, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
@@ -75,7 +77,7 @@ class LayerFormat(Frozen):
     method, symmetry and RoPE tying are the spec's, shared by all layers.
     """
 
-    key_bits: Literal[4, 5, 6, 7, 8, 16]  # 5..7 (PLANE_BITS): in the per-token family only (KVSpec checks)
+    key_bits: Literal[4, 5, 6, 7, 8, 16]  # 5..7 (PLANE_BITS): in the per-token and token-grouped families only (KVSpec checks)
     value_bits: Literal[4, 5, 6, 7, 8, 16]
     value_group: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
     outlier_channels: int = Field(0, ge=0)
@@ -160,15 +162,17 @@ class KVSpec(Frozen):
         if self.key.group_tokens and (self.is_native or self.outlier_channels or self.window < self.key.group_tokens):
             raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (token-grouped keys) needs the kvcompress format, no outlier channels "
                              f"and kv.window >= group_tokens (a group is quantized once all its tokens left the window); got window={self.window}")
-        if self.key.alloc == "waterfill" and (self.key.group_tokens not in GROUP_RANGE_TOKENS or self.key.bits not in (4,)):
+        if self.key.alloc == "waterfill" and (self.key.group_tokens not in GROUP_RANGE_TOKENS or self.key.bits not in WATERFILL_MEANS):
             raise ValueError(f"kv.key.alloc=waterfill needs token-grouped keys, kv.key.group_tokens in {list(GROUP_RANGE_TOKENS)} (the group "
-                             f"sizes profile records ranges for), and kv.key.bits=4 (the mean); got group_tokens={self.key.group_tokens}, bits={self.key.bits}")
+                             f"sizes profile records ranges for), and kv.key.bits (the mean width) in {list(WATERFILL_MEANS)}; got "
+                             f"group_tokens={self.key.group_tokens}, bits={self.key.bits}")
         if self.headroom != "auto" and not self.headroom >= 1.0:
             raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
         odd = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in PLANE_BITS]
-        if odd and not (self.key.granularity == "token" and not self.is_native):
-            raise ValueError(f"{', '.join(odd)}: 5..7-bit codes are in the per-token family only (kv.key.granularity=token, "
-                             f"format=kvcompress); allowed elsewhere: 4, 8 (16 = fp16); got granularity={self.key.granularity}, format={self.format}")
+        if odd and not ((self.key.granularity == "token" or self.key.group_tokens) and not self.is_native):
+            raise ValueError(f"{', '.join(odd)}: 5..7-bit codes are in the per-token family (kv.key.granularity=token) and the token-grouped "
+                             f"family (kv.key.group_tokens > 0) only, format=kvcompress; allowed elsewhere: 4, 8 (16 = fp16); got "
+                             f"granularity={self.key.granularity}, group_tokens={self.key.group_tokens}, format={self.format}")
         if self.key.rotate != "none" and self.key.granularity != "token":
             raise ValueError(f"kv.key.rotate={self.key.rotate} needs kv.key.granularity=token (static per-channel scales follow RoPE pairs, not a rotated basis)")
         if self.key.granularity == "token" and (not self.key.symmetric or self.key.group_tokens or self.outlier_channels):
@@ -328,6 +332,9 @@ class KVSpec(Frozen):
             raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
         if {self.key.bits, self.value.bits} & set(PLANE_BITS) and head_dim % 8:
             raise UserError(f"5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim={head_dim} is not a multiple of 8")
+        if self.key.group_tokens and head_dim * self.key.bits % 32:
+            raise UserError(f"token-grouped keys are stored as rows of head_dim * kv.key.bits / 8 bytes, read as 32-bit words: head_dim * bits "
+                            f"must be a multiple of 32; got head_dim={head_dim}, kv.key.bits={self.key.bits}")
         if self.format == "native_nvfp4" and head_dim % 16:
             raise UserError(f"kv=native_nvfp4 needs head_dim divisible by its 16-element blocks; head_dim={head_dim}")
 

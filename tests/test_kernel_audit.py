@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import triton
 
 from kvcompress import reference as ref
 from kvcompress.kernels import plan
@@ -75,7 +76,7 @@ def test_readme_per_token_figures_are_the_audit(audit_per_token_sm90):
 
 @pytest.fixture(scope="module")
 def audit_grouped_sm90(tmp_path_factory):
-    """The grouped family (kv=wf4 at head dims 128 and 64), compiled for sm_90 and audited."""
+    """The grouped family (kv=wf4, wf5, wf6 at head dims 128 and 64), compiled for sm_90 and audited."""
     return _aot_audit(tmp_path_factory, "grouped")
 
 
@@ -86,7 +87,8 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
     yet at the other families' level: the decode kernel holds ~220-250 registers (8 resident warps per SM on
     sm_90, half the per-token family's 16), and at head dim 128 its tile is 16 tokens."""
     kernels = {k["name"]: k for k in audit_grouped_sm90["kernels"]}
-    assert {f"{k}_{v}" for k in ("kv_append_grp", "decode_split_grp", "decode_reduce") for v in ("d128_g8_wf4", "d64_g3_wf4")} == set(kernels)
+    names = [f"d{d}_g{g}_wf{b}" for d, g in ((128, 8), (64, 3)) for b in (4, 5, 6)]
+    assert {f"{k}_{v}" for k in ("kv_append_grp", "decode_split_grp", "decode_reduce") for v in names} == set(kernels)
     for k in kernels.values():
         assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
         if k["kernel"] == "decode_split_grp":
@@ -94,8 +96,13 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
             assert ml["block_t"] <= 128 and k["occupancy"]["sm_90"]["warps_per_sm"] >= 8, k["name"]
             assert set(ml["loads"]) <= {"16", "64", "128"} and ml["narrowest_payload_bits"] >= 64, (k["name"], ml)  # 16-bit: the group's scale/min
             # bytes the loads bring per cache element: 1.35x the format's at d128, 2x at d64 (the word tile is loaded by
-            # more threads than it has words); byte gathers brought 2.6x and 3.5x
-            assert ml["bytes_per_cache_element"] <= 2.0 * ml["format_bytes_per_cache_element"], (k["name"], ml)
+            # more threads than it has words); byte gathers brought 2.6x and 3.5x. A row of mean width 5..7 is read as a
+            # power of two of words, the ones past the row masked: the static count includes those predicated-off
+            # loads, which move no bytes, hence the padding factor (d64: 10 and 12 words read as 16)
+            D, b = int(k["name"].split("_d")[1].split("_")[0]), int(k["name"][-1])
+            words = D * b // 32
+            pad = triton.next_power_of_2(words) / words
+            assert ml["bytes_per_cache_element"] <= 2.0 * pad * ml["format_bytes_per_cache_element"], (k["name"], ml)
 
 
 def _decode(audit, name):

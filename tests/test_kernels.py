@@ -226,32 +226,35 @@ def test_per_token_append_is_bit_exact_with_the_reference(kb, vb, group, window,
 
 
 # the grouped family (kv.key.group_tokens): kv=wf4 (water-filled widths, rotated symmetric values) and kv=kivi_int4's keys
-def wf_table(H: int, D: int, seed: int = 0) -> torch.Tensor:
-    """Per-channel widths as kv.key.alloc=waterfill gives them: 1..8 bits, RoPE pairs alike, mean 4 (most codes straddle bytes)."""
+def wf_table(H: int, D: int, seed: int = 0, mean: int = 4) -> torch.Tensor:
+    """Per-channel widths as kv.key.alloc=waterfill gives them: 1..8 bits, RoPE pairs alike, the given mean (most codes straddle bytes)."""
     w = torch.rand(H, D, generator=torch.Generator().manual_seed(seed)) ** 8 * 1e4
-    t = ref.waterfill_bits(w, 4)
-    assert int(t.min()) < 3 and int(t.max()) > 5
+    t = ref.waterfill_bits(w, mean)
+    assert int(t.min()) < mean - 1 and int(t.max()) > mean + 1 and bool((t.sum(-1) == mean * D).all())
     return t
 
 
 WF4 = dict(value_symmetric=True, value_rotate=True)
 GROUPED_CASES = [
-    # lens, H_kv, GQA, D, value bits, value group, value options, sinks, key group (tokens), water-filled widths
-    ([1, 20, 40, 41, 150], 2, 3, 64, 4, 64, WF4, 4, 32, True),  # kv=wf4 at SmolLM2's head dim
-    ([300, 45], 1, 8, 128, 4, 128, WF4, 4, 32, True),  # kv=wf4 at Llama's head dim
-    ([200, 33], 2, 1, 64, 4, 32, {}, 0, 32, False),  # kv=kivi_int4: uniform 4-bit keys, asymmetric values
-    ([170], 1, 3, 64, 4, 16, dict(value_rotate=True, value_coded_min=True), 2, 16, True),  # coded-min values, groups of 16
+    # lens, H_kv, GQA, D, key bits (the mean), value bits, value group, value options, sinks, key group (tokens), water-filled widths
+    ([1, 20, 40, 41, 150], 2, 3, 64, 4, 4, 64, WF4, 4, 32, True),  # kv=wf4 at SmolLM2's head dim
+    ([300, 45], 1, 8, 128, 4, 4, 128, WF4, 4, 32, True),  # kv=wf4 at Llama's head dim
+    ([200, 33], 2, 1, 64, 4, 4, 32, {}, 0, 32, False),  # kv=kivi_int4: uniform 4-bit keys, asymmetric values
+    ([170], 1, 3, 64, 4, 4, 16, dict(value_rotate=True, value_coded_min=True), 2, 16, True),  # coded-min values, groups of 16
+    # kv=wf5 / kv=wf6: rows of 10 and 24 words read as 16 and 32 (the rest masked), 5- and 6-bit values in bit planes
+    ([150, 41], 2, 3, 64, 5, 5, 64, WF4, 4, 32, True),
+    ([200, 7], 1, 8, 128, 6, 6, 128, WF4, 4, 32, True),
 ]
 
 
-@pytest.mark.parametrize("lens,H,G,D,vb,group,fam,n_sink,gt,wf", GROUPED_CASES)
-def test_grouped_decode_matches_reference(lens, H, G, D, vb, group, fam, n_sink, gt, wf):
+@pytest.mark.parametrize("lens,H,G,D,kb,vb,group,fam,n_sink,gt,wf", GROUPED_CASES)
+def test_grouped_decode_matches_reference(lens, H, G, D, kb, vb, group, fam, n_sink, gt, wf):
     """decode_split_grp_kernel (a tile's group scale folded into the query, its min into a constant, codes cut
     from the bitstream) against softmax(q k_hat^T) v_hat with k_hat decoded by reference.unpack_bits and
     dequantize_keys_grouped."""
     ks, vs = make_seqs(lens, H, D, seed=11)
-    p = token_params(4, H)
-    table = wf_table(H, D) if wf else None
+    p = token_params(kb, H)
+    table = wf_table(H, D, mean=kb) if wf else None
     kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=n_sink, window=32, value_bits=vb, group=group, key_group_tokens=gt, key_bits_table=table, **fam), DEVICE)
     q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     want = ops.decode_attention_reference(q, kv, p, D**-0.5)
@@ -274,22 +277,23 @@ def test_grouped_decode_reads_the_widths_and_the_group_scales():
     assert (ops.decode_attention(q, kv, p, 0.125) - good).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("vb,group,window,n_sink,gt,wf,fam", [
-    (4, 64, 32, 4, 32, True, WF4),  # kv=wf4's structure
-    (4, 32, 32, 0, 32, False, {}),  # kv=kivi_int4
-    (4, 16, 40, 2, 16, True, dict(value_rotate=True, value_coded_min=True)),  # a window longer than a group
+@pytest.mark.parametrize("kb,vb,group,window,n_sink,gt,wf,fam", [
+    (4, 4, 64, 32, 4, 32, True, WF4),  # kv=wf4's structure
+    (4, 4, 32, 32, 0, 32, False, {}),  # kv=kivi_int4
+    (4, 4, 16, 40, 2, 16, True, dict(value_rotate=True, value_coded_min=True)),  # a window longer than a group
+    (5, 5, 64, 32, 4, 32, True, WF4),  # kv=wf5's structure: 40-byte key rows, 5-bit values in bit planes
 ])
-def test_grouped_append_is_bit_exact_with_the_reference(vb, group, window, n_sink, gt, wf, fam):
+def test_grouped_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, gt, wf, fam):
     """kv_append_grp_kernel: a group encoded from the ring when its first token leaves it, fp16 min rounded
     down and scale up, round-half-even codes packed at their bit offsets: the same bytes as
     PackedKV.from_reference (which encodes whole groups with reference.quantize_keys_grouped + pack_bits)."""
     H, D, lens = 2, 64, [130, 3, 70]
     ks, vs = make_seqs(lens, H, D, seed=15)
-    p = token_params(4, H)
-    table = wf_table(H, D, seed=2) if wf else None
+    p = token_params(kb, H)
+    table = wf_table(H, D, seed=2, mean=kb) if wf else None
     T = max(lens)
     fam = dict(fam, key_group_tokens=gt, key_bits_table=table)
-    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=0, key_bits=4, value_bits=vb, group=group, **fam), DEVICE)
+    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=0, key_bits=kb, value_bits=vb, group=group, **fam), DEVICE)
     full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
     full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
     for t in range(T):

@@ -352,8 +352,9 @@ WF = dict(key={"bits": 4, "granularity": "channel", "symmetric": False, "clip": 
           value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=32, sink_tokens=2)
 
 
-def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path):
-    """kv=wf4's family in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
+@pytest.mark.parametrize("mean", [4, 5])
+def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path, mean):
+    """kv=wf4's family (and kv=wf5's: 40-byte key rows, 5-bit values in bit planes) in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
     and bit offsets (plugin_params k_bits, k_offsets), 10 cache buffers per layer, a key group written whole when
     its first token leaves the window; decodes like CompressedCache on tokens that cross into the store."""
     from kvcompress.stages.export import bundle_variants
@@ -362,9 +363,9 @@ def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path):
     with torch.no_grad():  # sharper attention: a random tiny model attends almost uniformly, so wrong keys would barely move its logits
         for layer in lm.model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
-    book = fitted_book(lm, name="wf", **WF)
+    book = fitted_book(lm, name="wf", **{**WF, "key": {**WF["key"], "bits": mean}, "value": {**WF["value"], "bits": mean}})
     bits = book.tensors["k_bits"]
-    assert int(bits.min()) < 4 < int(bits.max())  # uneven widths, as kv=wf4
+    assert int(bits.min()) < mean < int(bits.max())  # uneven widths, as kv=wf4 / wf5
     variants, _ = bundle_variants(book, lm.geometry)
     v = variants[0].__dict__
     assert v["key_group_tokens"] == 32 and v["value_rotate"] and v["value_symmetric"]
@@ -372,7 +373,7 @@ def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path):
     lm.model.save_pretrained(str(hf), safe_serialization=True)
     spec = no.network_spec(book, v, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2)
     params = no.plugin_params(book)
-    assert set(params) == {"k_bits", "k_offsets"} and params["k_bits"].dtype == np.int32 and (params["k_bits"].sum(-1) == 4 * lm.geometry.head_dim).all()
+    assert set(params) == {"k_bits", "k_offsets"} and params["k_bits"].dtype == np.int32 and (params["k_bits"].sum(-1) == mean * lm.geometry.head_dim).all()
     no.write_network_files(tmp_path / "bundle", spec, params)
     assert tn.cache_names(tn.load_spec(tmp_path / "bundle")["variant"]) == tn.CACHE_GROUPED
     prompt = lm.tokenizer.encode(" ".join(["The plugin owns its cache and writes whole key groups."] * 8))[:44]
@@ -380,10 +381,10 @@ def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path):
     res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["tokens"] == 51  # 2 sinks + 32 window + 17 compressed: the first group written
     assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
-    # negative: plugin constants that are not the validated allocation (widths 1 and 7 alternating, same bits per row) are caught
+    # negative: plugin constants that are not the validated allocation (widths mean -/+ 3 alternating, same bits per row) are caught
     from kvcompress import reference as ref
 
-    wrong = torch.tensor([1, 7]).repeat(lm.geometry.head_dim // 2).expand(*params["k_bits"].shape).contiguous()
+    wrong = torch.tensor([mean - 3, mean + 3]).repeat(lm.geometry.head_dim // 2).expand(*params["k_bits"].shape).contiguous()
     bad = {"k_bits": wrong.to(torch.int32).numpy(), "k_offsets": ref.bit_offsets(wrong).to(torch.int32).numpy()}
     no.write_network_files(tmp_path / "bad", spec, bad)
     worse = no.check_network(tmp_path / "bad", hf, lm.model, book, prompt, max_new_tokens=8)

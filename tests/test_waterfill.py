@@ -18,6 +18,7 @@ from kvcompress.spec import KVSpec
 WF = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 32, "alloc": "waterfill"},
       "value": {"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}}
 UNIFORM = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 32}, "value": {"bits": 4, "group_size": 16}}
+WF5 = {"key": {**WF["key"], "bits": 5}, "value": {**WF["value"], "bits": 5}}  # kv=wf5's structure: mean 5, 5-bit values in bit planes
 
 
 def _cost(w: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,8 +82,21 @@ def test_spec_refuses_waterfill_without_token_groups_it_can_weigh():
         KVSpec(name="x", key={"bits": 4, "symmetric": False, "alloc": "waterfill"})
     with pytest.raises(ValidationError, match=r"group_tokens in \[32, 64, 128\]"):
         KVSpec(name="x", key={"bits": 4, "symmetric": False, "group_tokens": 96, "alloc": "waterfill"}, window=128)
-    with pytest.raises(ValidationError, match="bits=8"):
+    with pytest.raises(ValidationError, match=r"kv.key.bits \(the mean width\) in \[4, 5, 6, 7\]; got group_tokens=32, bits=8"):
         KVSpec(name="x", key={"bits": 8, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"})
+    for b in (5, 6, 7):  # kv=wf5 / wf6: a mean of 5..7 bits, and 5..7-bit values beside token-grouped keys
+        KVSpec(name="x", key={"bits": b, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"}, value={"bits": b, "symmetric": True}, window=32)
+    with pytest.raises(ValidationError, match="5..7-bit codes are in the per-token family .* and the token-grouped family"):
+        KVSpec(name="x", key={"bits": 8}, value={"bits": 5})
+
+
+def test_token_grouped_key_rows_must_be_whole_32_bit_words():
+    """The decode reads a key row as 32-bit words: head_dim * mean bits must be a multiple of 32 (SmolLM2's 64 x 5 is;
+    a head of 72 at a mean of 5 is not), said in one line before anything is profiled."""
+    spec = KVSpec(name="x", key={"bits": 5, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"}, value={"group_size": 0}, window=32)
+    spec.check_geometry(64)
+    with pytest.raises(UserError, match="head_dim \\* bits must be a multiple of 32; got head_dim=72, kv.key.bits=5"):
+        spec.check_geometry(72)
 
 
 def test_fit_gives_more_bits_where_queries_and_ranges_are_large(tiny_llama, tiny_stats):
@@ -111,7 +125,7 @@ def test_a_group_longer_than_the_calibration_windows_is_a_clear_error(tiny_stats
     assert r.returncode != 0 and "calib.seq_len >= 128" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM)])
+@pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM), ("waterfill5", WF5)])
 def test_onepass_equals_decoding_through_the_compressed_cache(name, kw):
     """Token-grouped keys in the real cache (a group encoded whole when its first token leaves the window,
     variable-width codes in one bitstream per row) give the validation path's logits, sinks before the
@@ -133,7 +147,8 @@ def test_onepass_equals_decoding_through_the_compressed_cache(name, kw):
     assert (one - plain).abs().max() > 1e-3  # something was quantized
     assert cache.nbytes_breakdown() == ref.spec_cache_nbytes(book.spec, Geometry(**book.geometry), T, batch=2)
     st, D = cache.layers[0].store, book.geometry["head_dim"]
-    assert st["k_payload"].dtype == torch.uint8 and st["k_payload"].shape[-2:] == (96, D * 4 // 8)  # 3 groups, 4 bits per element on average
+    kb = book.spec.key.bits
+    assert st["k_payload"].dtype == torch.uint8 and st["k_payload"].shape[-2:] == (96, D * kb // 8)  # 3 groups, kb bits per element on average
     assert st["k_gscale"].shape[-2:] == (3, D) and st["k_gscale"].dtype == st["k_gmin"].dtype == torch.float16
 
 
@@ -206,3 +221,22 @@ def test_the_wf4_preset_fits_the_4_5_bit_budget_with_every_byte_counted():
     assert b["value_payload"] == lh * n_comp * 32 and b["value_meta"] == lh * n_comp * 2
     m = memory_summary(spec, geo, 8192)
     assert m.bits_per_element <= 4.5 and round(m.bits_per_element, 2) == 4.44, m
+
+
+@pytest.mark.parametrize("name,bits,figure", [("wf5", 5, 5.42), ("wf6", 6, 6.41)])
+def test_the_wf5_and_wf6_presets_count_their_wider_rows(name, bits, figure):
+    """kv=wf5 / kv=wf6 at 8K on SmolLM2's geometry (the README's figures): key rows of 64 * bits / 8 bytes in whole
+    groups, value rows of 5- and 6-bit codes, the same per-group and per-token metadata as kv=wf4; below
+    int8k_int4v's 6.65 bits."""
+    from kvcompress.config import kv_preset
+    from kvcompress.stages.validate import memory_summary
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    spec = kv_preset(name)
+    assert spec.key.alloc == "waterfill" and spec.key.bits == spec.value.bits == bits and not spec.validate_only
+    b = ref.spec_cache_nbytes(spec, geo, 8192)
+    lh, n_comp = 30 * 3, 8192 - 4 - 128
+    assert b["key_payload"] == lh * 63 * 128 * 64 * bits // 8 and b["key_meta"] == lh * 63 * 64 * 4
+    assert b["value_payload"] == lh * n_comp * 64 * bits // 8 and b["value_meta"] == lh * n_comp * 2
+    m = memory_summary(spec, geo, 8192)
+    assert round(m.bits_per_element, 2) == figure and m.bits_per_element < memory_summary(kv_preset("int8k_int4v"), geo, 8192).bits_per_element

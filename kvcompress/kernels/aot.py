@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from kvcompress.kernels import plan
 from kvcompress.kernels.audit import audit_dir, nvidia_tool
-from kvcompress.kernels.ops import decode_launch_params, grouped_constants, per_token_constants
+from kvcompress.kernels.ops import decode_launch_params, grouped_constants, grouped_decode_words, per_token_constants
 from kvcompress.kernels.triton_kv import (decode_reduce_kernel, decode_split_grp_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_grp_kernel,
                                          kv_append_kernel, kv_append_rot_kernel)
 
@@ -100,6 +100,11 @@ VARIANTS = {
     "grouped": [
         Variant("d128_g8_wf4", 128, 8, 4, 4, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
         Variant("d64_g3_wf4", 64, 3, 4, 4, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+        # kv=wf5 / kv=wf6: mean widths 5 and 6 (key rows of 80 / 96 bytes at head dim 128, 40 / 48 at 64), 5- and 6-bit values
+        Variant("d128_g8_wf5", 128, 8, 5, 5, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+        Variant("d128_g8_wf6", 128, 8, 6, 6, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+        Variant("d64_g3_wf5", 64, 3, 5, 5, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
+        Variant("d64_g3_wf6", 64, 3, 6, 6, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
     ],
 }
 
@@ -159,7 +164,8 @@ def _grouped_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
     return [
         ("kv_append_grp", kv_append_grp_kernel, append_sig, common, 4),
-        ("decode_split_grp", decode_split_grp_kernel, split_sig, {**common, **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
+        ("decode_split_grp", decode_split_grp_kernel, split_sig,
+         {**common, **grouped_decode_words(common), **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
         ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
     ]
 

@@ -120,8 +120,9 @@ class PackedKV:
         if (value_bits == ref.FP16_BITS) != fp16 or fp16 and (key_group or key_group_tokens or n_out or group != D):
             raise ValueError(f"an fp16 store (key_bits = value_bits = 16) is the static family with no outlier channels and one value group; "
                              f"got key_bits={key_bits} value_bits={value_bits} n_out={n_out} group={group}")
-        if (key_bits in ref.PLANE_BITS or value_bits in ref.PLANE_BITS) and not key_group:
-            raise ValueError(f"5..7-bit codes (key_bits={key_bits}, value_bits={value_bits}) are in the per-token family only (key_group > 0)")
+        if (key_bits in ref.PLANE_BITS or value_bits in ref.PLANE_BITS) and not (key_group or key_group_tokens):
+            raise ValueError(f"5..7-bit codes (key_bits={key_bits}, value_bits={value_bits}) are in the per-token (key_group > 0) and "
+                             f"token-grouped (key_group_tokens > 0) families only")
         f16 = dict(dtype=torch.float16, device=device)
         kd, vd = ref.row_width(D, key_bits), ref.row_width(D, value_bits)
         capg = -(-cap // key_group_tokens) if key_group_tokens else 0

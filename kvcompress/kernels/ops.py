@@ -56,7 +56,13 @@ def grouped_constants(D: int, group_tokens: int, key_bits: int, value_bits: int,
     out = per_token_constants(D, key_bits, D, False, value_bits, group, value_symmetric, value_rotate, value_coded_min)
     for k in ("KEY_BITS", "KGROUP", "ROT_K"):
         del out[k]
-    return dict(out, GT=group_tokens, KROW=D * key_bits // 8)
+    return dict(out, GT=group_tokens, KROW=D * key_bits // 8)  # bytes per key row, whole 32-bit words (KVSpec.check_geometry)
+
+
+def grouped_decode_words(consts: dict) -> dict:
+    """decode_split_grp_kernel's NW_PAD: a key row's KROW // 4 words rounded up to a power of two (tl.arange's
+    length); the words past the row are masked off. Mean widths 5..7 give 10, 20, 28 words at head dims 64, 128."""
+    return {"NW_PAD": _pad(consts["KROW"] // 4)}
 
 
 def _grouped_tables(kv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +136,8 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
         decode_split_grp_kernel[(B, H, splits)](
             q.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
-            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
-            num_warps=warps,
+            NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
+            **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
         )
         return _reduce(mo, lo, ao, splits)
     if kv.per_token:

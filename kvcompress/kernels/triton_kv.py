@@ -635,7 +635,7 @@ def decode_split_grp_kernel(
     MO, LO, AO,  # [B, HQ, SPLITS] fp32, [B, HQ, SPLITS] fp32, [B, HQ, SPLITS, D] fp32
     sm_scale, H, CAP, CAPG, SPLITS,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr, W: tl.constexpr,
-    GT: tl.constexpr, KROW: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
+    GT: tl.constexpr, KROW: tl.constexpr, NW_PAD: tl.constexpr, VAL_BITS: tl.constexpr, GROUP: tl.constexpr,
     V_SYM: tl.constexpr, ROT_V: tl.constexpr, V_CODE: tl.constexpr, MIN_STEP: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -643,7 +643,8 @@ def decode_split_grp_kernel(
     per-channel scale is folded into the query (q * s) and its min into one constant per query (q . min), as
     the static family folds its scales. A tile's key rows are loaded whole as 32-bit words (wide loads) and
     each channel's code is cut from the two words around its bit offset (tl.gather in registers; widths 1..8,
-    per channel, static per layer)."""
+    per channel, static per layer). A row of KROW // 4 words that is not a power of two (mean widths 5..7) is
+    read as NW_PAD words, the ones past the row masked off (ops.grouped_constants)."""
     b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
     d = tl.arange(0, D)
     gi = tl.arange(0, G_PAD)
@@ -652,7 +653,7 @@ def decode_split_grp_kernel(
     bits = tl.load(KB + h * D + d)
     off = tl.load(KOFF + h * D + d)
     NW: tl.constexpr = KROW // 4  # a key row as 32-bit words, loaded whole (wide loads); each code cut from two of them
-    wd = tl.arange(0, NW)
+    wd = tl.arange(0, NW_PAD)
     wi = off // 32
     wi1 = tl.minimum(wi + 1, NW - 1)  # a code in the row's last word needs no second word
     sh = (off % 32).to(tl.uint32)
@@ -665,7 +666,11 @@ def decode_split_grp_kernel(
         gidx = (bh * CAPG + t0 // GT) * D + d
         qs = (q * tl.load(KGS + gidx).to(tl.float32)[None, :]).to(tl.float16)  # the group's scale folded into the query
         qz = tl.sum(q * tl.load(KGM + gidx).to(tl.float32)[None, :], axis=1)  # its min: one constant per query
-        words = tl.load((KP + (bh * CAP + rows[:, None]) * KROW).to(tl.pointer_type(tl.uint32)) + wd[None, :], mask=tmask[:, None], other=0)
+        if NW_PAD == NW:
+            wmask = tmask[:, None]
+        else:  # the padded words past the row are never read (a multiple of 4 words: 128-bit loads stay whole)
+            wmask = tmask[:, None] & (wd < NW)[None, :]
+        words = tl.load((KP + (bh * CAP + rows[:, None]) * KROW).to(tl.pointer_type(tl.uint32)) + wd[None, :], mask=wmask, other=0)
         w0 = tl.gather(words, tl.broadcast_to(wi[None, :], (BLOCK_T, D)), axis=1)
         w1 = tl.gather(words, tl.broadcast_to(wi1[None, :], (BLOCK_T, D)), axis=1)
         # 32-bit funnel shift: the high word's bits enter above the low word's (two shifts, each < 32, so sh = 0 adds nothing)
