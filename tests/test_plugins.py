@@ -17,6 +17,8 @@ VARIANTS = {"d128_g8_int8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0
             "d128_g8_int4": dict(zip(FIELDS, (128, 8, 4, 4, 32, 4, 128, 2))),
             # the grouped family (kv=wf4): token-grouped keys of water-filled widths, rotated symmetric int4 values
             "d64_g3_wf4": dict(zip(FIELDS, (64, 3, 4, 4, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128),
+            # kv=wf5: a mean of 5 bits (40-byte key rows read as 16 words, 6 masked), 5-bit values in bit planes
+            "d64_g3_wf5": dict(zip(FIELDS, (64, 3, 5, 5, 64, 4, 128, 0)), value_symmetric=True, value_rotate=True, key_group_tokens=128),
             # the per-token family (kv=rot8k_int4v): rotated per-token int8 keys, rotated int4 values with a coded min
             "d128_g8_rot8k_int4v": dict(zip(FIELDS, (128, 8, 8, 4, 32, 4, 128, 0)), key_group=128, key_rotate=True, value_rotate=True,
                                         value_coded_min=True),
@@ -193,7 +195,7 @@ def test_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, key_bits):
 
 
 @needs_trt
-@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d128_g8_rot8k_int4v", "d64_g3_rot7k_int5v", "d128_g8_auto_fp16"])
+@pytest.mark.parametrize("variant", ["d128_g8_int8k_int4v", "d128_g8_int4", "d64_g3_wf4", "d64_g3_wf5", "d128_g8_rot8k_int4v", "d64_g3_rot7k_int5v", "d128_g8_auto_fp16"])
 def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
     """plugins/test/plugin_harness.cpp: the plugin sources linked with stand-ins for TensorRT's registry and
     logger and the CUDA driver; creators registered, fields round-trip, shapes checked against the variant."""
@@ -213,8 +215,8 @@ def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
         assert "aliases its 9 cache outputs to inputs 2..10" in p.stdout and "has 12 inputs" in p.stdout
 
 
-def _grouped_kit(tmp_path):
-    """A kit of the grouped family (kv=wf4's variant at head dim 64) with uneven water-filled widths."""
+def _grouped_kit(tmp_path, mean=4):
+    """A kit of the grouped family (kv=wf4's variant at head dim 64, or kv=wf5's with mean=5) with uneven water-filled widths."""
     import torch
 
     from kvcompress.kernels.aot import Variant
@@ -224,12 +226,12 @@ def _grouped_kit(tmp_path):
     H, D = 2, 64
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(400, H, D, generator=g) * torch.linspace(0.5, 1.5, D), torch.randn(400, H, D, generator=g)
-    bits = torch.full((H, D), 4)
-    bits[:, :8] = torch.tensor([8, 1, 6, 2, 7, 3, 1, 4])  # widths 1..8 that spend what eight 4s do
+    bits = torch.full((H, D), mean)
+    bits[:, :8] = torch.tensor([8, 1, 6, 2, 7, 3, 1, 4] if mean == 4 else [8, 2, 7, 3, 8, 4, 2, 6])  # widths 1..8 that spend what eight of the mean do
     bits[1] = bits[1].flip(0)
-    assert int(bits.sum(-1).max()) == int(bits.sum(-1).min()) == 4 * D
-    variant = {**Variant("t", D, 3, 4, 4, D, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128).__dict__}
-    write_kit(tmp_path, variant, KeyParams(4, torch.ones(H, D), torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long)), k, v, key_bits_table=bits)
+    assert int(bits.sum(-1).max()) == int(bits.sum(-1).min()) == mean * D and int(bits.max()) <= 8
+    variant = {**Variant("t", D, 3, mean, mean, D, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128).__dict__}
+    write_kit(tmp_path, variant, KeyParams(mean, torch.ones(H, D), torch.zeros(H, D), torch.zeros(H, 0, dtype=torch.long)), k, v, key_bits_table=bits)
     return tmp_path
 
 
@@ -290,9 +292,10 @@ def _kit_agrees_with_the_kernels(kit) -> None:
         torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)
 
 
-def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path):
-    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter)."""
-    _kit_agrees_with_the_kernels(_grouped_kit(tmp_path))
+@pytest.mark.parametrize("mean", [4, 5])
+def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, mean):
+    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter); kv=wf5's too."""
+    _kit_agrees_with_the_kernels(_grouped_kit(tmp_path, mean))
 
 
 def _per_token_kit(tmp_path, key_bits=8):
