@@ -61,7 +61,8 @@ def grouped_constants(D: int, group_tokens: int, key_bits: int, value_bits: int,
 
 def grouped_decode_words(consts: dict) -> dict:
     """decode_split_grp_kernel's NW_PAD: a key row's KROW // 4 words rounded up to a power of two (tl.arange's
-    length); the words past the row are masked off. Mean widths 5..7 give 10, 20, 28 words at head dims 64, 128."""
+    length); the words past the row are masked off. Mean widths 5, 6, 7 give 10, 12, 14 words at head dim 64 and
+    20, 24, 28 at 128."""
     return {"NW_PAD": _pad(consts["KROW"] // 4)}
 
 

@@ -644,7 +644,7 @@ def decode_split_grp_kernel(
     the static family folds its scales. A tile's key rows are loaded whole as 32-bit words (wide loads) and
     each channel's code is cut from the two words around its bit offset (tl.gather in registers; widths 1..8,
     per channel, static per layer). A row of KROW // 4 words that is not a power of two (mean widths 5..7) is
-    read as NW_PAD words, the ones past the row masked off (ops.grouped_constants)."""
+    read as NW_PAD words, the ones past the row masked off (ops.grouped_decode_words)."""
     b, h, split, bh, n, n_sink, n_comp = _program(LENS, H, NS, W)
     d = tl.arange(0, D)
     gi = tl.arange(0, G_PAD)
@@ -668,7 +668,7 @@ def decode_split_grp_kernel(
         qz = tl.sum(q * tl.load(KGM + gidx).to(tl.float32)[None, :], axis=1)  # its min: one constant per query
         if NW_PAD == NW:
             wmask = tmask[:, None]
-        else:  # the padded words past the row are never read (a multiple of 4 words: 128-bit loads stay whole)
+        else:  # the words past the row are never read; the mask is whole per vector where the row allows (20, 24 words: 128-bit; 10: 64-bit)
             wmask = tmask[:, None] & (wd < NW)[None, :]
         words = tl.load((KP + (bh * CAP + rows[:, None]) * KROW).to(tl.pointer_type(tl.uint32)) + wd[None, :], mask=wmask, other=0)
         w0 = tl.gather(words, tl.broadcast_to(wi[None, :], (BLOCK_T, D)), axis=1)
