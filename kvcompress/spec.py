@@ -11,7 +11,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (reference.pack_codes); per-token and token-grouped families
-WATERFILL_MEANS = (4, 5, 6, 7)  # kv.key.bits of kv.key.alloc=waterfill: the mean width (each RoPE pair gets 1..8 bits; a mean of 8 is uniform)
+WATERFILL_MEANS = (4, 5, 6)  # kv.key.bits of kv.key.alloc=waterfill: the mean width (each RoPE pair 1..8 bits); the means the kernels are tested at
 GROUP_RANGE_TOKENS = (32, 64, 128)  # token-group sizes whose per-channel key ranges profile records (kv.key.alloc=waterfill)
 
 
