@@ -34,7 +34,7 @@ BAD = [
     (["kv=native_nvfp4", "kv.fold_pairs=true"], "kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8"),
     (["export.tp_sizes=[1,4]"], "export.tp_sizes contains 4: the model's 6 attention heads do not split over 4 ranks"),  # before profiling
     (["model.tiny.hidden=100"], "model.tiny: hidden=100, heads=6, kv_heads=2, head_dim=32: hidden must be a multiple of heads"),  # was a Hydra error
-    (["kv.key.bits=7"], "kv.key.bits=7: 5..7-bit codes are in the per-token family only (kv.key.granularity=token, format=kvcompress)"),
+    (["kv.key.bits=7"], "kv.key.bits=7: 5..7-bit codes are in the per-token family (kv.key.granularity=token) and the token-grouped family"),
     (["kv=rot7k_int5v", "kv.key.rotate=none", "kv.value.rotate=none", "kv.value.group_size=0", "model.tiny.head_dim=36"],
      "5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim=36 is not a multiple of 8"),
     (["+kv.layers=split"], "kv.layers=split chooses each layer's key/value bit split, which needs the per-token family (kv.key.granularity=token"),

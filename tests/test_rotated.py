@@ -116,7 +116,7 @@ def test_the_rot7k_int5v_preset_costs_what_rot8k_int4v_costs():
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(ValidationError, match="kv.key.bits=7: 5..7-bit codes are in the per-token family only"):
+    with pytest.raises(ValidationError, match="kv.key.bits=7: 5..7-bit codes are in the per-token family .* and the token-grouped family"):
         KVSpec(name="x", key={"bits": 7})
     with pytest.raises(ValidationError, match="kv.value.bits=5: 5..7-bit codes"):
         KVSpec(name="x", key={"bits": 8}, value={"bits": 5})
