@@ -244,6 +244,8 @@ GROUPED_CASES = [
     # kv=wf5 / kv=wf6: rows of 10 and 24 words read as 16 and 32 (the rest masked), 5- and 6-bit values in bit planes
     ([150, 41], 2, 3, 64, 5, 5, 64, WF4, 4, 32, True),
     ([200, 7], 1, 8, 128, 6, 6, 128, WF4, 4, 32, True),
+    # uniform 7-bit token-grouped keys (allowed beside uniform allocation): 14 words read as 16, 7-bit values
+    ([90, 33], 1, 3, 64, 7, 7, 64, WF4, 4, 32, False),
 ]
 
 
