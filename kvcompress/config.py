@@ -141,6 +141,9 @@ class EvalConfig(Frozen):
     # kv presets (conf/kv/<name>.yaml) validated beside the run's format on the same windows against
     # the same baseline pass, for comparison only (fitted, reported, never exported)
     compare: list[str] = []
+    # error attribution: also measure every validated format with only its keys, then only its values compressed
+    # (the other side read as the fp16 cache holds it): two more passes per format, reported beside its quality
+    attribute: bool = False
 
 
 DEFAULT_MENU = (

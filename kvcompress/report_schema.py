@@ -88,6 +88,24 @@ class GateResult(_M):
         return self.status == "pass"
 
 
+class SideQuality(_M):
+    """One side of the cache compressed alone (the other read as the fp16 cache holds it): same windows, same baseline."""
+
+    kl_mean: float
+    kl_se: float
+    kl_p99: float
+    ppl_delta_rel: float
+    top1_agree: float
+
+
+class ErrorAttribution(_M):
+    """eval.attribute: where a format's error comes from. The two KLs need not add up to the format's own
+    (errors interact), but the larger side is where bits buy the most."""
+
+    keys_only: SideQuality
+    values_only: SideQuality
+
+
 class FormatResult(_M):
     """One validated format: what it is, its numbers, its gates and verdict."""
 
@@ -102,6 +120,7 @@ class FormatResult(_M):
     verdict: str = "pass"  # pass | fail | inconclusive
     verdict_basis: list[str] = []  # the gates the verdict rests on (measured ones)
     fit: dict = {}
+    attribution: Optional[ErrorAttribution] = None  # eval.attribute=true only
 
 
 class Report(_M):
@@ -121,6 +140,7 @@ class Report(_M):
     verdict: str = "pass"  # pass | fail | inconclusive (over measured gates; no gates: pass, stated in notes)
     verdict_basis: list[str] = []
     fallbacks: list[FormatResult] = []  # the native formats export writes, validated on the same windows
+    attribution: Optional[ErrorAttribution] = None  # the primary format's, eval.attribute=true only
     self_check: dict = {}  # the evaluation path with nothing compressed vs the model's own forward
     export: Optional[dict] = None
     tune: Optional[dict] = None  # kv=auto: the search record of the tune stage (tune.json)

@@ -100,6 +100,20 @@ def test_the_rot8k_int4v_preset_costs_what_int8k_int4v_costs():
     assert round(m.bits_per_element, 2) == round(m0.bits_per_element, 2) == 6.65, (m, m0)  # the figure rot8k_int4v.yaml and the README quote
 
 
+def test_the_int8k_rotv_preset_is_the_default_with_rotated_values_at_its_bytes():
+    """kv=int8k_rotv: int8k_int4v's keys, window and sinks, its values rotated (folded into W_v/W_o in the custom
+    tier), nothing else changed: the same bytes, and it ships (not comparison-only)."""
+    from kvcompress.config import kv_preset
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    rotv, base = kv_preset("int8k_rotv"), kv_preset("int8k_int4v")
+    assert rotv.value.rotate == "hadamard" and base.value.rotate == "none"
+    assert rotv.model_copy(update={"name": base.name, "value": base.value}) == base
+    assert rotv.value_rotation_folded and not rotv.validate_only
+    assert ref.spec_cache_nbytes(rotv, geo, 1000) == ref.spec_cache_nbytes(base, geo, 1000)
+    assert round(memory_summary(rotv, geo, 8192).bits_per_element, 2) == 6.65
+
+
 def test_the_rot7k_int5v_preset_costs_what_rot8k_int4v_costs():
     """One key bit moved to the values: 56 + 2 key bytes and 40 + 2 x 3 value bytes per head vector at head
     dim 64, as rot8k_int4v's 64 + 2 and 32 + 2 x 3."""

@@ -80,6 +80,9 @@ class EvalContext:
     errors: LayerErrors | None = None
     q_block: int = 256
     exact: bool = False
+    # error attribution (eval.attribute): "keys" compresses only the keys (the values read as the fp16 cache holds
+    # them), "values" only the values; "" both, as the format does
+    only: str = ""
 
 
 def simulate_kv(key: torch.Tensor, value: torch.Tensor, book: ScaleBook, layer: int):
@@ -166,6 +169,10 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
     else:
         spec = ctx.book.spec
         k_hp, v_hp, k_hat, v_hat = simulate_kv(key, value, ctx.book, layer)
+        if ctx.only == "keys":
+            v_hat = v_hp.to(v_hat.dtype)
+        elif ctx.only == "values":
+            k_hat = k_hp.to(k_hat.dtype)
         n_sink, win = spec.sink_tokens, spec.window
     out = ref.mixed_attention(
         query, k_hp, v_hp, k_hat, v_hat, q_pos, sink_tokens=n_sink, window=win, scaling=scale, q_block=ctx.q_block, sliding_window=window
@@ -203,12 +210,19 @@ def check_supported(model, name: str) -> None:
         raise UserError(f"model {name}: kvcompress cannot simulate its attention: {'; '.join(why)}")
 
 
-def eval_call(book: ScaleBook | None, errors: LayerErrors | None = None, q_block: int = 256, exact: bool = False) -> tuple[str | None, dict]:
+ATTRIBUTION_SIDES = ("keys", "values")
+
+
+def eval_call(book: ScaleBook | None, errors: LayerErrors | None = None, q_block: int = 256, exact: bool = False,
+              only: str = "") -> tuple[str | None, dict]:
     """(attention implementation, forward keywords) of one evaluation: (None, {}) for a baseline
-    book (the model's own attention), else the evaluation attention with a fresh context."""
+    book (the model's own attention), else the evaluation attention with a fresh context. only: one
+    of ATTRIBUTION_SIDES compresses that side of the cache alone (EvalContext.only)."""
+    if only and only not in ATTRIBUTION_SIDES:
+        raise ValueError(f"only={only!r}: one of {ATTRIBUTION_SIDES} or ''")
     if not exact and (book is None or book.spec.is_baseline):
         return None, {}
-    return EVAL_ATTN, {"kvc_ctx": EvalContext(book, errors, q_block, exact)}
+    return EVAL_ATTN, {"kvc_ctx": EvalContext(book, errors, q_block, exact, only)}
 
 
 @contextmanager

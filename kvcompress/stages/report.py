@@ -56,6 +56,12 @@ def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
         ("key / value clipping (saturation) rate", "", *[f"{f.quality.key_clip_rate:.2e} / {f.quality.value_clip_rate:.2e}" for f in fr]),
         ("bits per element (all metadata)", "16", *[f"{f.memory.bits_per_element:.2f}" for f in fr]),
     ]
+    if any(f.attribution for f in fr):  # eval.attribute: each side of the cache compressed alone
+        for side, label in (("keys_only", "only the keys compressed"), ("values_only", "only the values compressed")):
+            rows.append((f"{label}: KL mean, ppl delta, top-1", "",
+                         *["n/a" if f.attribution is None else
+                           f"KL {getattr(f.attribution, side).kl_mean:.2e}, ppl {100 * getattr(f.attribution, side).ppl_delta_rel:+.3f}%, "
+                           f"top-1 {100 * getattr(f.attribution, side).top1_agree:.2f}%" for f in fr]))
     for i, b in enumerate(q0.by_position):  # the same buckets for every format (same windows)
         cells = []
         for f in fr:

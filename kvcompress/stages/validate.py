@@ -20,7 +20,7 @@ from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
-from kvcompress.eval.attention import DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
+from kvcompress.eval.attention import ATTRIBUTION_SIDES, DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
 from kvcompress.eval.metrics import (Baseline, QualityAccumulator, blocks, by_vocabulary, kl_mean, position_block, position_bucket, score_hidden,
                                      vocab_stats)
@@ -30,7 +30,7 @@ from kvcompress.models.streaming import run_calls_hidden
 from kvcompress.stages.profile import rope_pairs_of, rotary_dim
 from kvcompress.planner import KNOWN, plan_pair
 from kvcompress.provenance import base_provenance
-from kvcompress.report_schema import FormatResult, Memory, Quality, Report
+from kvcompress.report_schema import ErrorAttribution, FormatResult, Memory, Quality, Report, SideQuality
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import KVSpec
 from kvcompress.stages.report import write_report_files
@@ -90,18 +90,29 @@ def self_check(lm, ids: torch.Tensor, name: str) -> dict:
 
 
 @torch.no_grad()
-def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, batch_size: int, progress: bool = True, keep: bool = False):
+def attributed(books: dict[str, ScaleBook]) -> list[tuple[str, str]]:
+    """(format, side) of the error-attribution passes (eval.attribute): each compressed format with only its
+    keys, then only its values compressed (an fp16 format has nothing to attribute)."""
+    return [(n, side) for n, b in books.items() if not b.spec.is_baseline for side in ATTRIBUTION_SIDES]
+
+
+def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, batch_size: int, progress: bool = True, keep: bool = False,
+                     attribution: dict | None = None):
     """Baseline vs each book (one-pass) over token windows [N, T]; in memory batch by batch, or
     streamed layer by layer (every pass of every batch through one layer at a time: same numbers).
+    attribution: a dict to fill with {(name, side): quality dict}, each book with only its keys and with only
+    its values compressed (eval.attribute: two more passes per book); None: not measured.
 
     Returns ({name: (quality dict, LayerErrors)}, the kept metrics.Baseline or None).
     """
     names = list(books)
-    acc = {n: QualityAccumulator() for n in names}
+    sides = attributed(books) if attribution is not None else []
+    acc = {n: QualityAccumulator() for n in [*names, *sides]}
     errors = {n: LayerErrors(b.geometry["n_layers"]) for n, b in books.items()}
     V = lm.geometry.vocab_size
     batches = [windows[lo : lo + batch_size] for lo in range(0, windows.shape[0], batch_size)]
-    calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names]
+    calls = [(None, {})] + [eval_call(books[n], errors[n]) for n in names] + [eval_call(books[n], only=side) for n, side in sides]
+    scored = [*names, *sides]
     hidden: dict[int, list] = {}
     kept = Baseline(windows, [], None, V, lm.streamer.head_phase if lm.streamer is not None else nullcontext) if keep else None
 
@@ -112,14 +123,16 @@ def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, bat
         if pi < len(calls) - 1:
             return
         hs = hidden.pop(i)
-        if names:  # (export's baseline alone: nothing to score)
-            score_hidden(hs[0], to_logits, [(acc[n], hc, to_logits) for n, hc in zip(names, hs[1:])], batches[i], V)
+        if scored:  # (export's baseline alone: nothing to score)
+            score_hidden(hs[0], to_logits, [(acc[n], hc, to_logits) for n, hc in zip(scored, hs[1:])], batches[i], V)
         if kept is not None:
             kept.hidden.append(hs[0].cpu())
             if kept.head is None:  # a streamed head moves its input itself and can be scored a vocabulary range at a time
                 kept.head = to_logits if callable(getattr(to_logits, "rows", None)) else lambda x, f=to_logits, d=hs[0].device: f(x.to(d))
 
     run_calls_hidden(lm, batches, calls, head, progress)
+    if attribution is not None:
+        attribution.update({k: acc[k].result() for k in sides})
     return {n: (acc[n].result(), errors[n]) for n in names}, kept
 
 
@@ -142,7 +155,16 @@ def memory_summary(spec: KVSpec, geom: Geometry, context: int) -> Memory:
     )
 
 
-def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: LayerErrors, tasks, eval_cfg, geom) -> FormatResult:
+def attribution_of(name: str, attribution: dict | None) -> ErrorAttribution | None:
+    """The ErrorAttribution of one format from evaluate_quality's attribution passes (None: not measured)."""
+    if not attribution or (name, ATTRIBUTION_SIDES[0]) not in attribution:
+        return None
+    pick = lambda q: SideQuality(**{k: q[k] for k in SideQuality.model_fields})  # noqa: E731
+    return ErrorAttribution(**{f"{side}_only": pick(attribution[(name, side)]) for side in ATTRIBUTION_SIDES})
+
+
+def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: LayerErrors, tasks, eval_cfg, geom,
+                  attribution: ErrorAttribution | None = None) -> FormatResult:
     clip = errors.clip_rate_by_bucket()
     quality = {**quality, "by_position": [{**b, "key_clip_rate": clip.get(i)} for i, b in
                                           ((position_bucket(torch.tensor(b["start"])).item(), b) for b in quality.get("by_position", []))]}
@@ -151,7 +173,7 @@ def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: 
     gates, verdict, basis = evaluate_gates(eval_cfg.gates, quality, tasks)
     return FormatResult(name=name, tier=book.spec.tier, role=role, kv=book.spec.model_dump(), quality=q,
                         memory=memory_summary(book.spec, geom, eval_cfg.context_for_bytes), tasks=tasks, gates=gates,
-                        verdict=verdict, verdict_basis=basis, fit=book.fit_info)
+                        verdict=verdict, verdict_basis=basis, fit=book.fit_info, attribution=attribution)
 
 
 def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = None, progress: bool = True, keep_baseline: bool = False):
@@ -165,7 +187,8 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
     check = self_check(lm, windows[:1], name)
     by_name = {b.spec.name: b for b in books.values()}
-    measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep_baseline)
+    attribution = {} if eval_cfg.attribute else None
+    measured, kept = evaluate_quality(lm, by_name, windows, eval_cfg.batch_size, progress, keep_baseline, attribution)
     tasks = {}
     notes = [] if eval_cfg.gates else ["no gates configured (eval.gates): the verdict is pass by default"]
     pairs, rot, D = rope_pairs_of(lm.model, lm.geometry), rotary_dim(lm.model, lm.geometry), lm.geometry.head_dim
@@ -185,7 +208,8 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
         window = max(b.spec.window for b in books.values())  # facts before every format's fp16 window
         tasks = run_tasks(lm, by_name, corpus, eval_cfg.tasks, window, progress)
     geom = lm.geometry
-    results = {role: format_result(b.spec.name, role, b, *measured[b.spec.name], tasks.get(b.spec.name), eval_cfg, geom) for role, b in books.items()}
+    results = {role: format_result(b.spec.name, role, b, *measured[b.spec.name], tasks.get(b.spec.name), eval_cfg, geom,
+                                   attribution_of(b.spec.name, attribution)) for role, b in books.items()}
     primary = results.pop("primary")
     n_params = sum(p.numel() for p in lm.model.parameters())
     planner = {name: plan_pair(BASELINE, books["primary"].spec, geom, n_params, eval_cfg.planner)}
@@ -231,6 +255,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
         verdict=primary.verdict,
         verdict_basis=primary.verdict_basis,
         fallbacks=list(results.values()),
+        attribution=primary.attribution,
         self_check=check,
         notes=notes,
         runtime_s=time.time() - t0,
@@ -245,12 +270,16 @@ def print_summary(report: Report) -> None:
         log.info(f"{fr.tier} tier {fr.name} ({fr.role}): verdict {fr.verdict.upper()}{gates}")
         log.info(f"  ppl {q.ppl_baseline:.4f} -> {q.ppl_compressed:.4f} ({100 * q.ppl_delta_rel:+.3f}%)  KL mean {q.kl_mean:.3e}  top-1 {100 * q.top1_agree:.2f}%  "
                  f"clip K {q.key_clip_rate:.1e} V {q.value_clip_rate:.1e}  {m.bits_per_element:.2f} bits/elem at {m.context} tokens ({m.compression_ratio:.2f}x)")
+        if fr.attribution is not None:
+            a = fr.attribution
+            log.info(f"  error attribution: KL with only the keys compressed {a.keys_only.kl_mean:.3e}, only the values {a.values_only.kl_mean:.3e}")
 
 
 def report_primary(report: Report) -> FormatResult:
     """The primary format's result (its fields live at the top level of the report)."""
     return FormatResult(name=report.kv["name"], tier=KVSpec.model_validate(report.kv).tier, role="primary", kv=report.kv, quality=report.quality,
-                        memory=report.memory, tasks=report.tasks, gates=report.gates, verdict=report.verdict, verdict_basis=report.verdict_basis)
+                        memory=report.memory, tasks=report.tasks, gates=report.gates, verdict=report.verdict, verdict_basis=report.verdict_basis,
+                        attribution=report.attribution)
 
 
 def validate_run(run, books: dict[str, Path]) -> dict[str, Path]:
