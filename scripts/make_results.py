@@ -45,6 +45,9 @@ COMMANDS = {
     # the second model family (Gemma 3 270M: head dim 256, QK-norm, sliding-window layers) at 8K: wf6 and wf5 beside the default
     # and the default with Hadamard-rotated values (int8k_rotv), the 8K table's 4 x 8192 held-out tokens
     "gemma8k_wf": "python -m kvcompress model=gemma3_270m kv=wf6 eval=long export=none eval.compare=[wf5,int8k_int4v,int8k_rotv]",
+    # where the default's error is at 8K (eval.attribute: each format with only its keys, then only its values compressed):
+    # the default, the default with rotated values, and TensorRT-LLM's FP8 cache; 2 x 8192 held-out tokens, no tasks
+    "long8k_attr": "python -m kvcompress eval=long export=none eval.attribute=true eval.n_windows=2 eval.tasks.names=[] eval.compare=[int8k_rotv,native_fp8]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
@@ -76,8 +79,8 @@ def summarise(report: dict, command: str, run_dir: Path) -> dict:
     """What the README shows, from a report.json (plus provenance)."""
     formats = [{"name": report["kv"]["name"], "tier": "custom" if report["kv"]["format"] == "kvcompress" else "native", "role": "primary",
                 "quality": report["quality"], "memory": report["memory"], "tasks": report.get("tasks"), "verdict": report["verdict"],
-                "verdict_basis": report.get("verdict_basis", [])}]
-    formats += [{k: f[k] for k in ("name", "tier", "role", "quality", "memory", "tasks", "verdict", "verdict_basis")} for f in report.get("fallbacks", [])]
+                "verdict_basis": report.get("verdict_basis", []), "attribution": report.get("attribution")}]
+    formats += [{k: f.get(k) for k in ("name", "tier", "role", "quality", "memory", "tasks", "verdict", "verdict_basis", "attribution")} for f in report.get("fallbacks", [])]
     for f in formats:
         f["quality"] = {k: f["quality"].get(k) for k in ("tokens", "ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree", "key_clip_rate", "value_clip_rate", "semantics", "by_position")}
         f["memory"] = {k: f["memory"][k] for k in ("context", "bytes_per_token_fp16", "bytes_per_token_compressed", "compression_ratio", "bits_per_element")}
@@ -146,6 +149,10 @@ def render(results: dict[str, dict]) -> str:
                     + "; ".join(f"{f['name']} " + " / ".join(f"{b['kl_mean']:.1e}" for b in f["quality"]["by_position"])
                                 + (f" (clip {f['quality']['by_position'][-1]['key_clip_rate']:.1e})" if f["quality"]["by_position"][-1].get("key_clip_rate") is not None else "")
                                 for f in r["formats"]) + "."]
+        attributed = [f for f in r["formats"] if f.get("attribution")]
+        if attributed:  # eval.attribute
+            out += ["", "KL mean with only the keys / only the values compressed (eval.attribute): " + "; ".join(
+                f"{f['name']} {f['attribution']['keys_only']['kl_mean']:.2e} / {f['attribution']['values_only']['kl_mean']:.2e}" for f in attributed) + "."]
         kl = {f["name"]: f["quality"]["kl_mean"] for f in r["formats"]}
         pairs = [(a, b) for a, b in RATIOS.get(name, []) if a in kl and b in kl]
         if pairs:

@@ -40,7 +40,9 @@ def test_each_side_equals_the_format_with_the_other_side_lossless(tiny_llama, mo
     book = fitted_book(tiny_llama, **spec)
     name, rotated = book.spec.name, book.spec.token_keys
     attribution = {}
-    (full, _), = evaluate_quality(tiny_llama, {name: book}, _windows(), 1, progress=False, attribution=attribution)[0].values()
+    measured, kept = evaluate_quality(tiny_llama, {name: book}, _windows(), 1, progress=False, keep=True, attribution=attribution)
+    (full, _), = measured.values()
+    assert not kept.hidden[0].requires_grad  # evaluated without autograd
     assert set(attribution) == {(name, "keys"), (name, "values")}
     lossless = lambda x, *a, **k: x  # noqa: E731
     with monkeypatch.context() as m:  # values left as the fp16 cache holds them

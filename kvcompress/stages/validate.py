@@ -89,13 +89,13 @@ def self_check(lm, ids: torch.Tensor, name: str) -> dict:
     return out
 
 
-@torch.no_grad()
 def attributed(books: dict[str, ScaleBook]) -> list[tuple[str, str]]:
     """(format, side) of the error-attribution passes (eval.attribute): each compressed format with only its
     keys, then only its values compressed (an fp16 format has nothing to attribute)."""
     return [(n, side) for n, b in books.items() if not b.spec.is_baseline for side in ATTRIBUTION_SIDES]
 
 
+@torch.no_grad()
 def evaluate_quality(lm, books: dict[str, ScaleBook], windows: torch.Tensor, batch_size: int, progress: bool = True, keep: bool = False,
                      attribution: dict | None = None):
     """Baseline vs each book (one-pass) over token windows [N, T]; in memory batch by batch, or
