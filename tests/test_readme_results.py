@@ -54,3 +54,15 @@ def test_readme_tune_block_is_rendered_from_the_committed_benchmark(model):
     readme = (ROOT / "README.md").read_text()
     assert readme[readme.index(begin) : readme.index(end) + len(end)] == mod.render(r)
     assert r["model"] == model and r["git_sha"] and set(r["runs"]) == {"int8k_int4v", "auto"} and "python scripts/bench_tune.py" in readme
+
+
+def test_an_attributed_format_renders_its_two_sides():
+    """eval.attribute's numbers, where a results file has them, are rendered under its table."""
+    mr = _make_results()
+    name, r = next(iter(mr.load_results().items()))
+    r = json.loads(json.dumps(r))
+    side = lambda kl: {"kl_mean": kl, "kl_se": 0.0, "kl_p99": kl, "ppl_delta_rel": 0.0, "top1_agree": 1.0}  # noqa: E731
+    r["formats"][0]["attribution"] = {"keys_only": side(1.25e-4), "values_only": side(3.5e-4)}
+    out = mr.render({name: r})
+    assert f"(eval.attribute): {r['formats'][0]['name']} 1.25e-04 / 3.50e-04." in out
+    assert "eval.attribute" not in mr.render({name: json.loads(json.dumps(mr.load_results()[name]))})
