@@ -3,6 +3,7 @@ import copy
 import importlib.util
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -71,23 +72,48 @@ def test_reader_reproduces_hf_logits(tmp_path, lm, tp):
     torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_reader_reproduces_mixtral(tmp_path, tp):
+def _renormalize(model, on: bool):
+    """A Qwen3-MoE model's norm_topk_prob set to `on`, in its config and in every router (which copy it when built)."""
+    model.config.norm_topk_prob = on
+    for layer in model.model.layers:
+        layer.mlp.gate.norm_topk_prob = on
+    return model
+
+
+@pytest.mark.parametrize("arch,tp,renorm", [("mixtral", 1, True), ("mixtral", 2, True), ("qwen3_moe", 1, True), ("qwen3_moe", 2, True),
+                                            ("qwen3_moe", 1, False)])
+def test_reader_reproduces_mixtral(tmp_path, arch, tp, renorm):
     """Mixtral written as TensorRT-LLM's Llama class with experts (mlp.router float32, mlp.fc = up | gate per expert and
-    rank, mlp.proj): the reader's top-k renormalised routing gives transformers' logits; with gate and up swapped in
-    mlp.fc it does not."""
+    rank, mlp.proj), Qwen3-MoE as its QWen class (qwen_type qwen3_moe, the same expert tensors, moe_intermediate_size):
+    the reader's top-k routing gives transformers' logits, renormalised (normalization_mode 1) for Mixtral and for
+    Qwen3-MoE with norm_topk_prob, as the softmax gave them (mode 0) for Qwen3-MoE without. With gate and up swapped
+    in mlp.fc, or the other normalization mode, it does not."""
     from safetensors.torch import load_file, save_file
 
-    model = build_tiny("mixtral", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
+    model = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
+    inter = 192 if arch == "mixtral" else 96  # Qwen3-MoE's experts: moe_intermediate_size (its dense intermediate_size is 192)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # random-init routers are near-uniform: make the weights of the chosen experts matter
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.5)
+    if arch == "qwen3_moe":
+        _renormalize(model, renorm)
     write_checkpoint(model, Geometry.from_hf_config(model.config), tmp_path, tp, "float32", None, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architecture"] == "MixtralForCausalLM" and cfg["hidden_act"] == "swiglu" and cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+    written = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    assert cfg["architecture"] == written and cfg["hidden_act"] == "swiglu" and cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": int(renorm)}
+    if arch == "qwen3_moe":
+        assert cfg["qwen_type"] == "qwen3_moe" and cfg["moe_intermediate_size"] == inter and not cfg["attn_bias"]
     r0 = load_file(str(tmp_path / "rank0.safetensors"))
-    assert r0["transformer.layers.0.mlp.router.weight"].dtype == torch.float32 and r0["transformer.layers.0.mlp.fc.weight"].shape == (4, 2 * 192 // tp, 96)
+    assert r0["transformer.layers.0.mlp.router.weight"].dtype == torch.float32 and r0["transformer.layers.0.mlp.fc.weight"].shape == (4, 2 * inter // tp, 96)
+    assert r0["transformer.layers.0.mlp.proj.weight"].shape == (4, 96, inter // tp)
     ids = torch.randint(0, 256, (2, 17))
     with torch.no_grad():
         expect = model(input_ids=ids).logits
     torch.testing.assert_close(trtllm_reader.forward(tmp_path, ids), expect, atol=1e-5, rtol=1e-5)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe": {**cfg["moe"], "normalization_mode": 1 - int(renorm)}}))
+    assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-3  # the other routing: off
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     for r in range(tp):  # gate and up swapped: far off
         f = tmp_path / f"rank{r}.safetensors"
         w = load_file(str(f))
@@ -189,13 +215,15 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
 
 @pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"),
                                                  ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"),
-                                                 ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM")])
+                                                 ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM"),
+                                                 ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
 def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, written):
     """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
     MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
     Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. Qwen3 is the Llama layer with a
     per-head q/k RMSNorm before RoPE: qwen_type qwen3, no biases, its (folded) norms in attention.q_layernorm/
-    k_layernorm. Phi-3/Phi-4 are the Llama forward with fused q/k/v and gate/up: written as Llama, split. The written
+    k_layernorm. Phi-3/Phi-4 are the Llama forward with fused q/k/v and gate/up: written as Llama, split. Qwen3-MoE:
+    qwen_type qwen3_moe, Qwen3's norms and the expert tensors (Mixtral's layout). The written
     checkpoints re-measure like validate (the reader adds the biases and the norms), and the manifest names both
     architectures."""
     p, run = _export_run(tmp_path, f"model.tiny.arch={arch}", "kv=native_int8")
@@ -209,7 +237,8 @@ def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, wr
 
     with safe_open(str(run / "export" / "trtllm_ckpt" / "tp1" / "rank0.safetensors"), "pt") as f:
         assert ("transformer.layers.0.attention.qkv.bias" in f.keys()) == (arch == "qwen2")
-        assert ("transformer.layers.0.attention.k_layernorm.weight" in f.keys()) == (arch == "qwen3")
+        assert ("transformer.layers.0.attention.k_layernorm.weight" in f.keys()) == (arch in ("qwen3", "qwen3_moe"))
+        assert ("transformer.layers.0.mlp.router.weight" in f.keys()) == (arch in ("mixtral", "qwen3_moe"))
     assert trt["remeasured"]["passed"] and manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
 
@@ -300,7 +329,8 @@ def test_per_layer_splits_of_the_per_token_family_ship_in_the_custom_tier(tmp_pa
 
 
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),
-                                              ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM")])
+                                              ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM"),
+                                              ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
 def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls, written):
     """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones; Phi-3: fused
     q/k/v and gate/up), run as a user would (model.path), in memory and streamed: every export check passes, including
@@ -309,7 +339,9 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
     Qwen3 (kv=native_fp8 streamed): the key fold is in the written k_norm weight, one factor per channel. Phi-3: the
     folded HF checkpoint keeps the fused names; its k rows carry the fold. Mixtral: streamed through transformers'
     conversion of its per-expert tensors; the HF checkpoint stores them as the source does (block_sparse_moe.experts.
-    {e}.w1/w2/w3, unchanged by the fold); the custom-tier network routes tokens to its experts like transformers."""
+    {e}.w1/w2/w3, unchanged by the fold); the custom-tier network routes tokens to its experts like transformers.
+    Qwen3-MoE (norm_topk_prob set, as the released models): the same, its experts stored as mlp.experts.{e}.gate_proj/
+    up_proj/down_proj and its router as mlp.gate, written as TensorRT-LLM's QWen class (qwen_type qwen3_moe)."""
     ckpt = _hf_dir(tmp_path, arch)
     for streaming in ("false", "true"):
         kv = ["kv=native_fp8"] if (arch, streaming) == ("qwen3", "true") else []
@@ -323,16 +355,16 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
             assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
             if streaming == "false":
                 assert net["detail"]["crossed_into_store"] and net["detail"]["top1_agreement"] == 1.0, net
-            if arch == "mixtral":
-                assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["arch"]["moe"] == {"num_experts": 4, "top_k": 2}
+            if arch in ("mixtral", "qwen3_moe"):
+                assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
         if streaming == "true":
             assert any(f"into transformers' {cls}" in n for n in checks)
         assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == written
-    if arch == "mixtral":
+    if arch in ("mixtral", "qwen3_moe"):
         from safetensors.torch import load_file
 
         src, out = load_file(str(ckpt / "model.safetensors")), load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
-        experts = [k for k in src if ".experts." in k or "block_sparse_moe.gate" in k]
+        experts = [k for k in src if ".experts." in k or k.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight"))]
         assert len(experts) == 2 * (3 * 4 + 1) and all(torch.equal(out[k].float(), src[k].to(out[k].dtype).float()) for k in experts)
     if arch == "phi3":
         from safetensors.torch import load_file
@@ -425,8 +457,13 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     with pytest.raises(UserError, match="this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary\\): add export=none"):
         check_exportable(phi)
     check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
-    with pytest.raises(UserError, match="this model is Qwen3MoeForCausalLM: add export=none"):  # validated (and streamed), not exported
-        check_exportable(build_tiny("qwen3_moe", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    moe = build_tiny("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    check_exportable(moe)
+    for field, value, shown in (("mlp_only_layers", [1], "mlp_only_layers=[1]"), ("decoder_sparse_step", 2, "decoder_sparse_step=2")):
+        setattr(moe.config, field, value)  # a dense layer among the expert layers: the checkpoint's MLP is the same in every layer
+        with pytest.raises(UserError, match=f"this Qwen3MoeForCausalLM has dense layers \\(.*{re.escape(shown)}.*allowed: \\[\\] and 1\\): add export=none"):
+            check_exportable(moe)
+        setattr(moe.config, field, [] if field == "mlp_only_layers" else 1)
     with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
         check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
 

@@ -77,18 +77,19 @@ def test_network_graph_of_mixtral_routes_tokens_like_the_validated_cache(tmp_pat
     MixtralForCausalLM through CompressedCache. Negatives (each > 100x the KL): one expert per token instead of two,
     w1/w3 (gate/up) read the other way round, and each expert's w2 (down) taken from the next expert."""
     lm = tiny_lm("mixtral")
+    g = torch.Generator().manual_seed(0)  # the same routers in every process (the global generator's state depends on what ran before)
     with torch.no_grad():  # random-init routers are near-uniform: make the choice of experts matter
         for layer in lm.model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.5)
     book = fitted_book(lm, **SPEC)
     bundle, hf = _bundle(tmp_path, lm, book)
     spec = tn.load_spec(bundle)
-    assert spec["arch"]["moe"] == {"num_experts": 4, "top_k": 2}
+    assert spec["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
     assert tn.load_hf_weights(hf, spec)["0.wg"].shape == (4, lm.model.config.intermediate_size, lm.model.config.hidden_size)
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
     res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
-    one, _ = _bundle(tmp_path / "top1", lm, book, {"arch": {**spec["arch"], "moe": {"num_experts": 4, "top_k": 1}}})
+    one, _ = _bundle(tmp_path / "top1", lm, book, {"arch": {**spec["arch"], "moe": {"num_experts": 4, "top_k": 1, "normalization_mode": 1}}})
     top1 = no.check_network(one, hf, lm.model, book, prompt, max_new_tokens=8)
     assert top1["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (top1["kl_mean"], res["kl_mean"])
     real = tn.load_hf_weights
@@ -110,8 +111,46 @@ def test_network_graph_of_mixtral_routes_tokens_like_the_validated_cache(tmp_pat
         wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
         assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (bad.__name__, wrong["kl_mean"], res["kl_mean"])
     monkeypatch.setattr(tn, "load_hf_weights", real)
-    with pytest.raises(ValueError, match="has no mixture-of-experts block but layer 0 has block_sparse_moe"):
+    with pytest.raises(ValueError, match="has no mixture-of-experts block but layer 0 has expert tensors"):
         real(hf, {**spec, "arch": {k: v for k, v in spec["arch"].items() if k != "moe"}})
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_network_graph_of_qwen3_moe_routes_tokens_like_the_validated_cache(tmp_path, renorm):
+    """Qwen3-MoE in the graph: Qwen3's per-head q/k norms, and in every layer the experts as stored (mlp.gate, the
+    router; mlp.experts.{e}.gate_proj/up_proj/down_proj), routed as the model routes: with norm_topk_prob (the released
+    models) the top-k weights renormalised, without it the top k of the softmax over all experts as they are
+    (network.json moe.normalization_mode 1 / 0). It decodes like transformers' Qwen3MoeForCausalLM through
+    CompressedCache. Negative: the same bundle with the other normalization mode is > 100x the KL (a flat router, whose
+    top two weights sum well below 1, and experts with 4x their down projections, so that the scale matters)."""
+    lm = tiny_lm("qwen3_moe")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.05)
+            layer.mlp.experts.down_proj.mul_(4.0)
+            layer.mlp.gate.norm_topk_prob = renorm
+    lm.model.config.norm_topk_prob = renorm
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    assert spec["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": int(renorm)}
+    w = tn.load_hf_weights(hf, spec)
+    cfg = lm.model.config
+    assert w["0.wg"].shape == (4, cfg.moe_intermediate_size, cfg.hidden_size) and w["0.wr"].dtype == np.float32 and "0.kn" in w
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    other, _ = _bundle(tmp_path / "other", lm, book, {"arch": {**spec["arch"], "moe": {**spec["arch"]["moe"], "normalization_mode": 1 - int(renorm)}}})
+    wrong = no.check_network(other, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
+    from safetensors.torch import load_file, save_file
+
+    raw = load_file(str(next(hf.glob("*.safetensors"))))
+    (tmp_path / "short").mkdir()
+    save_file({k: v for k, v in raw.items() if k != "model.layers.0.mlp.experts.3.down_proj.weight"}, str(tmp_path / "short" / "model.safetensors"))
+    with pytest.raises(ValueError, match="layer 0 lacks the gate, up or down weights of some of its 4 experts"):
+        tn.load_hf_weights(tmp_path / "short", spec)
 
 
 def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache(tmp_path, monkeypatch):
@@ -257,7 +296,7 @@ def test_build_engine_reports_an_hf_dir_that_does_not_fit_the_bundle_in_one_line
     capsys.readouterr()  # the setup's save_pretrained progress bars
     assert be.main() == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "has mixture-of-experts block but layer 0 has no block_sparse_moe" in err, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "has mixture-of-experts block but layer 0 has no expert tensors" in err, err
 
 
 @pytest.mark.parametrize("rotate", ["none", "hadamard"])

@@ -32,8 +32,8 @@ def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: in
         common["sliding_window"] = None
     if arch in ("mixtral", "qwen3_moe"):  # mixture of experts: 4 experts, 2 per token (transformers fuses each layer's experts)
         common |= {"num_local_experts" if arch == "mixtral" else "num_experts": 4, "num_experts_per_tok": 2}
-    if arch == "qwen3_moe":
-        common["moe_intermediate_size"] = hidden
+    if arch == "qwen3_moe":  # the released Qwen3-MoE models renormalise their top-k routing weights (transformers' default does not)
+        common |= {"moe_intermediate_size": hidden, "norm_topk_prob": True}
     if arch == "gemma3":  # Gemma 3's layout: every 3rd layer global, the others local (window 16), QK-norm, two RoPE bases
         common.update(sliding_window=16, query_pre_attn_scalar=head_dim,
                       layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],

@@ -46,7 +46,8 @@ from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_t
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_reader.rope_inv_freq re-measures these
-SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Qwen3MoeForCausalLM")
 FORMAT_VERSION = 2
 
 
@@ -57,10 +58,16 @@ def check_exportable(model) -> None:
     forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Mixtral is the
     Llama attention with a mixture-of-experts MLP (TensorRT-LLM's Llama class with its `moe` block); Qwen2 is the
     Llama layer with q/k/v biases, Qwen3 the Llama layer with a per-head q/k RMSNorm before RoPE (TensorRT-LLM's
-    QWen class, the same tensor names)."""
+    QWen class, the same tensor names); Qwen3-MoE is Qwen3's attention with Mixtral's expert tensors in every layer
+    (the QWen class, qwen_type qwen3_moe): a model with dense layers among its expert layers (mlp_only_layers,
+    decoder_sparse_step > 1) is refused, as the checkpoint gives every layer the same MLP."""
     arch, cfg = type(model).__name__, model.config
     if arch not in SUPPORTED_ARCH:
         raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
+    dense, step = list(getattr(cfg, "mlp_only_layers", None) or []), int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    if arch == "Qwen3MoeForCausalLM" and (dense or step != 1):
+        raise UserError(f"export=trtllm writes an expert MLP in every layer; this {arch} has dense layers (mlp_only_layers={dense}, "
+                        f"decoder_sparse_step={step}; allowed: [] and 1): add export=none")
     window, positions = getattr(cfg, "sliding_window", None), getattr(cfg, "max_position_embeddings", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
     if sliding or (window is not None and (positions is None or window < positions)):

@@ -20,6 +20,11 @@ Mixtral (mixture of experts; the converter's load_weights_from_hf_safetensors, M
     transformer.layers.{i}.mlp.router.weight <- HF mlp.gate (block_sparse_moe.gate) [E, hidden]   float32, replicated
     transformer.layers.{i}.mlp.fc.weight     <- w3 | w1 (up | gate) of each expert   [E, 2*inter/tp, hidden]
     transformer.layers.{i}.mlp.proj.weight   <- w2 of each expert                    [E, hidden, inter/tp]
+Qwen3-MoE (TensorRT-LLM's QWen class, qwen_type qwen3_moe: Qwen3's attention with q/k_layernorm, every layer a
+mixture of experts of moe_intermediate_size, no shared expert; the converter's convert_hf_qwen MoE branch): the same
+expert tensors as Mixtral (router float32, fc = up | gate, proj), from transformers' mlp.gate and mlp.experts. The
+routing follows the model's norm_topk_prob (normalization_mode 1, RENORMALIZE, when set; 0, the top k of the softmax
+over all experts, when not), written in the config's `moe` block, which QWenConfig reads as given.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ TRTLLM_VERSION = "1.2.1"
 
 def check_tp(geom, tp: int, hf_cfg=None) -> None:
     """tp splits the heads, the MLP's (or each expert's) intermediate dimension and the vocabulary (padded) evenly."""
-    inter = getattr(hf_cfg, "intermediate_size", None)
+    inter = expert_intermediate_size(hf_cfg) if hf_cfg is not None else None
     if inter is not None and inter % tp:
         raise UserError(f"export.tp_sizes contains {tp}: the model's MLP intermediate size {inter} does not split over {tp} ranks")
     if geom.n_heads % tp:
@@ -57,13 +62,27 @@ def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
     return w.unflatten(0, (nkv, -1)).repeat_interleave(tp // nkv, dim=0).flatten(0, 1)
 
 
-QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 OWN_ARCH = {**QWEN_TYPES, "mixtral": "MixtralForCausalLM"}  # written under their own name; the rest as Llama
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")  # transformers 5's fused experts and router
 
 
 def num_experts(hf_cfg) -> int:
-    return int(getattr(hf_cfg, "num_local_experts", 0) or 0)
+    """The experts of each layer's MLP (Mixtral: num_local_experts; Qwen3-MoE: num_experts); 0 for a dense MLP."""
+    return int(getattr(hf_cfg, "num_local_experts", 0) or getattr(hf_cfg, "num_experts", 0) or 0)
+
+
+def expert_intermediate_size(hf_cfg) -> int:
+    """The intermediate size tp splits: each expert's (Qwen3-MoE: moe_intermediate_size; Mixtral: intermediate_size)."""
+    return int(getattr(hf_cfg, "moe_intermediate_size", 0) or hf_cfg.intermediate_size) if num_experts(hf_cfg) else int(hf_cfg.intermediate_size)
+
+
+def moe_block(hf_cfg) -> dict:
+    """The checkpoint's `moe` block (TensorRT-LLM's MoeConfig): experts, top k and the routing's normalization_mode,
+    1 (RENORMALIZE: the top k softmax probabilities renormalised; Mixtral, and Qwen3-MoE with norm_topk_prob) or
+    0 (NONE: the top k of the softmax over all experts, as they are; Qwen3-MoE without norm_topk_prob)."""
+    renorm = bool(getattr(hf_cfg, "norm_topk_prob", True)) if getattr(hf_cfg, "model_type", None) == "qwen3_moe" else True
+    return {"num_experts": num_experts(hf_cfg), "top_k": int(hf_cfg.num_experts_per_tok), "normalization_mode": int(renorm)}
 
 
 def trtllm_architecture(hf_cfg) -> str:
@@ -71,7 +90,8 @@ def trtllm_architecture(hf_cfg) -> str:
     is the Llama layer with q/k/v biases, qwen3 the Llama layer with an RMSNorm on each head's q and k before RoPE,
     the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window, and
     Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward.
-    Mixtral keeps its name (TensorRT-LLM's Llama class with a mixture-of-experts MLP)."""
+    Mixtral keeps its name (TensorRT-LLM's Llama class with a mixture-of-experts MLP), and so does Qwen3-MoE (the QWen
+    class, qwen_type qwen3_moe: Qwen3's attention, an expert MLP in every layer)."""
     return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
@@ -104,13 +124,15 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
     }
-    if num_experts(hf_cfg):  # LLaMAConfig.from_hugging_face for mixtral: explicit gated activation, top-k renormalised routing
-        cfg |= {"hidden_act": "swiglu", "moe": {"num_experts": num_experts(hf_cfg), "top_k": int(hf_cfg.num_experts_per_tok), "normalization_mode": 1}}
+    if num_experts(hf_cfg):  # LLaMAConfig/QWenConfig.from_hugging_face: explicit gated activation; the routing as the model routes
+        cfg |= {"hidden_act": "swiglu", "moe": moe_block(hf_cfg)}
         cfg["mapping"] |= {"moe_tp_size": tp, "moe_ep_size": 1}
     if cfg["architecture"] == "Qwen2ForCausalLM":  # QWenConfig's fields (tensorrt_llm/models/qwen/config.py): q/k/v biases, no dense bias
         cfg |= {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
-    if cfg["architecture"] == "Qwen3ForCausalLM":  # no biases; QWenDecoderLayer turns on qk_layernorm (RmsNorm) for qwen3
-        cfg |= {"qwen_type": "qwen3", "attn_bias": False, "mlp_bias": False, "use_logn_attn": False}
+    if cfg["architecture"] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):  # no biases; QWenDecoderLayer turns on qk_layernorm (RmsNorm) for both
+        cfg |= {"qwen_type": hf_cfg.model_type, "attn_bias": False, "mlp_bias": False, "use_logn_attn": False}
+    if cfg["architecture"] == "Qwen3MoeForCausalLM":  # QWenDecoderLayer sizes qwen3_moe's experts by moe_intermediate_size; no shared expert
+        cfg |= {"moe_intermediate_size": expert_intermediate_size(hf_cfg), "moe_shared_expert_intermediate_size": 0}
     return cfg
 
 
@@ -153,7 +175,7 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
         out[t + "attention.k_layernorm.weight"] = state[p + "self_attn.k_norm.weight"]
     out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
     out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
-    if p + EXPERTS[0] in state:  # Mixtral: [E, 2I, H] rows gate | up (Phi3-style chunk), [E, H, I]
+    if p + EXPERTS[0] in state:  # Mixtral, Qwen3-MoE: [E, 2I, H] rows gate | up (Phi3-style chunk), [E, H, I]
         gate, up = state[p + EXPERTS[0]].chunk(2, dim=1)
         out[t + "mlp.fc.weight"] = torch.cat([_split(up, tp, rank, 1), _split(gate, tp, rank, 1)], dim=1)  # w3 | w1
         out[t + "mlp.proj.weight"] = _split(state[p + EXPERTS[1]], tp, rank, 2)

@@ -1,4 +1,4 @@
-"""The custom tier as a TensorRT-LLM network: a Llama decoder (Mixtral: with its expert MLP) whose attention is the two kvcompress
+"""The custom tier as a TensorRT-LLM network: a Llama decoder (Mixtral, Qwen3-MoE: with an expert MLP) whose attention is the two kvcompress
 plugins (KvcAppend writes the new token into the packed cache, KvcDecodeAttention reads it).
 
 One description, two backends:
@@ -185,15 +185,15 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
         w |= {f"{i}.ln1": get(t + "input_layernorm.weight")[None], f"{i}.ln2": get(t + "post_attention_layernorm.weight")[None],
               f"{i}.wq": get(t + "self_attn.q_proj.weight"), f"{i}.wk": get(t + "self_attn.k_proj.weight"),
               f"{i}.wv": get(t + "self_attn.v_proj.weight"), f"{i}.wo": get(t + "self_attn.o_proj.weight")}
-        has_moe = f"{t}block_sparse_moe.gate.weight" in raw
+        experts = _expert_weights(raw, t, moe["num_experts"]) if moe else None
+        has_moe = f"{t}block_sparse_moe.gate.weight" in raw or f"{t}mlp.gate.weight" in raw  # a router (a dense MLP's is gate_proj)
         if has_moe != bool(moe):
             raise WeightsMismatch(f"{hf_dir}: network.json {'has' if moe else 'has no'} mixture-of-experts block but layer {i} "
-                             f"{'has' if has_moe else 'has no'} block_sparse_moe tensors (Mixtral's stored layout)")
-        if moe:  # Mixtral as stored: router gate [E, hidden] (kept float32), expert e's w1 (gate), w3 (up), w2 (down)
-            e = f"{t}block_sparse_moe.experts."
-            w[f"{i}.wr"] = raw[f"{t}block_sparse_moe.gate.weight"].float().numpy()
-            for n, k in (("wg", "w1"), ("wu", "w3"), ("wd", "w2")):
-                w[f"{i}.{n}"] = np.stack([get(f"{e}{j}.{k}.weight") for j in range(moe["num_experts"])])  # [E, out, in]
+                                  f"{'has' if has_moe else 'has no'} expert tensors (Mixtral's block_sparse_moe, Qwen-MoE's mlp.gate and mlp.experts)")
+        if moe and experts is None:
+            raise WeightsMismatch(f"{hf_dir}: layer {i} lacks the gate, up or down weights of some of its {moe['num_experts']} experts (network.json moe)")
+        if moe:
+            w |= {f"{i}.{n}": a for n, a in experts.items()}
         else:
             w |= {f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
         if f"{t}self_attn.o_proj.bias" in raw:
@@ -211,6 +211,26 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
                 raise WeightsMismatch(f"network.json says value_rotation={spec['value_rotation']} but plugin_params has no v_rotation")
             _fold_value_rotation(w, raw, t, i, a, params["v_rotation"])
     return w
+
+
+def _expert_weights(raw: dict, t: str, E: int) -> dict[str, np.ndarray] | None:
+    """Layer t's router (float32 [E, hidden]) and its experts' gate, up, down ([E, out, in] fp16) from the checkpoint as
+    stored: Mixtral's block_sparse_moe.gate and experts.{e}.w1 (gate), w3 (up), w2 (down); Qwen-MoE's mlp.gate and
+    mlp.experts.{e}.gate_proj, up_proj, down_proj; or transformers' fused mlp.experts.gate_up_proj (rows gate | up per
+    expert) and down_proj. None when the layer has not all of one of these."""
+    import torch
+
+    layouts = ((f"{t}block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")), (f"{t}mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")))
+    for base, router, names in layouts:
+        keys = [[f"{base}experts.{e}.{n}.weight" for e in range(E)] for n in names]
+        if base + router in raw and all(k in raw for ks in keys for k in ks):
+            g, u, d = (np.stack([raw[k].to(torch.float16).numpy() for k in ks]) for ks in keys)
+            return {"wr": raw[base + router].float().numpy(), "wg": g, "wu": u, "wd": d}
+    fused = (f"{t}mlp.experts.gate_up_proj", f"{t}mlp.experts.down_proj", f"{t}mlp.gate.weight")
+    if all(k in raw for k in fused) and raw[fused[0]].shape[0] == E:
+        g, u = (x.to(torch.float16).numpy() for x in raw[fused[0]].chunk(2, dim=1))
+        return {"wr": raw[fused[2]].float().numpy(), "wg": g, "wu": u, "wd": raw[fused[1]].to(torch.float16).numpy()}
+    return None
 
 
 def _fold_value_rotation(w: dict, raw: dict, t: str, i: int, a: dict, R: np.ndarray) -> None:
@@ -272,9 +292,11 @@ def _mlp(g, h, W, i: int):
     return g.matmul(_silu_gate(g, gate, up), g.const(W[f"{i}.wd"]), transpose_b=True)
 
 
-def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
-    """Mixtral's mixture-of-experts MLP of h [B, hidden] fp16: router logits in float32 (h @ W_r^T), the top k per
-    token, their softmax as the weights (= the softmax over all experts renormalised over the top k), spread over
+def _moe_mlp(g, h, W, i: int, hidden: int, k: int, renormalize: bool = True):
+    """The mixture-of-experts MLP of h [B, hidden] fp16 (Mixtral, Qwen3-MoE): router logits in float32 (h @ W_r^T),
+    the top k per token and their weights: renormalize (Mixtral; Qwen3-MoE with norm_topk_prob; network.json
+    moe.normalization_mode 1) the softmax of the top k logits (= the softmax over all experts renormalised over the
+    top k); otherwise (mode 0) the top k of the softmax over all experts, as they are. The weights are spread over
     the E experts as a dense routing row (0 for the experts not chosen: a gather of the identity's rows, one-hot,
     weighted). Every expert's gated MLP runs on every token, from the weights as stored (gate and up of all experts
     in one matrix multiply each, down as one batched multiply over the experts), and the routing row sums them:
@@ -283,9 +305,13 @@ def _moe_mlp(g, h, W, i: int, hidden: int, k: int):
     it computes E / k times the chosen experts' work, which TensorRT-LLM's MoE plugin does not."""
     E, inter = W[f"{i}.wg"].shape[:2]
     logits = g.matmul(g.cast(h, "float32"), g.const(W[f"{i}.wr"]), transpose_b=True)  # [B, E]
-    top, idx = g.topk_last(logits, k)  # [B, k]
+    if renormalize:
+        top, idx = g.topk_last(logits, k)  # [B, k]
+        top = g.softmax_last(top)
+    else:  # the softmax is monotone: its top k are the logits' top k
+        top, idx = g.topk_last(g.softmax_last(logits), k)
     onehot = g.gather(g.const(np.eye(E, dtype=np.float16)), idx)  # [B, k, E]
-    route = g.matmul(g.cast(g.reshape(g.softmax_last(top), (0, 1, k)), "float16"), onehot)  # [B, 1, E]
+    route = g.matmul(g.cast(g.reshape(top, (0, 1, k)), "float16"), onehot)  # [B, 1, E]
     gate, up = (g.matmul(h, g.const(W[f"{i}.{n}"].reshape(E * inter, hidden)), transpose_b=True) for n in ("wg", "wu"))  # [B, E * I]
     act = g.reshape(_silu_gate(g, gate, up), (0, E, 1, inter))
     y = g.matmul(act, g.const(W[f"{i}.wd"][None]), transpose_b=True)  # [B, E, 1, hidden]
@@ -330,7 +356,8 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         att = g.reshape(g.cast(att, "float16"), (0, H * D))
         x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
         h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
-        x = g.add(x, _moe_mlp(g, h, W, i, a["hidden"], a["moe"]["top_k"]) if a.get("moe") else _mlp(g, h, W, i))
+        moe = a.get("moe")
+        x = g.add(x, _moe_mlp(g, h, W, i, a["hidden"], moe["top_k"], moe.get("normalization_mode", 1) == 1) if moe else _mlp(g, h, W, i))
         present.append(new)
     x = _rms_norm(g, x, W["norm"], eps)
     return g.cast(g.matmul(x, g.const(W["lm_head"]), transpose_b=True), "float32"), present
