@@ -45,6 +45,9 @@ COMMANDS = {
     # the second model family (Gemma 3 270M: head dim 256, QK-norm, sliding-window layers) at 8K: wf6 and wf5 beside the default
     # and the default with Hadamard-rotated values (int8k_rotv), the 8K table's 4 x 8192 held-out tokens
     "gemma8k_wf": "python -m kvcompress model=gemma3_270m kv=wf6 eval=long export=none eval.compare=[wf5,int8k_int4v,int8k_rotv]",
+    # where the default's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
+    # compressed), beside the default with Hadamard-rotated values, on the 8K table's 4 x 8192 held-out tokens (no tasks)
+    "long8k_attr": "python -m kvcompress eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
@@ -61,6 +64,7 @@ RATIOS = {
     "long8k_rot7k": [("rot7k_int5v", "int8k_int4v"), ("rot7k_int5v", "rot8k_int4v")],
     "long8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v")],
     "gemma8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v"), ("int8k_rotv", "int8k_int4v")],
+    "long8k_attr": [("int8k_rotv", "int8k_int4v")],
 }
 
 
