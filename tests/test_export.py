@@ -357,6 +357,10 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
                 assert net["detail"]["crossed_into_store"] and net["detail"]["top1_agreement"] == 1.0, net
             if arch in ("mixtral", "qwen3_moe"):
                 assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+                dense = manifest["artifacts"]["plugin_bundle"]["network"]["moe_mlp"]  # the dense expert MLP's cost, said where the operator reads
+                assert dense["work_vs_routed"] == 2.0 and "every expert runs on every token" in dense["note"] and "all 4 experts" in p.stdout + p.stderr
+            elif "network" in manifest["artifacts"]["plugin_bundle"]:
+                assert "moe_mlp" not in manifest["artifacts"]["plugin_bundle"]["network"]
         if streaming == "true":
             assert any(f"into transformers' {cls}" in n for n in checks)
         assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == written

@@ -275,6 +275,15 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     hf_dir = spec["weights"]["hf_dir"]
     info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
             "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
+    moe = spec["arch"].get("moe")
+    if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
+        E, k = moe["num_experts"], moe["top_k"]
+        info["moe_mlp"] = {"experts": E, "top_k": k, "work_vs_routed": E / k,
+                           "note": f"every expert runs on every token, summed by the routing weights (0 for the {E - k} not chosen): {E / k:g}x the "
+                                   f"routed experts' work, and a decode step reads all {E} experts' weights whatever the batch; a correctness "
+                                   f"path, not TensorRT-LLM's MoE plugin (its native-tier checkpoint routes sparsely)"}
+        log.warning("export: the custom-tier network runs all %d experts on every token (%gx the routed work of top-%d routing); "
+                    "the native-tier checkpoint routes sparsely (manifest: plugin_bundle.network.moe_mlp)", E, E / k, k)
     if lm.streamer is not None or not hf_dir or not any(Path(hf_dir).glob("*.safetensors")):
         why = "streamed model: the CPU oracle would hold every layer" if lm.streamer is not None else "no HF weights directory (model built in code)"
         checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
