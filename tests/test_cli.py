@@ -26,7 +26,7 @@ BAD = [
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
-    (["model.tiny.arch=gemma3"], "export=trtllm supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM; this model is Gemma3ForCausalLM: add export=none"),
+    (["model.tiny.arch=gemma3"], "export=trtllm supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; this model is Gemma3ForCausalLM: add export=none"),
     (["kv=int8k_int4v", "kv.value.symmetric=true"], "a comparison format that is validated but never shipped: add export=none"),
     (["eval.compare=[nope]"], "eval.compare names kv preset 'nope', which does not exist; allowed:"),
     (["kv=native_fp8", "kv.fold_pairs=maybe"], "kv.fold_pairs='maybe' is invalid: allowed: a valid boolean or 'auto'"),

@@ -81,29 +81,39 @@ def _renormalize(model, on: bool):
 
 
 @pytest.mark.parametrize("arch,tp,renorm", [("mixtral", 1, True), ("mixtral", 2, True), ("qwen3_moe", 1, True), ("qwen3_moe", 2, True),
-                                            ("qwen3_moe", 1, False)])
+                                            ("qwen3_moe", 1, False), ("qwen2_moe", 1, False), ("qwen2_moe", 2, False)])
 def test_reader_reproduces_mixtral(tmp_path, arch, tp, renorm):
     """Mixtral written as TensorRT-LLM's Llama class with experts (mlp.router float32, mlp.fc = up | gate per expert and
     rank, mlp.proj), Qwen3-MoE as its QWen class (qwen_type qwen3_moe, the same expert tensors, moe_intermediate_size):
     the reader's top-k routing gives transformers' logits, renormalised (normalization_mode 1) for Mixtral and for
     Qwen3-MoE with norm_topk_prob, as the softmax gave them (mode 0) for Qwen3-MoE without. With gate and up swapped
-    in mlp.fc, or the other normalization mode, it does not."""
+    in mlp.fc, or the other normalization mode, it does not. Qwen2-MoE (qwen_type qwen2_moe, q/k/v biases): its shared
+    expert in mlp.shared_expert.fc (up | gate per rank) / proj and its sigmoid gate in mlp.shared_expert_gate (SharedMoE);
+    with the shared expert's up and gate swapped it does not."""
     from safetensors.torch import load_file, save_file
 
     model = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, seed=1)
-    inter = 192 if arch == "mixtral" else 96  # Qwen3-MoE's experts: moe_intermediate_size (its dense intermediate_size is 192)
+    inter = 192 if arch == "mixtral" else 96  # Qwen-MoE's experts: moe_intermediate_size (its dense intermediate_size is 192)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # random-init routers are near-uniform: make the weights of the chosen experts matter
         for layer in model.model.layers:
             layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.5)
     if arch == "qwen3_moe":
         _renormalize(model, renorm)
+    if arch == "qwen2_moe":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.shared_expert_gate.weight.copy_(torch.randn(layer.mlp.shared_expert_gate.weight.shape, generator=g) * 0.5)
+                for n in "qkv":
+                    b = getattr(layer.self_attn, f"{n}_proj").bias
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.5)
     write_checkpoint(model, Geometry.from_hf_config(model.config), tmp_path, tp, "float32", None, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    written = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    written = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
     assert cfg["architecture"] == written and cfg["hidden_act"] == "swiglu" and cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": int(renorm)}
-    if arch == "qwen3_moe":
-        assert cfg["qwen_type"] == "qwen3_moe" and cfg["moe_intermediate_size"] == inter and not cfg["attn_bias"]
+    if arch != "mixtral":
+        assert cfg["qwen_type"] == arch and cfg["moe_intermediate_size"] == inter and cfg["attn_bias"] == (arch == "qwen2_moe")
+        assert cfg["moe_shared_expert_intermediate_size"] == (192 if arch == "qwen2_moe" else 0)
     r0 = load_file(str(tmp_path / "rank0.safetensors"))
     assert r0["transformer.layers.0.mlp.router.weight"].dtype == torch.float32 and r0["transformer.layers.0.mlp.fc.weight"].shape == (4, 2 * inter // tp, 96)
     assert r0["transformer.layers.0.mlp.proj.weight"].shape == (4, 96, inter // tp)
@@ -114,6 +124,16 @@ def test_reader_reproduces_mixtral(tmp_path, arch, tp, renorm):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe": {**cfg["moe"], "normalization_mode": 1 - int(renorm)}}))
     assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-3  # the other routing: off
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if arch == "qwen2_moe":
+        assert r0["transformer.layers.0.mlp.shared_expert.fc.weight"].shape == (2 * 192 // tp, 96) and r0["transformer.layers.0.mlp.shared_expert_gate.weight"].shape == (1, 96)
+        for r in range(tp):  # the shared expert's up and gate swapped: far off
+            f = tmp_path / f"rank{r}.safetensors"
+            w = load_file(str(f))
+            up, gate = w["transformer.layers.0.mlp.shared_expert.fc.weight"].chunk(2, dim=0)
+            w["transformer.layers.0.mlp.shared_expert.fc.weight"] = torch.cat([gate, up]).contiguous()
+            save_file(w, str(f))
+        assert (trtllm_reader.forward(tmp_path, ids) - expect).abs().max() > 1e-3  # > 100x the match's 1e-5
+        return
     for r in range(tp):  # gate and up swapped: far off
         f = tmp_path / f"rank{r}.safetensors"
         w = load_file(str(f))
@@ -216,14 +236,15 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
 @pytest.mark.parametrize("arch,source,written", [("mistral", "MistralForCausalLM", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"),
                                                  ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"),
                                                  ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM"),
-                                                 ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
+                                                 ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
 def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, written):
     """A Mistral model without a sliding window is a Llama forward: written as Llama (TensorRT-LLM maps
     MistralForCausalLM to its Llama class). Qwen2 is the Llama layer with q/k/v biases: written as
     Qwen2ForCausalLM (qwen_type qwen2), its folded biases in attention.qkv.bias. Qwen3 is the Llama layer with a
     per-head q/k RMSNorm before RoPE: qwen_type qwen3, no biases, its (folded) norms in attention.q_layernorm/
     k_layernorm. Phi-3/Phi-4 are the Llama forward with fused q/k/v and gate/up: written as Llama, split. Qwen3-MoE:
-    qwen_type qwen3_moe, Qwen3's norms and the expert tensors (Mixtral's layout). The written
+    qwen_type qwen3_moe, Qwen3's norms and the expert tensors (Mixtral's layout); Qwen2-MoE: qwen_type qwen2_moe, the
+    biases, the experts and the gated shared expert. The written
     checkpoints re-measure like validate (the reader adds the biases and the norms), and the manifest names both
     architectures."""
     p, run = _export_run(tmp_path, f"model.tiny.arch={arch}", "kv=native_int8")
@@ -232,13 +253,14 @@ def test_mistral_and_qwen_models_export_and_remeasure(tmp_path, arch, source, wr
     trt = manifest["artifacts"]["trtllm_ckpt"]
     assert trt["architecture"] == {"source": source, "written": written}
     cfg = json.loads((run / "export" / "trtllm_ckpt" / "tp2" / "config.json").read_text())
-    assert cfg["architecture"] == written and cfg["attn_bias"] == (arch == "qwen2") and cfg.get("qwen_type") == (arch if arch.startswith("qwen") else None)
+    assert cfg["architecture"] == written and cfg["attn_bias"] == (arch in ("qwen2", "qwen2_moe")) and cfg.get("qwen_type") == (arch if arch.startswith("qwen") else None)
     from safetensors import safe_open
 
     with safe_open(str(run / "export" / "trtllm_ckpt" / "tp1" / "rank0.safetensors"), "pt") as f:
-        assert ("transformer.layers.0.attention.qkv.bias" in f.keys()) == (arch == "qwen2")
+        assert ("transformer.layers.0.attention.qkv.bias" in f.keys()) == (arch in ("qwen2", "qwen2_moe"))
         assert ("transformer.layers.0.attention.k_layernorm.weight" in f.keys()) == (arch in ("qwen3", "qwen3_moe"))
-        assert ("transformer.layers.0.mlp.router.weight" in f.keys()) == (arch in ("mixtral", "qwen3_moe"))
+        assert ("transformer.layers.0.mlp.router.weight" in f.keys()) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe"))
+        assert ("transformer.layers.0.mlp.shared_expert_gate.weight" in f.keys()) == (arch == "qwen2_moe")
     assert trt["remeasured"]["passed"] and manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
     assert all(c["status"] == "passed" for c in manifest["checks"]) and any("shards merge" in c["check"] for c in manifest["checks"])
 
@@ -330,7 +352,7 @@ def test_per_layer_splits_of_the_per_token_family_ship_in_the_custom_tier(tmp_pa
 
 @pytest.mark.parametrize("arch,cls,written", [("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM", "Qwen3ForCausalLM"),
                                               ("phi3", "Phi3ForCausalLM", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM", "MixtralForCausalLM"),
-                                              ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
+                                              ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM")])
 def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, cls, written):
     """A Qwen2 Hugging Face directory with non-zero q/k/v biases (Qwen3: q/k norm weights not all ones; Phi-3: fused
     q/k/v and gate/up), run as a user would (model.path), in memory and streamed: every export check passes, including
@@ -341,7 +363,8 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
     conversion of its per-expert tensors; the HF checkpoint stores them as the source does (block_sparse_moe.experts.
     {e}.w1/w2/w3, unchanged by the fold); the custom-tier network routes tokens to its experts like transformers.
     Qwen3-MoE (norm_topk_prob set, as the released models): the same, its experts stored as mlp.experts.{e}.gate_proj/
-    up_proj/down_proj and its router as mlp.gate, written as TensorRT-LLM's QWen class (qwen_type qwen3_moe)."""
+    up_proj/down_proj and its router as mlp.gate, written as TensorRT-LLM's QWen class (qwen_type qwen3_moe). Qwen2-MoE:
+    the same with q/k/v biases and a gated shared expert (qwen_type qwen2_moe, routed as the released models route)."""
     ckpt = _hf_dir(tmp_path, arch)
     for streaming in ("false", "true"):
         kv = ["kv=native_fp8"] if (arch, streaming) == ("qwen3", "true") else []
@@ -355,8 +378,9 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
             assert net["status"] == ("passed" if streaming == "false" else "skipped"), net
             if streaming == "false":
                 assert net["detail"]["crossed_into_store"] and net["detail"]["top1_agreement"] == 1.0, net
-            if arch in ("mixtral", "qwen3_moe"):
-                assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+            if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+                moe = {"num_experts": 4, "top_k": 2, "normalization_mode": 0, "shared_expert": 192} if arch == "qwen2_moe" else {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+                assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["arch"]["moe"] == moe
                 dense = manifest["artifacts"]["plugin_bundle"]["network"]["moe_mlp"]  # the dense expert MLP's cost, said where the operator reads
                 assert dense["work_vs_routed"] == 2.0 and "every expert runs on every token" in dense["note"] and "all 4 experts" in p.stdout + p.stderr
             elif "network" in manifest["artifacts"]["plugin_bundle"]:
@@ -364,7 +388,7 @@ def test_a_checkpoint_directory_exports_in_memory_and_streamed(tmp_path, arch, c
         if streaming == "true":
             assert any(f"into transformers' {cls}" in n for n in checks)
         assert manifest["artifacts"]["trtllm_ckpt"]["architecture"]["written"] == written
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
         from safetensors.torch import load_file
 
         src, out = load_file(str(ckpt / "model.safetensors")), load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
@@ -463,6 +487,7 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     moe = build_tiny("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32)
     check_exportable(moe)
+    check_exportable(build_tiny("qwen2_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32))  # its sliding_window 0: no window
     for field, value, shown in (("mlp_only_layers", [1], "mlp_only_layers=[1]"), ("decoder_sparse_step", 2, "decoder_sparse_step=2")):
         setattr(moe.config, field, value)  # a dense layer among the expert layers: the checkpoint's MLP is the same in every layer
         with pytest.raises(UserError, match=f"this Qwen3MoeForCausalLM has dense layers \\(.*{re.escape(shown)}.*allowed: \\[\\] and 1\\): add export=none"):

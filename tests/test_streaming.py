@@ -52,7 +52,8 @@ def _quality(lm, books, windows):
 
 @pytest.mark.parametrize("tie,dtype,arch", [(False, torch.float32, "llama"), (True, torch.float32, "llama"), (False, torch.bfloat16, "llama"),
                                             (False, torch.float32, "gemma3"),  # per-layer-type RoPE and masks, scaled embeddings
-                                            (False, torch.float32, "mixtral"), (False, torch.float32, "qwen3_moe")])  # experts stored one by one
+                                            (False, torch.float32, "mixtral"), (False, torch.float32, "qwen3_moe"),  # experts stored one by one
+                                            (False, torch.float32, "qwen2_moe")])  # and a gated shared expert
 def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, tie, dtype, arch):
     monkeypatch.setattr(streaming, "HEAD_CHUNK_BYTES", 96 * 4 * 100)  # 100-row vocabulary chunks: 3 chunks of 257
     lm_mem, lm_st = _pair(tmp_path, tie=tie, dtype=dtype, arch=arch)
@@ -179,7 +180,7 @@ def test_streamed_remeasure_reads_two_heads_too_large_to_keep_twice_per_batch(tm
     assert got["ppl_compressed"] == pytest.approx(want["ppl_compressed"], rel=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_checkpoint_reads_converted_tensors_as_transformers_loads_them(tmp_path, arch):
     """A mixture-of-experts checkpoint stores each expert's w1/w3/w2 (Mixtral also under block_sparse_moe.); transformers 5
     fuses them into one gate_up_proj and down_proj per layer on loading. Checkpoint.for_model reads the modules' names

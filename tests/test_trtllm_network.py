@@ -505,3 +505,40 @@ def test_network_graph_of_a_yarn_model_decodes_like_the_validated_cache(tmp_path
     unscaled, _ = _bundle(tmp_path / "unscaled", lm, book, {"rope_scale": 1.0})
     other = no.check_network(unscaled, hf, lm.model, book, prompt, max_new_tokens=8)
     assert other["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])
+
+
+def test_network_graph_of_qwen2_moe_adds_its_gated_shared_expert(tmp_path, monkeypatch):
+    """Qwen2-MoE in the graph: Qwen2's q/k/v biases, the routed experts (top k of the softmax over all, not renormalised,
+    as the released models route), and the shared expert every token runs, times sigmoid(h . w_gate) (network.json
+    moe.shared_expert): it decodes like transformers' Qwen2MoeForCausalLM through CompressedCache. Negatives: the gate
+    held at 0.5 for every token is > 100x the KL; a bundle without the shared expert is refused for these weights."""
+    lm = tiny_lm("qwen2_moe")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g) * 0.5)
+            layer.mlp.shared_expert_gate.weight.copy_(torch.randn(layer.mlp.shared_expert_gate.weight.shape, generator=g) * 0.5)
+            layer.mlp.shared_expert.down_proj.weight.mul_(4.0)  # a shared expert whose gate matters
+            for n in "qkv":
+                b = getattr(layer.self_attn, f"{n}_proj").bias
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    cfg = lm.model.config
+    assert spec["arch"]["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 0, "shared_expert": cfg.shared_expert_intermediate_size}
+    w = tn.load_hf_weights(hf, spec)
+    assert w["0.sg"].shape == (cfg.shared_expert_intermediate_size, cfg.hidden_size) and w["0.sgate"].shape == (1, cfg.hidden_size) and "0.bq" in w
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    real = tn._moe_mlp
+
+    def half_gate(g_, h, W, i, *a, **k):  # sigmoid(0) = 0.5 for every token instead of each token's own gate
+        return real(g_, h, {**W, f"{i}.sgate": np.zeros_like(W[f"{i}.sgate"])}, i, *a, **k)
+
+    monkeypatch.setattr(tn, "_moe_mlp", half_gate)
+    wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
+    with pytest.raises(ValueError, match="network.json has no shared expert but layer 0 has a mlp.shared_expert_gate"):
+        tn.load_hf_weights(hf, {**spec, "arch": {**spec["arch"], "moe": {k: v for k, v in spec["arch"]["moe"].items() if k != "shared_expert"}}})

@@ -10,10 +10,11 @@ from kvcompress.models.tokenizer import ByteTokenizer
 
 
 def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-               "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
+               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     common = dict(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=hidden,
@@ -30,8 +31,10 @@ def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: in
     )
     if arch in ("mistral", "mixtral"):
         common["sliding_window"] = None
-    if arch in ("mixtral", "qwen3_moe"):  # mixture of experts: 4 experts, 2 per token (transformers fuses each layer's experts)
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # mixture of experts: 4 experts, 2 per token (transformers fuses each layer's experts)
         common |= {"num_local_experts" if arch == "mixtral" else "num_experts": 4, "num_experts_per_tok": 2}
+    if arch == "qwen2_moe":  # q/k/v biases and a shared expert behind a sigmoid gate; the released models route without renormalising
+        common |= {"moe_intermediate_size": hidden, "shared_expert_intermediate_size": 2 * hidden, "norm_topk_prob": False}
     if arch == "qwen3_moe":  # the released Qwen3-MoE models renormalise their top-k routing weights (transformers' default does not)
         common |= {"moe_intermediate_size": hidden, "norm_topk_prob": True}
     if arch == "gemma3":  # Gemma 3's layout: every 3rd layer global, the others local (window 16), QK-norm, two RoPE bases

@@ -47,7 +47,8 @@ log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_reader.rope_inv_freq re-measures these
 SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                  "Qwen3MoeForCausalLM")
+                  "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that can place dense layers among the expert layers
 FORMAT_VERSION = 2
 
 
@@ -59,18 +60,20 @@ def check_exportable(model) -> None:
     Llama attention with a mixture-of-experts MLP (TensorRT-LLM's Llama class with its `moe` block); Qwen2 is the
     Llama layer with q/k/v biases, Qwen3 the Llama layer with a per-head q/k RMSNorm before RoPE (TensorRT-LLM's
     QWen class, the same tensor names); Qwen3-MoE is Qwen3's attention with Mixtral's expert tensors in every layer
-    (the QWen class, qwen_type qwen3_moe): a model with dense layers among its expert layers (mlp_only_layers,
-    decoder_sparse_step > 1) is refused, as the checkpoint gives every layer the same MLP."""
+    (the QWen class, qwen_type qwen3_moe), Qwen2-MoE Qwen2's attention with those experts and a shared expert behind
+    a sigmoid gate (qwen_type qwen2_moe): a model of either with dense layers among its expert layers (mlp_only_layers,
+    decoder_sparse_step > 1) is refused, as the checkpoint gives every layer the same MLP. A sliding_window of 0 or
+    None is no window (Qwen2-MoE's config says 0 when use_sliding_window is off)."""
     arch, cfg = type(model).__name__, model.config
     if arch not in SUPPORTED_ARCH:
         raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
     dense, step = list(getattr(cfg, "mlp_only_layers", None) or []), int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    if arch == "Qwen3MoeForCausalLM" and (dense or step != 1):
+    if arch in EVERY_LAYER_MOE and (dense or step != 1):
         raise UserError(f"export=trtllm writes an expert MLP in every layer; this {arch} has dense layers (mlp_only_layers={dense}, "
                         f"decoder_sparse_step={step}; allowed: [] and 1): add export=none")
     window, positions = getattr(cfg, "sliding_window", None), getattr(cfg, "max_position_embeddings", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-    if sliding or (window is not None and (positions is None or window < positions)):
+    if sliding or (window and (positions is None or window < positions)):
         raise UserError(f"export=trtllm writes checkpoints without an attention window; this {arch} has sliding_window={window} "
                         f"< max_position_embeddings={positions}: add export=none to profile, fit and validate it")
     biases = [n for n in ("attention_bias", "mlp_bias") if getattr(cfg, n, False)]

@@ -138,18 +138,19 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
     """network.json: what build_engine --tier custom needs besides the weights and the plugin constants.
     RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses).
     layers (per-layer formats): each layer's variant, with the plugin namespace it registers in."""
-    from kvcompress.targets.trtllm_ckpt import moe_block, num_experts, trtllm_config
+    from kvcompress.targets.trtllm_ckpt import moe_block, num_experts, shared_expert_size, trtllm_config
     from kvcompress.targets.trtllm_reader import rope_inv_freq, rope_scale
 
     rc = trtllm_config(hf_config, geom, 1, "float16", None)
-    moe = {"moe": moe_block(hf_config)} if num_experts(hf_config) else {}
+    shared = {"shared_expert": shared_expert_size(hf_config)} if shared_expert_size(hf_config) else {}  # Qwen2-MoE's gated shared expert
+    moe = {"moe": moe_block(hf_config) | shared} if num_experts(hf_config) else {}
     inv = rope_inv_freq(geom.head_dim, rc["rotary_base"], rc["rotary_scaling"])
     scale = rope_scale(rc["rotary_scaling"])
     return {
         "arch": {"n_layers": hf_config.num_hidden_layers, "n_heads": hf_config.num_attention_heads,
                  "n_kv_heads": book.geometry["n_kv_heads"], "head_dim": book.geometry["head_dim"], "hidden": hf_config.hidden_size,
                  "vocab_size": hf_config.vocab_size, "rms_eps": float(hf_config.rms_norm_eps), "model_type": hf_config.model_type,
-                 **moe},  # Mixtral, Qwen3-MoE: experts, top k, and whether their softmax weights are renormalised (normalization_mode 1)
+                 **moe},  # Mixtral, Qwen2/3-MoE: experts, top k, whether their softmax weights are renormalised (normalization_mode 1), a shared expert's size
         "rope_inv_freq": [float(f) for f in inv],
         **({"rope_scale": scale} if scale != 1.0 else {}),  # YaRN: the factor on cos and sin
         "variant": _variant_fields(variant),

@@ -25,6 +25,12 @@ mixture of experts of moe_intermediate_size, no shared expert; the converter's c
 expert tensors as Mixtral (router float32, fc = up | gate, proj), from transformers' mlp.gate and mlp.experts. The
 routing follows the model's norm_topk_prob (normalization_mode 1, RENORMALIZE, when set; 0, the top k of the softmax
 over all experts, when not), written in the config's `moe` block, which QWenConfig reads as given.
+Qwen2-MoE (qwen_type qwen2_moe: Qwen2's attention with q/k/v biases, the same experts, and a shared expert that every
+token runs, scaled by a sigmoid gate: TensorRT-LLM's SharedMoE with use_shared_gate, its MLP with swiglu = SiLU(second
+half) * first half):
+    transformer.layers.{i}.mlp.shared_expert.fc.weight   <- up | gate of HF shared_expert   [2*shared/tp, hidden]  per rank
+    transformer.layers.{i}.mlp.shared_expert.proj.weight <- HF shared_expert.down_proj      [hidden, shared/tp]
+    transformer.layers.{i}.mlp.shared_expert_gate.weight <- HF shared_expert_gate           [1, hidden]   replicated
 """
 from __future__ import annotations
 
@@ -42,9 +48,9 @@ TRTLLM_VERSION = "1.2.1"
 
 def check_tp(geom, tp: int, hf_cfg=None) -> None:
     """tp splits the heads, the MLP's (or each expert's) intermediate dimension and the vocabulary (padded) evenly."""
-    inter = expert_intermediate_size(hf_cfg) if hf_cfg is not None else None
-    if inter is not None and inter % tp:
-        raise UserError(f"export.tp_sizes contains {tp}: the model's MLP intermediate size {inter} does not split over {tp} ranks")
+    for inter in (expert_intermediate_size(hf_cfg), shared_expert_size(hf_cfg)) if hf_cfg is not None else ():
+        if inter % tp:
+            raise UserError(f"export.tp_sizes contains {tp}: the model's MLP intermediate size {inter} does not split over {tp} ranks")
     if geom.n_heads % tp:
         raise UserError(f"export.tp_sizes contains {tp}: the model's {geom.n_heads} attention heads do not split over {tp} ranks")
     if geom.n_kv_heads % tp and tp % geom.n_kv_heads:
@@ -62,7 +68,7 @@ def _dup_kv(w: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
     return w.unflatten(0, (nkv, -1)).repeat_interleave(tp // nkv, dim=0).flatten(0, 1)
 
 
-QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 OWN_ARCH = {**QWEN_TYPES, "mixtral": "MixtralForCausalLM"}  # written under their own name; the rest as Llama
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")  # transformers 5's fused experts and router
 
@@ -77,11 +83,16 @@ def expert_intermediate_size(hf_cfg) -> int:
     return int(getattr(hf_cfg, "moe_intermediate_size", 0) or hf_cfg.intermediate_size) if num_experts(hf_cfg) else int(hf_cfg.intermediate_size)
 
 
+def shared_expert_size(hf_cfg) -> int:
+    """The intermediate size of the shared expert every token runs (Qwen2-MoE); 0 without one."""
+    return int(getattr(hf_cfg, "shared_expert_intermediate_size", 0) or 0) if num_experts(hf_cfg) else 0
+
+
 def moe_block(hf_cfg) -> dict:
     """The checkpoint's `moe` block (TensorRT-LLM's MoeConfig): experts, top k and the routing's normalization_mode,
     1 (RENORMALIZE: the top k softmax probabilities renormalised; Mixtral, and Qwen3-MoE with norm_topk_prob) or
     0 (NONE: the top k of the softmax over all experts, as they are; Qwen3-MoE without norm_topk_prob)."""
-    renorm = bool(getattr(hf_cfg, "norm_topk_prob", True)) if getattr(hf_cfg, "model_type", None) == "qwen3_moe" else True
+    renorm = bool(getattr(hf_cfg, "norm_topk_prob", True)) if getattr(hf_cfg, "model_type", None) in ("qwen2_moe", "qwen3_moe") else True
     return {"num_experts": num_experts(hf_cfg), "top_k": int(hf_cfg.num_experts_per_tok), "normalization_mode": int(renorm)}
 
 
@@ -91,7 +102,8 @@ def trtllm_architecture(hf_cfg) -> str:
     the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window, and
     Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward.
     Mixtral keeps its name (TensorRT-LLM's Llama class with a mixture-of-experts MLP), and so does Qwen3-MoE (the QWen
-    class, qwen_type qwen3_moe: Qwen3's attention, an expert MLP in every layer)."""
+    class, qwen_type qwen3_moe: Qwen3's attention, an expert MLP in every layer) and Qwen2-MoE (qwen_type qwen2_moe: Qwen2's
+    attention, experts and a gated shared expert in every layer)."""
     return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
@@ -131,8 +143,10 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
         cfg |= {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
     if cfg["architecture"] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):  # no biases; QWenDecoderLayer turns on qk_layernorm (RmsNorm) for both
         cfg |= {"qwen_type": hf_cfg.model_type, "attn_bias": False, "mlp_bias": False, "use_logn_attn": False}
-    if cfg["architecture"] == "Qwen3MoeForCausalLM":  # QWenDecoderLayer sizes qwen3_moe's experts by moe_intermediate_size; no shared expert
-        cfg |= {"moe_intermediate_size": expert_intermediate_size(hf_cfg), "moe_shared_expert_intermediate_size": 0}
+    if cfg["architecture"] == "Qwen2MoeForCausalLM":  # Qwen2's q/k/v biases; SharedMoE with the shared expert's size
+        cfg |= {"qwen_type": "qwen2_moe", "attn_bias": True, "mlp_bias": False, "use_logn_attn": False}
+    if cfg["architecture"] in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):  # QWenDecoderLayer sizes the experts by moe_intermediate_size
+        cfg |= {"moe_intermediate_size": expert_intermediate_size(hf_cfg), "moe_shared_expert_intermediate_size": shared_expert_size(hf_cfg)}
     return cfg
 
 
@@ -175,10 +189,15 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
         out[t + "attention.k_layernorm.weight"] = state[p + "self_attn.k_norm.weight"]
     out[t + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
     out[t + "post_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
-    if p + EXPERTS[0] in state:  # Mixtral, Qwen3-MoE: [E, 2I, H] rows gate | up (Phi3-style chunk), [E, H, I]
+    if p + EXPERTS[0] in state:  # Mixtral, Qwen2/3-MoE: [E, 2I, H] rows gate | up (Phi3-style chunk), [E, H, I]
         gate, up = state[p + EXPERTS[0]].chunk(2, dim=1)
         out[t + "mlp.fc.weight"] = torch.cat([_split(up, tp, rank, 1), _split(gate, tp, rank, 1)], dim=1)  # w3 | w1
         out[t + "mlp.proj.weight"] = _split(state[p + EXPERTS[1]], tp, rank, 2)
+        if p + "mlp.shared_expert.up_proj.weight" in state:  # Qwen2-MoE: this rank's up | gate rows, as the experts' fc
+            s = p + "mlp.shared_expert."
+            out[t + "mlp.shared_expert.fc.weight"] = torch.cat([_split(state[s + "up_proj.weight"], tp, rank, 0), _split(state[s + "gate_proj.weight"], tp, rank, 0)])
+            out[t + "mlp.shared_expert.proj.weight"] = _split(state[s + "down_proj.weight"], tp, rank, 1)
+            out[t + "mlp.shared_expert_gate.weight"] = state[p + "mlp.shared_expert_gate.weight"]
     else:
         out[t + "mlp.fc.weight"] = _split(state[p + "mlp.gate_proj.weight"], tp, rank, 0)
         out[t + "mlp.gate.weight"] = _split(state[p + "mlp.up_proj.weight"], tp, rank, 0)

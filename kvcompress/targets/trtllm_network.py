@@ -194,6 +194,16 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
             raise WeightsMismatch(f"{hf_dir}: layer {i} lacks the gate, up or down weights of some of its {moe['num_experts']} experts (network.json moe)")
         if moe:
             w |= {f"{i}.{n}": a for n, a in experts.items()}
+            if bool(moe.get("shared_expert")) != (f"{t}mlp.shared_expert_gate.weight" in raw):
+                raise WeightsMismatch(f"{hf_dir}: network.json {'has' if moe.get('shared_expert') else 'has no'} shared expert but layer {i} "
+                                      f"{'has no' if moe.get('shared_expert') else 'has a'} mlp.shared_expert_gate (Qwen2-MoE's)")
+            if moe.get("shared_expert"):  # Qwen2-MoE: the shared expert's gate, up, down and its sigmoid gate's [1, hidden] row
+                s = f"{t}mlp.shared_expert."
+                missing = [n for n in ("gate_proj", "up_proj", "down_proj") if f"{s}{n}.weight" not in raw]
+                if missing:
+                    raise WeightsMismatch(f"{hf_dir}: network.json has a shared expert but layer {i} lacks its {', '.join(missing)} weights")
+                w |= {f"{i}.sg": get(s + "gate_proj.weight"), f"{i}.su": get(s + "up_proj.weight"), f"{i}.sd": get(s + "down_proj.weight"),
+                      f"{i}.sgate": get(f"{t}mlp.shared_expert_gate.weight")}
         else:
             w |= {f"{i}.wg": get(t + "mlp.gate_proj.weight"), f"{i}.wu": get(t + "mlp.up_proj.weight"), f"{i}.wd": get(t + "mlp.down_proj.weight")}
         if f"{t}self_attn.o_proj.bias" in raw:
@@ -293,7 +303,7 @@ def _mlp(g, h, W, i: int):
 
 
 def _moe_mlp(g, h, W, i: int, hidden: int, k: int, renormalize: bool = True):
-    """The mixture-of-experts MLP of h [B, hidden] fp16 (Mixtral, Qwen3-MoE): router logits in float32 (h @ W_r^T),
+    """The mixture-of-experts MLP of h [B, hidden] fp16 (Mixtral, Qwen2-MoE, Qwen3-MoE): router logits in float32 (h @ W_r^T),
     the top k per token and their weights: renormalize (Mixtral; Qwen3-MoE with norm_topk_prob; network.json
     moe.normalization_mode 1) the softmax of the top k logits (= the softmax over all experts renormalised over the
     top k); otherwise (mode 0) the top k of the softmax over all experts, as they are. The weights are spread over
@@ -302,7 +312,9 @@ def _moe_mlp(g, h, W, i: int, hidden: int, k: int, renormalize: bool = True):
     in one matrix multiply each, down as one batched multiply over the experts), and the routing row sums them:
     out = sum_e route_e expert_e(h), where an expert not chosen adds exactly 0. A step reads each expert's weights
     once, whatever the batch (a per-token gather of the chosen experts' weights would copy k of them per token);
-    it computes E / k times the chosen experts' work, which TensorRT-LLM's MoE plugin does not."""
+    it computes E / k times the chosen experts' work, which TensorRT-LLM's MoE plugin does not. With a shared expert
+    (Qwen2-MoE, network.json moe.shared_expert; weights sg/su/sd and the gate row sgate) every token adds that gated MLP
+    times sigmoid(h . w_gate), as TensorRT-LLM's SharedMoE."""
     E, inter = W[f"{i}.wg"].shape[:2]
     logits = g.matmul(g.cast(h, "float32"), g.const(W[f"{i}.wr"]), transpose_b=True)  # [B, E]
     if renormalize:
@@ -312,10 +324,16 @@ def _moe_mlp(g, h, W, i: int, hidden: int, k: int, renormalize: bool = True):
         top, idx = g.topk_last(g.softmax_last(logits), k)
     onehot = g.gather(g.const(np.eye(E, dtype=np.float16)), idx)  # [B, k, E]
     route = g.matmul(g.cast(g.reshape(top, (0, 1, k)), "float16"), onehot)  # [B, 1, E]
+    shared = None
+    if f"{i}.sg" in W:  # Qwen2-MoE: a shared expert every token runs, times sigmoid(h . w_gate) (one logit per token)
+        s = g.matmul(_silu_gate(g, g.matmul(h, g.const(W[f"{i}.sg"]), transpose_b=True), g.matmul(h, g.const(W[f"{i}.su"]), transpose_b=True)),
+                     g.const(W[f"{i}.sd"]), transpose_b=True)  # [B, hidden]
+        shared = g.mul(s, g.sigmoid(g.matmul(h, g.const(W[f"{i}.sgate"]), transpose_b=True)))  # [B, 1] broadcast over hidden
     gate, up = (g.matmul(h, g.const(W[f"{i}.{n}"].reshape(E * inter, hidden)), transpose_b=True) for n in ("wg", "wu"))  # [B, E * I]
     act = g.reshape(_silu_gate(g, gate, up), (0, E, 1, inter))
     y = g.matmul(act, g.const(W[f"{i}.wd"][None]), transpose_b=True)  # [B, E, 1, hidden]
-    return g.reshape(g.matmul(route, g.reshape(y, (0, E, hidden))), (0, hidden))
+    out = g.reshape(g.matmul(route, g.reshape(y, (0, E, hidden))), (0, hidden))
+    return out if shared is None else g.add(out, shared)
 
 
 def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):

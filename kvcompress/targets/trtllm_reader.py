@@ -2,8 +2,8 @@
 
 It merges the rank shards back (any tp size) and runs the Llama forward from TensorRT-LLM's
 names and layouts alone (fused q|k|v per rank, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
-before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up, Mixtral's experts with fc = up | gate and top-k
-renormalised routing), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
+before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up, Mixtral's and Qwen2/3-MoE's experts with
+fc = up | gate and top-k routing, renormalised or not as the config's moe.normalization_mode says, Qwen2-MoE's gated shared expert), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
 compare its logits with the Hugging Face model's.
 """
 from __future__ import annotations
@@ -48,7 +48,10 @@ def merge_rank_tensors(cfg: dict, ranks: list[dict[str, torch.Tensor]]) -> dict[
         elif name.endswith("mlp.fc.weight") and parts[0].dim() == 3:  # experts [E, 2I/tp, H], rows up | gate per rank
             halves = [p.chunk(2, dim=1) for p in parts]
             merged[name] = torch.cat([torch.cat([h[0] for h in halves], 1), torch.cat([h[1] for h in halves], 1)], 1)
-        elif name.endswith(("attention.dense.weight", "mlp.proj.weight")):
+        elif name.endswith("mlp.shared_expert.fc.weight"):  # Qwen2-MoE's shared expert [2S/tp, H], rows up | gate per rank
+            halves = [p.chunk(2, dim=0) for p in parts]
+            merged[name] = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+        elif name.endswith(("attention.dense.weight", "mlp.proj.weight", "mlp.shared_expert.proj.weight")):
             merged[name] = torch.cat(parts, dim=-1)  # experts: [E, H, I/tp]
         elif name.endswith(("mlp.fc.weight", "mlp.gate.weight")) or name == "lm_head.weight":
             merged[name] = torch.cat(parts, dim=0)
@@ -62,8 +65,10 @@ HF_NAMES = {"attention.q.weight": "self_attn.q_proj.weight", "attention.k.weight
             "attention.dense.weight": "self_attn.o_proj.weight", "input_layernorm.weight": "input_layernorm.weight",
             "post_layernorm.weight": "post_attention_layernorm.weight", "mlp.fc.weight": "mlp.gate_proj.weight", "mlp.gate.weight": "mlp.up_proj.weight",
             "mlp.proj.weight": "mlp.down_proj.weight", "attention.q_layernorm.weight": "self_attn.q_norm.weight",
-            "attention.k_layernorm.weight": "self_attn.k_norm.weight", "mlp.router.weight": "mlp.gate.weight"}
-MOE_NAMES = {"mlp.fc.weight": "mlp.experts.gate_up_proj", "mlp.proj.weight": "mlp.experts.down_proj"}  # Mixtral's experts (transformers 5)
+            "attention.k_layernorm.weight": "self_attn.k_norm.weight", "mlp.router.weight": "mlp.gate.weight",
+            "mlp.shared_expert.proj.weight": "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate.weight"}
+SHARED_FC = ("mlp.shared_expert.fc.weight", ("mlp.shared_expert.up_proj.weight", "mlp.shared_expert.gate_proj.weight"))  # rows up | gate
+MOE_NAMES = {"mlp.fc.weight": "mlp.experts.gate_up_proj", "mlp.proj.weight": "mlp.experts.down_proj"}  # Mixtral's and Qwen3-MoE's experts (transformers 5)
 
 
 class TrtllmAsHF:
@@ -95,7 +100,7 @@ class TrtllmAsHF:
         t = f"transformer.layers.{i}."
         names = [n[len(t):].replace("qkv", q) for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")
                  for q in (("q", "k", "v") if ".qkv." in n else ("qkv",))]
-        return [f"model.layers.{i}.{self._hf_name(n)}" for n in names]
+        return [f"model.layers.{i}.{h}" for n in names for h in (SHARED_FC[1] if n == SHARED_FC[0] else (self._hf_name(n),))]
 
     def _hf_name(self, name: str) -> str:
         return MOE_NAMES[name] if name in MOE_NAMES and (self.cfg.get("moe") or {}).get("num_experts", 0) > 1 else HF_NAMES[name]
@@ -115,6 +120,8 @@ class TrtllmAsHF:
             if t + "mlp.router.weight" in merged:  # experts: fc rows up | gate -> transformers' gate_up_proj rows gate | up
                 up, gate = merged[t + "mlp.fc.weight"].chunk(2, dim=1)
                 merged[t + "mlp.fc.weight"] = torch.cat([gate, up], dim=1)
+            if t + SHARED_FC[0] in merged:  # Qwen2-MoE's shared expert: up | gate rows -> transformers' up_proj, gate_proj
+                out |= dict(zip((f"model.layers.{i}.{h}" for h in SHARED_FC[1]), merged.pop(t + SHARED_FC[0]).chunk(2, dim=0)))
             out |= {f"model.layers.{i}.{self._hf_name(n[len(t):])}": v for n, v in merged.items()}
         out = fuse(out, keys)
         missing = [k for k in keys if k not in out]
@@ -257,6 +264,10 @@ def final_hidden(ckpt, ids: torch.Tensor, simulate_kv_quant: bool = False) -> to
         h = _rms(x, w[t + "post_layernorm.weight"], eps)
         if t + "mlp.router.weight" in w:
             x = x + _experts(h, w[t + "mlp.router.weight"], w[t + "mlp.fc.weight"], w[t + "mlp.proj.weight"], cfg["moe"])
+            if t + SHARED_FC[0] in w:  # Qwen2-MoE (SharedMoE): the shared expert (swiglu: SiLU of the gate half times the up half) times sigmoid(gate)
+                up, gate = w[t + SHARED_FC[0]].chunk(2, dim=0)
+                shared = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), w[t + "mlp.shared_expert.proj.weight"])
+                x = x + torch.sigmoid(F.linear(h, w[t + "mlp.shared_expert_gate.weight"])) * shared
         else:
             x = x + F.linear(F.silu(F.linear(h, w[t + "mlp.fc.weight"])) * F.linear(h, w[t + "mlp.gate.weight"]), w[t + "mlp.proj.weight"])
     return _rms(x, w["transformer.ln_f.weight"], eps)
