@@ -74,12 +74,12 @@ EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight
 
 
 def num_experts(hf_cfg) -> int:
-    """The experts of each layer's MLP (Mixtral: num_local_experts; Qwen3-MoE: num_experts); 0 for a dense MLP."""
+    """The experts of each layer's MLP (Mixtral: num_local_experts; Qwen2/3-MoE: num_experts); 0 for a dense MLP."""
     return int(getattr(hf_cfg, "num_local_experts", 0) or getattr(hf_cfg, "num_experts", 0) or 0)
 
 
 def expert_intermediate_size(hf_cfg) -> int:
-    """The intermediate size tp splits: each expert's (Qwen3-MoE: moe_intermediate_size; Mixtral: intermediate_size)."""
+    """The intermediate size tp splits: each expert's (Qwen2/3-MoE: moe_intermediate_size; Mixtral: intermediate_size)."""
     return int(getattr(hf_cfg, "moe_intermediate_size", 0) or hf_cfg.intermediate_size) if num_experts(hf_cfg) else int(hf_cfg.intermediate_size)
 
 
@@ -90,8 +90,8 @@ def shared_expert_size(hf_cfg) -> int:
 
 def moe_block(hf_cfg) -> dict:
     """The checkpoint's `moe` block (TensorRT-LLM's MoeConfig): experts, top k and the routing's normalization_mode,
-    1 (RENORMALIZE: the top k softmax probabilities renormalised; Mixtral, and Qwen3-MoE with norm_topk_prob) or
-    0 (NONE: the top k of the softmax over all experts, as they are; Qwen3-MoE without norm_topk_prob)."""
+    1 (RENORMALIZE: the top k softmax probabilities renormalised; Mixtral, and Qwen2/3-MoE with norm_topk_prob) or
+    0 (NONE: the top k of the softmax over all experts, as they are; Qwen2/3-MoE without norm_topk_prob)."""
     renorm = bool(getattr(hf_cfg, "norm_topk_prob", True)) if getattr(hf_cfg, "model_type", None) in ("qwen2_moe", "qwen3_moe") else True
     return {"num_experts": num_experts(hf_cfg), "top_k": int(hf_cfg.num_experts_per_tok), "normalization_mode": int(renorm)}
 

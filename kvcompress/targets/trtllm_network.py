@@ -1,4 +1,4 @@
-"""The custom tier as a TensorRT-LLM network: a Llama decoder (Mixtral, Qwen3-MoE: with an expert MLP) whose attention is the two kvcompress
+"""The custom tier as a TensorRT-LLM network: a Llama decoder (Mixtral, Qwen2-MoE, Qwen3-MoE: with an expert MLP) whose attention is the two kvcompress
 plugins (KvcAppend writes the new token into the packed cache, KvcDecodeAttention reads it).
 
 One description, two backends:
