@@ -151,6 +151,11 @@ def test_network_graph_of_qwen3_moe_routes_tokens_like_the_validated_cache(tmp_p
     save_file({k: v for k, v in raw.items() if k != "model.layers.0.mlp.experts.3.down_proj.weight"}, str(tmp_path / "short" / "model.safetensors"))
     with pytest.raises(ValueError, match="layer 0 lacks the gate, up or down weights of some of its 4 experts"):
         tn.load_hf_weights(tmp_path / "short", spec)
+    (tmp_path / "fused").mkdir()  # the experts as transformers 5 holds them (gate_up_proj rows gate | up, down_proj): the same arrays
+    save_file({k: v.contiguous() for k, v in lm.model.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(tmp_path / "fused" / "model.safetensors"))
+    fused = tn.load_hf_weights(tmp_path / "fused", spec)
+    assert all(np.array_equal(fused[f"{i}.{n}"], w[f"{i}.{n}"]) for i in range(2) for n in ("wr", "wg", "wu", "wd"))
 
 
 def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache(tmp_path, monkeypatch):
