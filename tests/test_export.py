@@ -431,6 +431,13 @@ def test_tp_sizes_must_split_heads_and_the_mlp_evenly():
         check_tp(geom, 8, SimpleNamespace(intermediate_size=500))
     with pytest.raises(UserError, match="the model's 8 attention heads do not split over 3 ranks"):
         check_tp(geom, 3, SimpleNamespace(intermediate_size=513))
+    moe = dict(intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)  # Qwen3-MoE: each expert's size splits
+    check_tp(geom, 8, SimpleNamespace(**moe))
+    with pytest.raises(UserError, match=r"the model's MLP intermediate size \(per expert\) 100 does not split over 8 ranks"):
+        check_tp(geom, 8, SimpleNamespace(**{**moe, "moe_intermediate_size": 100}))
+    with pytest.raises(UserError, match="the model's shared expert's intermediate size 5636 does not split over 8 ranks"):  # Qwen2-MoE
+        check_tp(geom, 8, SimpleNamespace(**moe, shared_expert_intermediate_size=5636))
+    check_tp(geom, 8, SimpleNamespace())  # no MLP size to check
 
 
 def test_export_refuses_what_a_llama_checkpoint_cannot_carry():

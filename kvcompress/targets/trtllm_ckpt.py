@@ -48,9 +48,13 @@ TRTLLM_VERSION = "1.2.1"
 
 def check_tp(geom, tp: int, hf_cfg=None) -> None:
     """tp splits the heads, the MLP's (or each expert's) intermediate dimension and the vocabulary (padded) evenly."""
-    for inter in (expert_intermediate_size(hf_cfg), shared_expert_size(hf_cfg)) if hf_cfg is not None else ():
+    sizes = {}
+    if getattr(hf_cfg, "intermediate_size", None) is not None:
+        sizes = {"MLP intermediate size" + (" (per expert)" if num_experts(hf_cfg) else ""): expert_intermediate_size(hf_cfg),
+                 "shared expert's intermediate size": shared_expert_size(hf_cfg)}
+    for what, inter in sizes.items():
         if inter % tp:
-            raise UserError(f"export.tp_sizes contains {tp}: the model's MLP intermediate size {inter} does not split over {tp} ranks")
+            raise UserError(f"export.tp_sizes contains {tp}: the model's {what} {inter} does not split over {tp} ranks")
     if geom.n_heads % tp:
         raise UserError(f"export.tp_sizes contains {tp}: the model's {geom.n_heads} attention heads do not split over {tp} ranks")
     if geom.n_kv_heads % tp and tp % geom.n_kv_heads:
