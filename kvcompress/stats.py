@@ -7,7 +7,10 @@ query head of the group: all the fit's q.k score-error objective needs of the qu
 D, D] whatever the number of query heads); per RoPE pair (a, b) (rope_pairs [2, D/2], reference.rope_pairs:
 (d, d + D/2), or a partial-rotary model's own pairs) the largest norm sqrt(k_a^2 + k_b^2) of the post-RoPE
 keys (k_pairmax [L, H, D/2]: RoPE rotates each pair, so this norm is the same at every position and bounds
-either channel at any position); per key channel
+either channel at any position); when the model's RoPE frequencies are known, per pair and per bin of the pair's
+angle before RoPE (the post-RoPE angle less position x inv_freq, N_ARC_BINS bins of [0, 2 pi)) the smallest and
+largest norm (k_arcmin / k_arcmax [L, H, D/2, N_ARC_BINS], empty bins +inf / 0: what observers.base.arc_ranges
+turns into each channel's range over every position up to the model's max_position); per key channel
 the mean squared range (max - min) over aligned groups of G tokens of each window, G in
 spec.GROUP_RANGE_TOKENS (k_grange_sq [L, n_G, H, D] summed, k_grange_n [L, n_G] groups: what
 kv.key.alloc=waterfill weighs channels by); and a small bounded sample of raw (k, v) rows per layer
@@ -15,6 +18,7 @@ and kv head. Never all activations.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from kvcompress.errors import ArtifactError, UserError
 from kvcompress.reference import pair_halves, rope_pairs
 from kvcompress.spec import GROUP_RANGE_TOKENS
 
-FORMAT_VERSION = 6  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq; 6: rope_pairs
+FORMAT_VERSION = 7  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq; 6: rope_pairs; 7: k_arcmin/k_arcmax
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.
@@ -33,6 +37,7 @@ HIST_EDGES = 2.0 ** torch.arange(-12.0, 12.01, 0.25)
 N_BINS = HIST_EDGES.numel() + 1
 NORM_EDGES = 2.0 ** torch.arange(-6.0, 14.01, 0.25)
 N_NORM_BINS = NORM_EDGES.numel() + 1
+N_ARC_BINS = 128  # bins of a RoPE pair's pre-RoPE angle (k_arcmin / k_arcmax): 2 pi / 128 = 0.049 rad each
 
 CHANNEL_STATS = ("absmax", "min", "max", "sum", "sumsq")
 
@@ -95,8 +100,12 @@ class KVStats:
 class StatsAccumulator:
     """Streams K/V (and a q/k/v row sample) into KVStats. One instance per profiling run."""
 
-    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int, pairs: torch.Tensor | None = None):
+    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, sample_capacity: int, pairs: torch.Tensor | None = None,
+                 inv_freq: torch.Tensor | None = None):
         L, H, D = n_layers, n_kv_heads, head_dim
+        # RoPE inverse frequency per pair ([D/2], or [L, D/2] per layer): with it, the pre-RoPE angle histogram of
+        # each pair (k_arcmin / k_arcmax). The keys observe_kv sees are assumed at positions 0..T-1 (each window from 0).
+        self.inv_freq = None if inv_freq is None else inv_freq.detach().double().cpu()
         self.pairs = rope_pairs(D) if pairs is None else pairs.long().cpu()
         self.shape = (L, H, D)
         self.t: dict[str, torch.Tensor] = {"count": torch.zeros(L, dtype=torch.int64)}
@@ -111,6 +120,9 @@ class StatsAccumulator:
         self.t["k_prerope_absmax"] = torch.zeros(L, H, D)
         self.t["k_pairmax"] = torch.zeros(L, H, D // 2)
         self.t["rope_pairs"] = self.pairs.clone()  # the channels of each pair (reference.rope_pairs): k_pairmax's and fit's
+        if self.inv_freq is not None:
+            self.t["k_arcmin"] = torch.full((L, H, D // 2, N_ARC_BINS), float("inf"))
+            self.t["k_arcmax"] = torch.zeros(L, H, D // 2, N_ARC_BINS)
         self.t["k_grange_sq"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), H, D, dtype=torch.float64)
         self.t["k_grange_n"] = torch.zeros(L, len(GROUP_RANGE_TOKENS), dtype=torch.int64)
         self.t["q_gram"] = torch.zeros(L, H, D, D, dtype=torch.float64)
@@ -163,6 +175,8 @@ class StatsAccumulator:
         ka, kb = pair_halves(k, self.pairs)
         pair = (ka.square() + kb.square()).sqrt().amax(dim=(0, 2)).cpu()  # [H, D/2]
         self.t["k_pairmax"][layer] = torch.maximum(self.t["k_pairmax"][layer], pair)
+        if self.inv_freq is not None:
+            self._arc(layer, ka, kb)
         for i, G in enumerate(GROUP_RANGE_TOKENS):  # aligned groups of G tokens of each window (a partial tail is left out)
             n = k.shape[2] // G
             if n:
@@ -177,6 +191,20 @@ class StatsAccumulator:
         n0 = int(self.n_sampled[layer])
         self.t["sample_pos"][layer, n0 : n0 + n] = self.pos[:n].cpu()
         self.n_sampled[layer] += n  # each layer has its own cursor: any batch/layer order
+
+    def _arc(self, layer: int, ka: torch.Tensor, kb: torch.Tensor) -> None:
+        # ka, kb: [B, H, T, D/2] the two channels of each pair at positions 0..T-1 -> the pre-RoPE angle's bin
+        # (RoPE turns pair j by position * inv_freq[j]) and the norm, min and max per (head, pair, bin)
+        B, H, T, P = ka.shape
+        inv = self.inv_freq[layer] if self.inv_freq.dim() == 2 else self.inv_freq
+        turn = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]  # [T, P]
+        ang = torch.remainder(torch.atan2(kb.double().cpu(), ka.double().cpu()) - turn, 2 * math.pi)
+        b = (ang * (N_ARC_BINS / (2 * math.pi))).long().clamp_(0, N_ARC_BINS - 1)
+        norm = (ka.square() + kb.square()).sqrt().float().cpu()
+        idx = ((torch.arange(H).view(1, H, 1, 1) * P + torch.arange(P).view(1, 1, 1, P)) * N_ARC_BINS + b).flatten()
+        for name, how in (("k_arcmax", "amax"), ("k_arcmin", "amin")):
+            flat = self.t[name][layer].view(-1)
+            flat.scatter_reduce_(0, idx, norm.flatten(), reduce=how)
 
     def observe_q(self, layer: int, q: torch.Tensor) -> None:
         """q: [B, H_q, T, D] post-RoPE queries -> q_gram[layer, h] += sum of q q^T over the group of kv head h."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.observers import OBSERVERS
+from kvcompress.observers.base import uses_arc
 from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax, pair_halves, pair_spread
 
 ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
@@ -23,11 +24,15 @@ AUGMENT_SEED = 0
 
 
 def rotate_to_random_positions(k: torch.Tensor, inv_freq: torch.Tensor, max_position: int, seed: int = AUGMENT_SEED,
-                               pairs: torch.Tensor | None = None) -> torch.Tensor:
+                               pairs: torch.Tensor | None = None, from_pos: torch.Tensor | None = None) -> torch.Tensor:
     """k: [H, N, D] post-RoPE keys -> the same keys moved by a random position offset per row
-    (rotate_half convention: pair j, channels (d, d + D/2) or `pairs` (reference.rope_pairs), rotates by delta * inv_freq[j])."""
+    (rotate_half convention: pair j, channels (d, d + D/2) or `pairs` (reference.rope_pairs), rotates by delta * inv_freq[j]).
+    With from_pos ([N], each row's position): moved to a random position in [0, max_position) instead (delta =
+    target - from_pos), for ranges that hold up to max_position only (asymmetric keys, observers.base.arc_ranges)."""
     g = torch.Generator().manual_seed(seed)
     delta = torch.randint(0, max(1, max_position), (k.shape[1],), generator=g).float()  # [N]
+    if from_pos is not None:
+        delta = delta - from_pos.float()
     ang = delta[:, None] * inv_freq[None, :].float()  # [N, D/2]
     cos, sin = ang.cos(), ang.sin()
     x, y = pair_halves(k, pairs)
@@ -62,7 +67,7 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
         if "rope_inv_freq" in stats.tensors and spec.key.tie_rope_pairs:
             inv = stats["rope_inv_freq"]
             k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, stats.geometry["max_position"], AUGMENT_SEED + layer,
-                                           stats.tensors.get("rope_pairs"))
+                                           stats.tensors.get("rope_pairs"), stats["sample_pos"][layer] if uses_arc(stats, spec) else None)
         q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():

@@ -6,7 +6,7 @@ import torch
 from kvcompress.errors import UserError
 from kvcompress.fold import fold_factors
 from kvcompress.observers import OBSERVERS
-from kvcompress.observers.base import channel_ranges, pick_outliers, tie_rope_pairs
+from kvcompress.observers.base import arc_ranges, channel_ranges, pick_outliers, tie_pair_scales, tie_rope_pairs, uses_arc
 from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
@@ -324,7 +324,11 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     absmax = percentile_half(stats, spec) if spec.key.clip == "percentile" else stats["k_absmax"]
     ranges = channel_ranges(stats["k_min"], stats["k_max"], absmax, spec.key.symmetric)
     outliers = pick_outliers(ranges.half, spec.outlier_channels)
-    if spec.key.tie_rope_pairs:
+    if uses_arc(stats, spec):
+        # asymmetric: each channel's range over every position the model serves, from the pre-RoPE angles (one scale per pair)
+        ranges = tie_pair_scales(arc_ranges(stats["k_arcmin"], stats["k_arcmax"], stats["rope_inv_freq"], geom["max_position"],
+                                            stats.tensors.get("rope_pairs")), outliers, stats.tensors.get("rope_pairs"))
+    elif spec.key.tie_rope_pairs:
         # the rotation-invariant pair-norm bound (symmetric keys; percentile clipping keeps its histogram ranges)
         bound = stats.tensors.get("k_pairmax") if spec.key.symmetric and spec.key.clip != "percentile" else None
         ranges = tie_rope_pairs(ranges, outliers, bound, stats.tensors.get("rope_pairs"))

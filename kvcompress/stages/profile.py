@@ -29,7 +29,8 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     """Stream statistics of the K/V the model caches over calibration windows -> KVStats."""
     g = lm.geometry
     windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)  # [N, T]
-    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens, rope_pairs_of(lm.model, g))
+    inv_freq = rope_inv_freq(lm.model, g)
+    acc = StatsAccumulator(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim, calib.sample_tokens, rope_pairs_of(lm.model, g), inv_freq)
     per_row = math.ceil(calib.sample_tokens / calib.n_samples) if calib.sample_tokens else 0
     gen = torch.Generator().manual_seed(calib.seed)
     batches = [windows[lo : lo + calib.batch_size] for lo in range(0, windows.shape[0], calib.batch_size)]
@@ -48,7 +49,6 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
                 for i, ids in enumerate(tqdm(batches, desc="profile", unit="batch", disable=not progress)):
                     before_batch(i)
                     lm.model(input_ids=ids.to(lm.device), cache=ObservingCache(g.n_layers, acc.observe_kv), use_cache=True, logits_to_keep=1)
-    inv_freq = rope_inv_freq(lm.model, g)
     if inv_freq is not None:
         acc.t["rope_inv_freq"] = inv_freq  # lets fit rotate keys to other positions
     header = {
