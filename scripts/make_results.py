@@ -48,11 +48,14 @@ COMMANDS = {
     # where the default's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
     # compressed), beside the default with Hadamard-rotated values, on the 8K table's 4 x 8192 held-out tokens (no tasks)
     "long8k_attr": "python -m kvcompress eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
-    # static asymmetric int8 keys (kv.key.symmetric=false: each channel's range over every position up to max_position,
-    # from the pre-RoPE angles, observers.base.arc_ranges) beside the symmetric pair-norm keys, both with int8k_rotv's
-    # rotated int4 values, attributed (keys only / values only), the 8K table's 4 x 8192 held-out tokens
-    "long8k_asymk": "python -m kvcompress kv=int8k_rotv kv.key.symmetric=false kv.name=int8k_rotv_asymk eval=long export=none "
-                    "eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
+    # kv=int8k_asym_rotv: int8k_rotv with static asymmetric int8 keys (each channel's range over every position up to
+    # max_position, from the pre-RoPE angles: observers.base.arc_ranges; no clipping search) beside int8k_rotv, attributed
+    # (keys only / values only), the 8K table's 4 x 8192 held-out tokens
+    "long8k_asym": "python -m kvcompress kv=int8k_asym_rotv eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
+    # the same keys with the q.k-score MSE clipping search (kv.key.clip=mse, the default clip): worse at 8K than the
+    # symmetric keys (why int8k_asym_rotv uses minmax)
+    "long8k_asymk_mse": "python -m kvcompress kv=int8k_rotv kv.key.symmetric=false kv.name=int8k_rotv_asymk eval=long export=none "
+                        "eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
@@ -70,7 +73,8 @@ RATIOS = {
     "long8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v")],
     "gemma8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v"), ("int8k_rotv", "int8k_int4v")],
     "long8k_attr": [("int8k_rotv", "int8k_int4v")],
-    "long8k_asymk": [("int8k_rotv_asymk", "int8k_rotv")],
+    "long8k_asym": [("int8k_asym_rotv", "int8k_rotv")],
+    "long8k_asymk_mse": [("int8k_rotv_asymk", "int8k_rotv")],
 }
 
 

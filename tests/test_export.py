@@ -311,6 +311,22 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert all(c["status"] == "passed" for c in manifest["checks"])
 
 
+def test_asymmetric_arc_keys_ship_in_the_custom_tier(tmp_path):
+    """kv=int8k_asym_rotv exports its custom tier: the plugin constants carry the fitted per-channel zero points (one
+    scale per RoPE pair), the acceptance kits and the network graph reproduce the validated cache, every check passes."""
+    from safetensors.torch import load_file as load_torch
+
+    p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama"), "run", "kv=int8k_asym_rotv")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] == "passed" for c in manifest["checks"]), manifest["checks"]
+    assert any("network graph" in c["check"] for c in manifest["checks"]) and any("acceptance kit" in c["check"] for c in manifest["checks"])
+    params = load_torch(str(run / "export" / "plugin_bundle" / "plugin_params.safetensors"))
+    book = load_torch(str(run / "scalebook.safetensors"))
+    assert float(book["k_zero"].abs().max()) > 0
+    torch.testing.assert_close(params["k_zero"], book["k_zero"])
+
+
 def test_per_layer_formats_with_an_fp16_layer_ship_in_the_custom_tier(tmp_path):
     """A per-layer format with an fp16 layer (what kv=auto chooses for a layer no menu format holds) exports its custom
     tier: the fp16 layer's variant is the static kernels storing fp16 K and V (compiled, audited, its acceptance kit

@@ -114,6 +114,20 @@ def test_the_int8k_rotv_preset_is_the_default_with_rotated_values_at_its_bytes()
     assert round(memory_summary(rotv, geo, 8192).bits_per_element, 2) == 6.65
 
 
+def test_the_int8k_asym_rotv_preset_is_int8k_rotv_with_asymmetric_arc_keys_at_its_bytes():
+    """kv=int8k_asym_rotv: int8k_rotv with static asymmetric keys (the arc ranges, no clipping search), nothing else
+    changed: the same bytes (zero points are static, as the scales), and it ships."""
+    from kvcompress.config import kv_preset
+
+    geo = Geometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_size=576, vocab_size=10, max_position=8192, rope_theta=1e4, architecture="x")
+    new, rotv = kv_preset("int8k_asym_rotv"), kv_preset("int8k_rotv")
+    assert (new.key.symmetric, new.key.clip, new.key.tie_rope_pairs) == (False, "minmax", True)
+    assert new.model_copy(update={"name": rotv.name, "key": rotv.key}) == rotv
+    assert new.value_rotation_folded and not new.validate_only
+    assert ref.spec_cache_nbytes(new, geo, 1000) == ref.spec_cache_nbytes(rotv, geo, 1000)
+    assert round(memory_summary(new, geo, 8192).bits_per_element, 2) == 6.65
+
+
 def test_the_rot7k_int5v_preset_costs_what_rot8k_int4v_costs():
     """One key bit moved to the values: 56 + 2 key bytes and 40 + 2 x 3 value bytes per head vector at head
     dim 64, as rot8k_int4v's 64 + 2 and 32 + 2 x 3."""

@@ -48,6 +48,37 @@ def test_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
 
 
+def test_asymmetric_keys_ship_their_zero_points_in_the_graph(tmp_path):
+    """kv=int8k_asym_rotv's keys (static, asymmetric, the arc ranges: a zero point per channel, one scale per RoPE pair)
+    with its rotated values, on a tiny Qwen2 whose k biases give the keys an offset: the graph decodes like CompressedCache. Negative: the same bundle with the zero points
+    dropped from the plugin constants (the plugins then encode and score keys about 0) is far off."""
+    from kvcompress.config import kv_preset
+
+    lm = tiny_lm("qwen2")
+    with torch.no_grad():  # k biases: a pre-RoPE offset, which the slow pairs keep after RoPE (the zero points' reason)
+        for layer in lm.model.model.layers:
+            layer.self_attn.k_proj.bias.normal_(0.0, 6.0, generator=torch.Generator().manual_seed(1))
+    pre = kv_preset("int8k_asym_rotv")
+    book = fitted_book(lm, **(SPEC | {"key": pre.key.model_dump(), "value": {**SPEC["value"], "rotate": "hadamard"}}))
+    z = book.tensors["k_zero"]
+    D = book.geometry["head_dim"]
+    assert float(z.abs().max()) > 0 and not torch.equal(z[..., : D // 2], z[..., D // 2 :])  # per channel, not tied
+    assert torch.equal(book.tensors["k_scale"][..., : D // 2], book.tensors["k_scale"][..., D // 2 :])  # one scale per pair
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
+    assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
+    params = no.plugin_params(book)
+    params["k_zero"] = np.zeros_like(params["k_zero"])
+    params["k_zero_masked"] = np.zeros_like(params["k_zero_masked"])
+    g = book.geometry
+    variant = {"name": "test", "head_dim": D, "gqa": g["n_heads"] // g["n_kv_heads"], "key_bits": 8, "value_bits": 4, "group": book.value_group(0),
+               "n_sink": book.spec.sink_tokens, "window": book.spec.window, "n_out": 0}
+    no.write_network_files(tmp_path / "nozero", no.network_spec(book, variant, lm.model.config, lm.geometry, {"path": str(hf)}, splits=2), params)
+    off = no.check_network(tmp_path / "nozero", hf, lm.model, book, prompt, max_new_tokens=8)
+    assert off["kl_mean"] > 30 * max(res["kl_mean"], 1e-7), (off["kl_mean"], res["kl_mean"])  # measured: 65x
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_network_graph_of_mistral_and_qwen2_decodes_like_the_validated_cache(tmp_path, monkeypatch, arch):
     """export takes MistralForCausalLM (no sliding window) and Qwen2ForCausalLM: the custom-tier graph reads
