@@ -123,6 +123,8 @@ def test_fit_uses_the_arc_ranges_for_static_asymmetric_keys_only(tiny_stats):
                         book.tensors["k_outliers"], tiny_stats["rope_pairs"])
     torch.testing.assert_close(book.tensors["k_zero"], r.center)
     torch.testing.assert_close(book.tensors["k_scale"], r.half / ref.key_qmax(8))
+    assert f"0..{tiny_stats.geometry['max_position'] - 1}" in book.fit_info["key_ranges"]  # the report says where the ranges hold
+    assert "key_ranges" not in fit(tiny_stats, KVSpec(name="s", key={"clip": "minmax"})).fit_info
     # kv_stats without the histogram (an older profile, or no RoPE): the observed ranges, as before
     old = type(tiny_stats)({k: v for k, v in tiny_stats.tensors.items() if k not in ("k_arcmin", "k_arcmax")}, tiny_stats.header)
     assert not uses_arc(old, asym)

@@ -344,6 +344,9 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
         clip, info = OBSERVERS.get(spec.key.clip)(stats, spec, ranges, outliers)
         half = (ranges.half * clip.unsqueeze(-1)).clamp(min=1e-8)
         tensors |= {"k_scale": (half / key_qmax(spec.key.bits)).float(), "k_zero": ranges.center.float(), "k_clip": clip.float()}
+    if uses_arc(stats, spec):
+        info["key_ranges"] = (f"asymmetric: each channel's range over positions 0..{geom['max_position'] - 1} from the pre-RoPE angle "
+                              "histogram (observers.base.arc_ranges), one scale per RoPE pair, per-channel zero points")
     if spec.key.alloc == "waterfill":
         tensors["k_bits"], info["key_bits"] = waterfill_tensors(stats, spec)
     provenance = {**base_provenance(), "stats": stats.header.get("provenance", {})}
