@@ -13,7 +13,7 @@ import re
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvcompress.errors import UserError
-from kvcompress.spec import ALGO_FORMAT, NATIVE_ALGO, Frozen, KVSpec, LayerFormat, native_spec
+from kvcompress.spec import ALGO_FORMAT, NATIVE_ALGO, TUNED_LAYERS, Frozen, KVSpec, LayerFormat, native_spec
 
 STAGES = ("profile", "fit", "tune", "validate", "export")
 
@@ -155,8 +155,9 @@ DEFAULT_MENU = (
 
 
 class TuneConfig(Frozen):
-    """kv=auto and kv.layers=split (kv=rot_split): the tune stage's search (see kvcompress/stages/tune.py;
-    split searches KVSpec.split_formats instead of `menu`, and neither windows nor sinks).
+    """kv=auto, kv.layers=split (kv=rot_split) and kv.layers=budget (kv=int8k_budget): the tune stage's search (see
+    kvcompress/stages/tune.py; split searches KVSpec.split_formats and budget KVSpec.budget_formats instead of `menu`,
+    and neither windows nor sinks; both minimise KL at fixed bytes, `margin` and the gates are only recorded).
 
     The objective is the fewest cache bytes per token at `context` subject to every measurable
     release gate (eval.gates) scaled by `margin`, measured on `n_windows` windows of `seq_len`
@@ -232,7 +233,7 @@ class RunConfig(Frozen):
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
         if "tune" in self.stages and not self.kv.is_auto:
-            raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto or split (kv=auto, kv=rot_split); kv={self.kv.name} has fixed formats")
+            raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto, split or budget (kv=auto, kv=rot_split, kv=int8k_budget); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
             raise ValueError(
                 f"export.native_kv={self.export.native_kv} contradicts kv={self.kv.name} ({NATIVE_ALGO[self.kv.format]}); "
@@ -303,7 +304,7 @@ def resolve_stages(data: dict, overridden: set[str] = frozenset()) -> dict:
     data = dict(data)
     target = (data.get("export") or {}).get("name", "none")
     if data.get("stages") is None:
-        auto = (data.get("kv") or {}).get("layers") in ("auto", "split")
+        auto = (data.get("kv") or {}).get("layers") in TUNED_LAYERS
         data["stages"] = ["profile", "fit"] + (["tune"] if auto else []) + ["validate"] + (["export"] if target != "none" else [])
     elif "export" in overridden and target != "none" and "export" not in data["stages"]:
         raise UserError(f"export={target} was selected but stages={data['stages']} has no export stage; add export to stages")

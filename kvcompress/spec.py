@@ -145,8 +145,10 @@ class KVSpec(Frozen):
     # key.bits, value.bits, value.group_size and outlier_channels layer by layer; "auto" (kv=auto):
     # the tune stage chooses them (the fewest bytes within the gates); "split" (kv=rot_split, the
     # per-token family): the tune stage chooses each layer's split of key.bits + value.bits between
-    # keys and values (split_formats: the same bytes), the lowest KL; None: the fields above apply to every layer
-    layers: Union[Literal["auto", "split"], tuple[LayerFormat, ...], None] = None
+    # keys and values (split_formats: the same bytes), the lowest KL; "budget" (kv=int8k_budget, the static family):
+    # the tune stage spends the uniform format's bytes per token layer by layer over budget_formats (value groups
+    # and value bits), the lowest KL within those bytes; None: the fields above apply to every layer
+    layers: Union[Literal["auto", "split", "budget"], tuple[LayerFormat, ...], None] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "KVSpec":
@@ -186,6 +188,9 @@ class KVSpec(Frozen):
         if self.layers == "split" and not self.token_keys:
             raise ValueError(f"kv.layers=split chooses each layer's key/value bit split, which needs the per-token family "
                              f"(kv.key.granularity=token, 5..7-bit codes); got granularity={self.key.granularity}")
+        if self.layers == "budget" and (self.token_keys or self.key.bits not in (4, 8) or self.value.bits not in (4, 8)):
+            raise ValueError(f"kv.layers=budget spends the bytes of the static family's format layer by layer (static per-channel keys, "
+                             f"4- or 8-bit keys and values); got granularity={self.key.granularity}, key.bits={self.key.bits}, value.bits={self.value.bits}")
         if self.layers == "split" and not 8 <= self.key.bits + self.value.bits <= 16:
             raise ValueError(f"kv.layers=split splits kv.key.bits + kv.value.bits between keys and values (each 4..8): the sum must be "
                              f"8..16; got {self.key.bits} + {self.value.bits}")
@@ -275,13 +280,29 @@ class KVSpec(Frozen):
 
     @property
     def is_auto(self) -> bool:
-        """kv=auto or kv.layers=split before tuning: the per-layer formats are still to be chosen."""
-        return self.layers in ("auto", "split")
+        """kv=auto, kv.layers=split or kv.layers=budget before tuning: the per-layer formats are still to be chosen."""
+        return self.layers in TUNED_LAYERS
 
     @property
     def is_split(self) -> bool:
         """kv.layers=split before tuning: each layer's key/value bit split is still to be chosen."""
         return self.layers == "split"
+
+    @property
+    def is_budget(self) -> bool:
+        """kv.layers=budget before tuning: each layer's value format, within the uniform format's bytes, is still to be chosen."""
+        return self.layers == "budget"
+
+    def budget_formats(self) -> tuple["LayerFormat", ...]:
+        """kv.layers=budget's candidates: the spec's own format first, then its keys with the value groups halved and
+        doubled and with 8-bit values in the spec's groups (more or fewer bytes than the spec's: the tune stage keeps
+        the total within the spec's). Key bits, outlier channels and everything else are the spec's."""
+        g = self.value.group_size
+        own = LayerFormat(key_bits=self.key.bits, value_bits=self.value.bits, value_group=g, outlier_channels=self.outlier_channels)
+        alt = [own.model_copy(update={"value_group": h}) for h in (2 * g, *((g // 2,) if g >= 4 and g % 2 == 0 else ())) if g]
+        if self.value.bits != 8:
+            alt.append(own.model_copy(update={"value_bits": 8}))
+        return tuple(dict.fromkeys([own, *alt]))
 
     def split_formats(self) -> tuple["LayerFormat", ...]:
         """kv.layers=split's candidates: every (key bits, value bits) with key.bits + value.bits between them,
@@ -366,6 +387,8 @@ def mixed_spec(base: KVSpec, formats, name: str | None = None, **updates) -> KVS
         d["name"] = name
     return KVSpec.model_validate(d)
 
+
+TUNED_LAYERS = ("auto", "split", "budget")  # kv.layers values the tune stage resolves into per-layer formats
 
 NATIVE_ALGO = {"native_int8": "INT8", "native_fp8": "FP8", "native_nvfp4": "NVFP4"}  # TensorRT-LLM kv_cache_quant_algo
 ALGO_FORMAT = {v: k for k, v in NATIVE_ALGO.items()}

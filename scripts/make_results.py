@@ -56,6 +56,9 @@ COMMANDS = {
     # symmetric keys (why int8k_asym_rotv uses minmax)
     "long8k_asymk_mse": "python -m kvcompress kv=int8k_rotv kv.key.symmetric=false kv.name=int8k_rotv_asymk eval=long export=none "
                         "eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
+    # kv=int8k_budget: int8k_asym_rotv's bytes spent layer by layer (kv.layers=budget: value groups and value bits chosen
+    # per layer by the tune stage's sensitivity on calibration text) beside the uniform int8k_asym_rotv and int8k_int4v
+    "long8k_budget": "python -m kvcompress kv=int8k_budget eval=long export=none eval.tasks.names=[] eval.compare=[int8k_asym_rotv,int8k_int4v]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
@@ -75,6 +78,7 @@ RATIOS = {
     "long8k_attr": [("int8k_rotv", "int8k_int4v")],
     "long8k_asym": [("int8k_asym_rotv", "int8k_rotv")],
     "long8k_asymk_mse": [("int8k_rotv_asymk", "int8k_rotv")],
+    "long8k_budget": [("int8k_budget", "int8k_asym_rotv"), ("int8k_budget", "int8k_int4v")],
 }
 
 

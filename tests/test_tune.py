@@ -17,7 +17,7 @@ from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
 from kvcompress.stages.fit import fit, uniform_spec
 from kvcompress.stages.profile import profile
-from kvcompress.stages.tune import hull, tune
+from kvcompress.stages.tune import fill_budget, hull, tune
 from kvcompress.stages.validate import evaluate_quality
 
 K8 = LayerFormat(key_bits=8, value_bits=4, value_group=16)
@@ -288,3 +288,95 @@ def test_kv_rot_split_end_to_end_on_the_tiny_model(tmp_path):
     assert [f.label for f in book.spec.layers] == t["chosen"]["layers"] and {f.label for f in book.spec.layers} <= set(t["menu"])
     md = (run / "report.md").read_text()
     assert "Tuning (kv.layers=split)" in md and "the lowest KL at the same bytes" in md
+
+
+# kv.layers=budget: the static family with asymmetric keys and rotated values (kv=int8k_budget's scheme at a test's sizes)
+ASYM = KVSpec(name="b", window=8, sink_tokens=2, key={"bits": 8, "symmetric": False, "clip": "minmax"},
+              value={"bits": 4, "group_size": 16, "rotate": "hadamard"}, layers="budget")
+
+
+def test_budget_candidates_are_the_static_familys_value_formats():
+    """kv.layers=budget: the spec's own format first, its value groups doubled and halved, 8-bit values; refused with
+    the reason outside the static family. The preset names the same scheme."""
+    from kvcompress.config import kv_preset
+
+    assert ASYM.is_auto and ASYM.is_budget and not ASYM.is_split and not ASYM.is_mixed
+    assert [f.label for f in ASYM.budget_formats()] == ["k8v4g16", "k8v4", "k8v4g8", "k8v8g16"]
+    assert [f.label for f in kv_preset("int8k_budget").budget_formats()] == ["k8v4", "k8v4g64", "k8v4g16", "k8v8"]
+    with pytest.raises(ValueError, match="kv.layers=budget spends the bytes of the static family's format .* got granularity=token"):
+        KVSpec.model_validate({**ROT.model_dump(), "layers": "budget"})
+    with pytest.raises(ValueError, match="kv.layers=budget .* got granularity=channel, key.bits=16, value.bits=16"):
+        KVSpec(name="x", key={"bits": 16}, value={"bits": 16}, layers="budget")
+
+
+def test_fill_budget_spends_what_is_left_on_the_most_kl_per_byte():
+    """Within the budget, the single-layer change of most KL saved per byte is taken first, until none fits or helps;
+    a change that saves KL at no cost is always taken."""
+    cost = [[10, 12, 20], [10, 12, 20], [10, 10, 9]]
+    kl = [[5.0, 4.0, 1.0], [5.0, 2.0, 1.5], [3.0, 2.0, 2.5]]
+    # layer 2: option 1 is as cheap and better; then layer 1 -> 1 (1.5 per byte) beats layer 0 -> 1 (0.5 per byte)
+    assert fill_budget([0, 0, 0], cost, kl, 33) == [0, 1, 1]
+    assert fill_budget([0, 0, 0], cost, kl, 36) == [1, 1, 1]
+    assert fill_budget([0, 0, 0], cost, kl, 30) == [0, 0, 1]
+    assert fill_budget([0, 0, 0], cost, kl, 100) == [2, 2, 1]  # everything fits: the least KL of every layer
+
+
+def test_tune_budget_keeps_the_uniform_bytes_and_the_lower_measured_kl(lm3, stats3):
+    """kv.layers=budget on the tiny model: the searched assignment predicts no more KL than the uniform format within
+    the same bytes per token, both are measured end to end, and the lower measured KL is chosen and fitted."""
+    book, rec = tune(lm3, stats3, ASYM, TuneConfig(n_windows=1, seq_len=96, context=256), _eval(10.0), SMOKE_CALIB, progress=False)
+    assert rec["mode"] == "budget" and rec["menu"] == ["k8v4g16", "k8v4", "k8v4g8", "k8v8g16"]
+    sens, lb = rec["sensitivity"], rec["layer_bytes_per_token"]
+    pts = {p["name"]: p for p in rec["points"]}
+    assert set(pts) == {"budget", "uniform:k8v4g16"} and pts["uniform:k8v4g16"]["layers"] == ["k8v4g16"] * 3
+    budget = rec["budget_bytes_per_token"]
+    assert budget == pytest.approx(pts["uniform:k8v4g16"]["bytes_per_token"])
+    assert pts["budget"]["bytes_per_token"] <= budget * (1 + 1e-9)
+    assert sum(lb[f][i] for i, f in enumerate(pts["budget"]["layers"])) == pytest.approx(pts["budget"]["bytes_per_token"])
+    pred = pts["budget"]["predicted"]["kl_mean"]
+    assert pred == pytest.approx(sum(sens[f][i]["kl_mean"] for i, f in enumerate(pts["budget"]["layers"])))
+    assert pred <= sum(sens["k8v4g16"][i]["kl_mean"] for i in range(3))
+    # no single-layer change within the bytes left predicts less KL (fill_budget's end state)
+    left = budget - pts["budget"]["bytes_per_token"]
+    for i, f in enumerate(pts["budget"]["layers"]):
+        for g in rec["menu"]:
+            if lb[g][i] - lb[f][i] <= left + 1e-6:
+                assert sens[g][i]["kl_mean"] >= sens[f][i]["kl_mean"], (i, f, g)
+    kls = {n: p["measured"]["kl_mean"] for n, p in pts.items()}
+    best = "budget" if kls["budget"] <= kls["uniform:k8v4g16"] else "uniform:k8v4g16"
+    assert [n for n, p in pts.items() if p["chosen"]] == [best] and rec["chosen"]["name"] == best
+    assert book.spec.is_mixed and book.spec.name == "b" and [f.label for f in book.spec.layers] == pts[best]["layers"]
+    assert not book.spec.key.symmetric and book.spec.value.rotate == "hadamard"
+
+
+def test_tune_budget_moves_bytes_to_the_sensitive_layer(lm3, stats3, monkeypatch):
+    """With layer 0 far more sensitive than the others (a given sensitivity table), the budget search gives layer 0
+    the finer value groups, paid for by coarser groups in layers 1 and 2, at exactly the uniform format's bytes."""
+    import kvcompress.stages.tune as tune_mod
+
+    table = {"k8v4g16": [1e-5, 1e-7, 1e-7], "k8v4": [2e-5, 2e-7, 2e-7], "k8v4g8": [2e-6, 9e-8, 9e-8], "k8v8g16": [1e-7, 5e-8, 5e-8]}
+    monkeypatch.setattr(tune_mod, "layer_sensitivity", lambda lm, w, books, progress: {
+        n: [{"kl_mean": k, "ppl_delta_rel": k} for k in table[n]] for n in books})
+    book, rec = tune(lm3, stats3, ASYM, TuneConfig(n_windows=1, seq_len=96, context=256), _eval(10.0), SMOKE_CALIB, progress=False)
+    pts = {p["name"]: p for p in rec["points"]}
+    assert pts["budget"]["layers"] == ["k8v4g8", "k8v4", "k8v4"], rec["layer_bytes_per_token"]
+    assert pts["budget"]["bytes_per_token"] == pytest.approx(rec["budget_bytes_per_token"])
+    assert pts["budget"]["predicted"]["kl_mean"] == pytest.approx(2.4e-6)
+    assert all("measured" in p for p in pts.values()) and sum(p["chosen"] for p in pts.values()) == 1
+
+
+def test_kv_int8k_budget_end_to_end_on_the_tiny_model(tmp_path):
+    """python -m kvcompress kv=int8k_budget: the tune stage runs by itself, the report shows the budget search, the
+    validated ScaleBook holds the chosen formats, and the custom tier ships it."""
+    run = tmp_path / "run"
+    r = run_cli("model=tiny_llama", "kv=int8k_budget", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+                f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = json.loads((run / "tune.json").read_text())
+    assert t["mode"] == "budget" and json.loads((run / "config.json").read_text())["stages"] == ["profile", "fit", "tune", "validate", "export"]
+    book = ScaleBook.load(run / "scalebook.safetensors")
+    assert [f.label for f in book.spec.layers] == t["chosen"]["layers"] and {f.label for f in book.spec.layers} <= set(t["menu"])
+    md = (run / "report.md").read_text()
+    assert "Tuning (kv.layers=budget)" in md and "the lowest KL within k8v4's bytes per token" in md
+    man = json.loads((run / "export" / "manifest.json").read_text())
+    assert not [c["check"] for c in man["checks"] if c["status"] == "failed"]

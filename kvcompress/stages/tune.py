@@ -17,6 +17,12 @@ candidate takes the same bytes). Each layer takes the candidate of least KL in s
 assignment and every uniform candidate are checked end to end on the tuning windows, and the
 lowest measured KL wins (tune_split).
 
+kv.layers=budget (kv=int8k_budget, the static family) asks the same at the bytes of the spec's own format: each
+layer takes one of KVSpec.budget_formats (the spec's value groups, halved or doubled, or 8-bit values) and the
+total stays within the uniform format's bytes per token at the tuning context. The most accurate point of the
+convex hull of step 4 within those bytes, or the uniform format if that predicts less, with any bytes left spent
+on the single-layer changes of most KL per byte (fill_budget), is checked end to end beside the uniform format, and the lower measured KL wins (tune_budget).
+
 The chosen spec is fitted (kvcompress.stages.fit) and written as the run's ScaleBook; the
 search record (tune.json) goes into the report. validate then measures the chosen format on the
 held-out windows and the report says whether it passed there.
@@ -179,10 +185,85 @@ def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progr
     return book, record
 
 
+def fill_budget(pick: list[int], cost: list[list[float]], kl: list[list[float]], budget: float) -> list[int]:
+    """`pick` (an option per layer, within `budget`) with the bytes left spent greedily: while some single-layer
+    change fits in what is left and lowers the summed KL, take the one of most KL saved per byte added (a change
+    that adds no bytes counts as the most)."""
+    pick = list(pick)
+    while True:
+        left = budget - sum(c[o] for c, o in zip(cost, pick))
+        best, score = None, 0.0
+        for i, o in enumerate(pick):
+            for a in range(len(cost[i])):
+                add, gain = cost[i][a] - cost[i][o], kl[i][o] - kl[i][a]
+                if gain > 0 and add <= left + 1e-9 * budget:
+                    r = gain / add if add > 0 else math.inf
+                    if r > score:
+                        best, score = (i, a), r
+        if best is None:
+            return pick
+        pick[best[0]] = best[1]
+
+
+def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
+    """kv.layers=budget: (ScaleBook of the chosen per-layer formats, the search record); see the module doc."""
+    t0 = time.time()
+    geom = lm.geometry
+    L = geom.n_layers
+    context = cfg.context or geom.max_position
+    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    own, *alt = spec.budget_formats()
+    uniform_spec(spec, own).check_geometry(geom.head_dim)
+    menu = [own]
+    for f in alt:
+        try:
+            uniform_spec(spec, f).check_geometry(geom.head_dim)
+            menu.append(f)
+        except UserError as e:
+            log.info("tune: candidate %s does not apply to this model (%s); left out", f.label, e)
+    texts, windows = _windows(lm, cfg, calib_cfg)
+    cost = [[layer_bytes(spec, f, geom, context, i) for f in menu] for i in range(L)]
+    budget = sum(c[0] for c in cost)
+    log.info("tune: %d value formats x %d layers within %s's %.1f bytes/token at %d tokens, on %d x %d calibration tokens",
+             len(menu), L, own.label, budget, context, *windows.shape)
+    uniform = {f: fit(stats, uniform_spec(spec, f)) for f in menu}
+    t_sens = time.time()
+    sens = layer_sensitivity(lm, windows, {f.label: b for f, b in uniform.items()}, progress)
+    t_sens = time.time() - t_sens
+    kl = [[sens[f.label][i]["kl_mean"] for f in menu] for i in range(L)]
+    fits = [a for a in hull(cost, kl) if sum(c[o] for c, o in zip(cost, a)) <= budget * (1 + 1e-9)]
+    starts = [[0] * L] + ([list(fits[-1])] if fits else [])  # the uniform format is always within its own bytes
+    pick = min((fill_budget(a, cost, kl, budget) for a in starts), key=lambda a: sum(k[o] for k, o in zip(kl, a)))
+    chosen_layers = [menu[o] for o in pick]
+    pred = {"kl_mean": sum(k[o] for k, o in zip(kl, pick)),
+            "ppl_delta_rel": math.expm1(sum(math.log1p(sens[menu[o].label][i]["ppl_delta_rel"]) for i, o in enumerate(pick)))}
+    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
+    specs = {"budget": mixed_spec(spec, chosen_layers, name="budget"), f"uniform:{own.label}": uniform_spec(spec, own)}
+    measured = _measure(lm, {n: (assemble(s, uniform) if s.is_mixed else uniform[own]) for n, s in specs.items()}, windows, progress)
+    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
+                     None if n.startswith("uniform:") else pred) for n, s in specs.items()]
+    best = min(points, key=lambda p: (p["measured"]["kl_mean"], p["name"] != "budget"))
+    for p in points:
+        p["chosen"] = p is best
+    final = mixed_spec(spec, specs[best["name"]].layer_formats(L), name=spec.name)
+    book = fit(stats, final)
+    record = _record("budget", (f"Objective: the lowest KL within {own.label}'s bytes per token: each layer takes one of {', '.join(f.label for f in menu)}; "
+                                "the most accurate assignment predicted within those bytes is measured end to end beside the uniform format."),
+                     cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, best["name"], geom, (t_sens, t0))
+    record |= {"menu": [f.label for f in menu], "budget_bytes_per_token": budget,
+               "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(menu)}, "points": points}
+    log.info("tune: chose %s (KL %.3e on the tuning windows against uniform %s %.3e, %.1f of %.1f bytes/token); layers %s", best["name"],
+             best["measured"]["kl_mean"], own.label, points[1]["measured"]["kl_mean"], record["chosen"]["bytes_per_token"], budget,
+             " ".join(record["chosen"]["layers"]))
+    return book, record
+
+
 def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """(ScaleBook of the chosen per-layer spec, the search record). cfg: TuneConfig."""
     if spec.is_split:
         return tune_split(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
+    if spec.is_budget:
+        return tune_budget(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
     t0 = time.time()
     geom = lm.geometry
     L = geom.n_layers
