@@ -232,6 +232,16 @@ class RunConfig(Frozen):
                              "that is validated but never shipped: add export=none")
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
+        if self.kv.layers == "auto":  # a menu format the spec cannot hold fails here, in one line, before any work
+            from kvcompress.spec import mixed_spec
+
+            for f in self.tune.menu:
+                if not f.is_fp16:
+                    try:
+                        mixed_spec(self.kv, (f,))
+                    except ValueError as e:
+                        why = e.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(e, "errors") else str(e)
+                        raise ValueError(f"tune.menu format {f.label} does not fit kv={self.kv.name}: {why}") from None
         if "tune" in self.stages and not self.kv.is_auto:
             raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto, split or budget (kv=auto, kv=rot_split, kv=int8k_budget); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):

@@ -125,7 +125,23 @@ def test_fit_uses_the_arc_ranges_for_static_asymmetric_keys_only(tiny_stats):
     torch.testing.assert_close(book.tensors["k_scale"], r.half / ref.key_qmax(8))
     assert f"0..{tiny_stats.geometry['max_position'] - 1}" in book.fit_info["key_ranges"]  # the report says where the ranges hold
     assert "key_ranges" not in fit(tiny_stats, KVSpec(name="s", key={"clip": "minmax"})).fit_info
+    assert "key_clip_note" not in book.fit_info
     # kv_stats without the histogram (an older profile, or no RoPE): the observed ranges, as before
     old = type(tiny_stats)({k: v for k, v in tiny_stats.tensors.items() if k not in ("k_arcmin", "k_arcmax")}, tiny_stats.header)
     assert not uses_arc(old, asym)
     assert not torch.equal(fit(old, asym).tensors["k_zero"], book.tensors["k_zero"])
+
+
+def test_asymmetric_keys_with_the_mse_search_are_warned_about(tiny_stats, caplog):
+    """kv.key.symmetric=false alone keeps the default clip=mse, which measured worse at 8K than minmax: fit says so in
+    the log and in fit_info (the report); minmax and symmetric keys are not warned about."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvcompress"):
+        book = fit(tiny_stats, KVSpec(name="a", key={"symmetric": False}))
+    assert "kv.key.clip=mse" in book.fit_info["key_clip_note"] and "kv=a: asymmetric keys with kv.key.clip=mse" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcompress"):
+        fit(tiny_stats, KVSpec(name="s"))
+        fit(tiny_stats, KVSpec(name="m", key={"symmetric": False, "clip": "minmax"}))
+    assert "kv.key.clip=mse" not in caplog.text

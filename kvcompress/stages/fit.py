@@ -1,6 +1,8 @@
 """fit: KVStats + KVSpec -> ScaleBook (static per-channel key scales, outliers, clipping)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvcompress.errors import UserError
@@ -306,6 +308,11 @@ def assemble(spec: KVSpec, uniform: dict[LayerFormat, ScaleBook]) -> ScaleBook:
     return ScaleBook(spec, any_book.geometry, t, any_book.provenance, info)
 
 
+log = logging.getLogger("kvcompress")
+ASYM_MSE_NOTE = ("asymmetric keys with kv.key.clip=mse: the q.k-score MSE search shrinks each range around its center; on the embedded "
+                 "model that gave more KL at 8K than kv.key.clip=minmax (README, long8k_asymk_mse; kv=int8k_asym_rotv uses minmax)")
+
+
 def uniform_spec(spec: KVSpec, f: LayerFormat) -> KVSpec:
     """`spec` with format `f` on every layer (no per-layer tuple)."""
     return mixed_spec(spec, (f,), name=f"{spec.name}:{f.label}").layer(0)
@@ -347,6 +354,9 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     if uses_arc(stats, spec):
         info["key_ranges"] = (f"asymmetric: each channel's range over positions 0..{geom['max_position'] - 1} from the pre-RoPE angle "
                               "histogram (observers.base.arc_ranges), one scale per RoPE pair, per-channel zero points")
+        if spec.key.clip == "mse":
+            info["key_clip_note"] = ASYM_MSE_NOTE
+            log.warning("fit: kv=%s: %s", spec.name, ASYM_MSE_NOTE)
     if spec.key.alloc == "waterfill":
         tensors["k_bits"], info["key_bits"] = waterfill_tensors(stats, spec)
     provenance = {**base_provenance(), "stats": stats.header.get("provenance", {})}
