@@ -84,6 +84,11 @@ def custom_tier(a) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        tn.check_max_seq_len(spec, a.max_seq_len)
+    except tn.WeightsMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     hf_dir = Path(a.hf_dir or spec["weights"]["hf_dir"] or "")
     if not any(hf_dir.glob("*.safetensors")):
         print(f"error: --hf-dir {hf_dir} has no *.safetensors (give the HF directory of the model the run validated)", file=sys.stderr)

@@ -6,7 +6,7 @@ allowed values; a bad value fails with a message that names the key and what is 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -48,6 +48,11 @@ class KeySpec(Frozen):
     # unevenly, channel by channel (reference.waterfill_bits: RoPE pairs alike, 1..8 bits each), where the
     # calibration queries' energy times the channel's group range says the q.k score error is largest
     alloc: Literal["uniform", "waterfill"] = "uniform"
+    # asymmetric static keys (the arc ranges, observers.base.arc_ranges): the positions 0..max_position-1 their ranges must
+    # hold at; None = the model's max_position. Serving at a shorter context than the model's (e.g. 8K of Llama 3.1's
+    # 128K) tightens the slow RoPE pairs' ranges; keys at later positions can clip (the export records the limit and the
+    # custom-tier engine build refuses a longer --max-seq-len)
+    max_position: Optional[int] = Field(None, ge=1)
 
 
 class ValueSpec(Frozen):
@@ -188,6 +193,11 @@ class KVSpec(Frozen):
         if self.layers == "split" and not self.token_keys:
             raise ValueError(f"kv.layers=split chooses each layer's key/value bit split, which needs the per-token family "
                              f"(kv.key.granularity=token, 5..7-bit codes); got granularity={self.key.granularity}")
+        if self.key.max_position is not None and (self.key.symmetric or self.key.granularity != "channel" or self.key.group_tokens
+                                                  or not self.key.tie_rope_pairs or self.key.clip == "percentile" or self.is_native):
+            raise ValueError(f"kv.key.max_position={self.key.max_position} sets where asymmetric static keys' ranges hold: needs "
+                             f"kv.key.symmetric=false, granularity=channel, tie_rope_pairs=true, clip minmax or mse, format=kvcompress "
+                             f"(kv=int8k_asym_rotv); got symmetric={self.key.symmetric}, granularity={self.key.granularity}, clip={self.key.clip}")
         if self.layers == "budget" and (self.token_keys or self.key.bits not in (4, 8) or self.value.bits not in (4, 8)):
             raise ValueError(f"kv.layers=budget spends the bytes of the static family's format layer by layer (static per-channel keys, "
                              f"4- or 8-bit keys and values); got granularity={self.key.granularity}, key.bits={self.key.bits}, value.bits={self.value.bits}")

@@ -12,6 +12,7 @@ import torch
 
 from kvcompress import reference as ref
 from kvcompress.observers.base import arc_ranges, tie_pair_scales, uses_arc
+from kvcompress.observers.mse import rotate_to_random_positions
 from kvcompress.spec import KVSpec
 from kvcompress.stages.fit import fit
 from kvcompress.stats import N_ARC_BINS, StatsAccumulator
@@ -145,3 +146,26 @@ def test_asymmetric_keys_with_the_mse_search_are_warned_about(tiny_stats, caplog
         fit(tiny_stats, KVSpec(name="s"))
         fit(tiny_stats, KVSpec(name="m", key={"symmetric": False, "clip": "minmax"}))
     assert "kv.key.clip=mse" not in caplog.text
+
+
+def test_key_max_position_tightens_the_ranges_to_the_serving_context(tiny_stats):
+    """kv.key.max_position (a serving context below the model's): every channel's range is within the model-wide one and
+    some slow pair's is strictly narrower; fit_info says where the ranges hold; observed keys still do not clip at any
+    position below it. Only asymmetric static keys take it."""
+    full = fit(tiny_stats, KVSpec(name="a", key={"symmetric": False, "clip": "minmax"}))
+    short = fit(tiny_stats, KVSpec(name="a", key={"symmetric": False, "clip": "minmax", "max_position": 64}))
+    assert full.fit_info["key_max_position"] == tiny_stats.geometry["max_position"] and short.fit_info["key_max_position"] == 64
+    assert "positions 0..63" in short.fit_info["key_ranges"] and "kv.key.max_position" in short.fit_info["key_ranges"]
+    arcs = {n: arc_ranges(tiny_stats["k_arcmin"], tiny_stats["k_arcmax"], tiny_stats["rope_inv_freq"], n, tiny_stats["rope_pairs"])
+            for n in (64, tiny_stats.geometry["max_position"])}
+    a, b = arcs.values()  # each channel's arc over fewer positions lies within its arc over more (before the pair's scales are tied)
+    assert bool(((a.center - a.half) >= (b.center - b.half) - 1e-5).all() and ((a.center + a.half) <= (b.center + b.half) + 1e-5).all())
+    assert (short.tensors["k_scale"] <= full.tensors["k_scale"] + 1e-7).all() and (short.tensors["k_scale"] < full.tensors["k_scale"] * 0.99).any()
+    k = tiny_stats["sample_k"].transpose(1, 2).float()  # [L, H, N, D]
+    inv = tiny_stats["rope_inv_freq"]
+    for pos in (0, 31, 63):
+        for layer in range(k.shape[0]):
+            kk = rotate_to_random_positions(k[layer], inv, 1, 0, tiny_stats["rope_pairs"], tiny_stats["sample_pos"][layer] - pos)
+            assert not ref.key_clipped(kk, short.key_params(layer)).any(), (pos, layer)
+    with pytest.raises(ValueError, match="kv.key.max_position=64 sets where asymmetric static keys' ranges hold"):
+        KVSpec(name="s", key={"max_position": 64})

@@ -3,6 +3,7 @@ its oracle: the same decoder_step with the plugins replaced by the reference num
 like transformers' model through CompressedCache (the validated path). TensorRT itself is not run."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -65,6 +66,7 @@ def test_asymmetric_keys_ship_their_zero_points_in_the_graph(tmp_path):
     assert float(z.abs().max()) > 0 and not torch.equal(z[..., : D // 2], z[..., D // 2 :])  # per channel, not tied
     assert torch.equal(book.tensors["k_scale"][..., : D // 2], book.tensors["k_scale"][..., D // 2 :])  # one scale per pair
     bundle, hf = _bundle(tmp_path, lm, book)
+    assert tn.load_spec(bundle)["key_max_position"] == book.geometry["max_position"]  # where the keys' ranges hold
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
     res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
@@ -306,6 +308,21 @@ def test_build_engine_custom_tier_fails_clearly_without_trtllm(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "network.json" in r.stderr, r.stderr
+
+
+def test_build_engine_refuses_a_max_seq_len_past_the_keys_positions(tmp_path):
+    """A bundle whose asymmetric keys hold to position 64 (kv.key.max_position=64): build_engine.py --tier custom with
+    --max-seq-len 128 stops in one line, exit 2, before reading weights or needing TensorRT-LLM; a bundle without the
+    limit (symmetric keys) has no such check."""
+    (tmp_path / tn.SPEC_FILE).write_text(json.dumps({"key_max_position": 64, "weights": {"hf_dir": None}}))
+    args = [sys.executable, str(ROOT / "export" / "build_engine.py"), "--tier", "custom", "--bundle", str(tmp_path), "--hf-dir", str(tmp_path),
+            "--plugin-lib", str(tmp_path / "x.so"), "--out", str(tmp_path / "e")]
+    r = subprocess.run([*args, "--max-seq-len", "128"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "--max-seq-len 128 exceeds 64, the positions this bundle's asymmetric keys were fitted to hold at" in r.stderr
+    ok = subprocess.run([*args, "--max-seq-len", "64"], capture_output=True, text=True)
+    assert ok.returncode == 2 and "exceeds" not in ok.stderr and "has no *.safetensors" in ok.stderr  # past the check, to the next
+    tn.check_max_seq_len({}, 10**6)
 
 
 def test_build_engine_reports_an_hf_dir_that_does_not_fit_the_bundle_in_one_line(tmp_path, monkeypatch, capsys):

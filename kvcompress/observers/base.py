@@ -127,3 +127,8 @@ def uses_arc(stats, spec) -> bool:
     k = spec.key
     return (not k.symmetric and k.tie_rope_pairs and k.granularity == "channel" and not k.group_tokens and k.clip != "percentile"
             and "k_arcmax" in stats.tensors and "rope_inv_freq" in stats.tensors)
+
+
+def key_positions(spec, geometry: dict) -> int:
+    """The positions 0..N-1 asymmetric static keys' ranges hold at (arc_ranges): kv.key.max_position, else the model's."""
+    return int(spec.key.max_position or geometry["max_position"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.observers import OBSERVERS
-from kvcompress.observers.base import uses_arc
+from kvcompress.observers.base import key_positions, uses_arc
 from kvcompress.reference import KeyParams, fake_quant_keys, key_qmax, pair_halves, pair_spread
 
 ALPHA_GRID = torch.linspace(1.0, 0.3, 36)
@@ -66,8 +66,9 @@ def mse_clip(stats, spec, ranges, outliers) -> tuple[torch.Tensor, dict]:
         k = stats.tensors["sample_k"][layer].transpose(0, 1).float()  # [H, N, D]
         if "rope_inv_freq" in stats.tensors and spec.key.tie_rope_pairs:
             inv = stats["rope_inv_freq"]
-            k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, stats.geometry["max_position"], AUGMENT_SEED + layer,
-                                           stats.tensors.get("rope_pairs"), stats["sample_pos"][layer] if uses_arc(stats, spec) else None)
+            arc = uses_arc(stats, spec)  # ranges that hold to key_positions only: the keys moved to absolute positions below it
+            k = rotate_to_random_positions(k, inv[layer] if inv.dim() == 2 else inv, key_positions(spec, stats.geometry) if arc else stats.geometry["max_position"],
+                                           AUGMENT_SEED + layer, stats.tensors.get("rope_pairs"), stats["sample_pos"][layer] if arc else None)
         q = stats.q_second_moment(layer)  # [H, D, D]
         errs = []
         for alpha in ALPHA_GRID.tolist():

@@ -464,6 +464,11 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         if primary.spec.value_rotation_folded:
             pb["value_rotation"] = (f"{primary.spec.value.rotate}, folded into W_v and W_o per head by trtllm_network.load_hf_weights "
                                     "(network.json value_rotation, plugin_params v_rotation); the kernels store the rotated values")
+        from kvcompress.targets.network_oracle import key_max_position
+
+        if key_max_position(primary):
+            pb["key_positions"] = (f"asymmetric static keys: ranges hold at positions 0..{key_max_position(primary) - 1} (kv.key.max_position, else "
+                                   "the model's max_position); build_engine.py --tier custom refuses a longer --max-seq-len")
         layers = [pb["variants"][n] for n in pb["layer_variants"]] if "layer_variants" in pb else None
         pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 

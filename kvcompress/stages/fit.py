@@ -8,7 +8,7 @@ import torch
 from kvcompress.errors import UserError
 from kvcompress.fold import fold_factors
 from kvcompress.observers import OBSERVERS
-from kvcompress.observers.base import arc_ranges, channel_ranges, pick_outliers, tie_pair_scales, tie_rope_pairs, uses_arc
+from kvcompress.observers.base import arc_ranges, channel_ranges, key_positions, pick_outliers, tie_pair_scales, tie_rope_pairs, uses_arc
 from kvcompress.observers.mse import gram_score_error
 from kvcompress.observers.percentile import percentile_half
 from kvcompress.provenance import base_provenance
@@ -333,7 +333,7 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
     outliers = pick_outliers(ranges.half, spec.outlier_channels)
     if uses_arc(stats, spec):
         # asymmetric: each channel's range over every position the model serves, from the pre-RoPE angles (one scale per pair)
-        ranges = tie_pair_scales(arc_ranges(stats["k_arcmin"], stats["k_arcmax"], stats["rope_inv_freq"], geom["max_position"],
+        ranges = tie_pair_scales(arc_ranges(stats["k_arcmin"], stats["k_arcmax"], stats["rope_inv_freq"], key_positions(spec, geom),
                                             stats.tensors.get("rope_pairs")), outliers, stats.tensors.get("rope_pairs"))
     elif spec.key.tie_rope_pairs:
         # the rotation-invariant pair-norm bound (symmetric keys; percentile clipping keeps its histogram ranges)
@@ -352,8 +352,10 @@ def fit(stats: KVStats, spec: KVSpec) -> ScaleBook:
         half = (ranges.half * clip.unsqueeze(-1)).clamp(min=1e-8)
         tensors |= {"k_scale": (half / key_qmax(spec.key.bits)).float(), "k_zero": ranges.center.float(), "k_clip": clip.float()}
     if uses_arc(stats, spec):
-        info["key_ranges"] = (f"asymmetric: each channel's range over positions 0..{geom['max_position'] - 1} from the pre-RoPE angle "
-                              "histogram (observers.base.arc_ranges), one scale per RoPE pair, per-channel zero points")
+        info["key_ranges"] = (f"asymmetric: each channel's range over positions 0..{key_positions(spec, geom) - 1} from the pre-RoPE angle "
+                              "histogram (observers.base.arc_ranges), one scale per RoPE pair, per-channel zero points"
+                              + (f" (kv.key.max_position; the model's is {geom['max_position']})" if spec.key.max_position else ""))
+        info["key_max_position"] = key_positions(spec, geom)
         if spec.key.clip == "mse":
             info["key_clip_note"] = ASYM_MSE_NOTE
             log.warning("fit: kv=%s: %s", spec.name, ASYM_MSE_NOTE)

@@ -134,6 +134,16 @@ def _variant_fields(v: dict) -> dict:
     return out
 
 
+def key_max_position(book) -> int | None:
+    """The positions a ScaleBook's asymmetric static keys hold at (fit_info key_max_position; per-layer books: the least
+    of their formats'); None when no layer has such keys."""
+    info = book.fit_info
+    per = [f["key_max_position"] for f in info.get("per_format", {}).values() if "key_max_position" in f]
+    if "key_max_position" in info:
+        per.append(info["key_max_position"])
+    return min(per) if per else None
+
+
 def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: int, layers: list[dict] | None = None) -> dict:
     """network.json: what build_engine --tier custom needs besides the weights and the plugin constants.
     RoPE: the checkpoint's inverse frequencies with its scaling (the rule the TensorRT-LLM reader uses).
@@ -159,6 +169,8 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
         "format": book.spec.name,
         # int8k_int4v with kv.value.rotate=hadamard: the values' rotation lives in W_v/W_o (load_hf_weights folds plugin_params' v_rotation)
         "value_rotation": book.spec.value.rotate if book.spec.value_rotation_folded else "none",
+        # asymmetric static keys: their ranges hold at positions below this (kv.key.max_position); build_engine refuses a longer max_seq_len
+        **({"key_max_position": key_max_position(book)} if key_max_position(book) else {}),
         "weights": {"hf_dir": identity.get("weights_cache") or identity.get("path"), "identity": identity},
     }
 

@@ -146,6 +146,15 @@ def load_spec(bundle: Path) -> dict:
     return json.loads(p.read_text())
 
 
+def check_max_seq_len(spec: dict, max_seq_len: int) -> None:
+    """Refuse an engine whose sequences outrun the positions the asymmetric static keys' ranges hold at
+    (network.json key_max_position, kv.key.max_position): past it, slow RoPE pairs can leave their range and clip."""
+    lim = spec.get("key_max_position")
+    if lim and max_seq_len > lim:
+        raise WeightsMismatch(f"--max-seq-len {max_seq_len} exceeds {lim}, the positions this bundle's asymmetric keys were fitted to hold at "
+                              f"(kv.key.max_position); build with --max-seq-len <= {lim} or re-export with kv.key.max_position={max_seq_len}")
+
+
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
     per-head q/k norms, Phi-3/Phi-4 with fused q/k/v and gate/up, split here) as fp16
@@ -482,6 +491,7 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
     from tensorrt_llm.network import net_guard
 
     spec = load_spec(bundle)
+    check_max_seq_len(spec, max_seq_len)
     P = load_plugin_params(bundle)
     W = load_hf_weights(hf_dir, spec, P)
     cap = store_capacity(spec, max_seq_len)
