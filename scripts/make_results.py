@@ -59,6 +59,10 @@ COMMANDS = {
     # kv=int8k_budget: int8k_asym_rotv's bytes spent layer by layer (kv.layers=budget: value groups and value bits chosen
     # per layer by the tune stage's sensitivity on calibration text) beside the uniform int8k_asym_rotv and int8k_int4v
     "long8k_budget": "python -m kvcompress kv=int8k_budget eval=long export=none eval.tasks.names=[] eval.compare=[int8k_asym_rotv,int8k_int4v]",
+    # kv=int8k_budget on the license texts below (the per-layer choice is made on the calibration text, as always)
+    "long8k_legal_budget": "python -m kvcompress kv=int8k_budget eval=long export=none eval.source=files "
+                           "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GPL-2", "LGPL-2", "LGPL-3", "GFDL", "Artistic", "BSD"))
+                           + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_asym_rotv,int8k_int4v]",
     # another genre than the built-in Python documentation (calibration and held-out text alike): the license texts every
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
@@ -79,6 +83,7 @@ RATIOS = {
     "long8k_asym": [("int8k_asym_rotv", "int8k_rotv")],
     "long8k_asymk_mse": [("int8k_rotv_asymk", "int8k_rotv")],
     "long8k_budget": [("int8k_budget", "int8k_asym_rotv"), ("int8k_budget", "int8k_int4v")],
+    "long8k_legal_budget": [("int8k_budget", "int8k_asym_rotv"), ("int8k_budget", "int8k_int4v")],
 }
 
 
