@@ -145,6 +145,29 @@ def _record(mode: str, objective: str, cfg, eval_cfg, limits, texts, windows, co
     }
 
 
+def _predicted(sens: dict, formats) -> dict:
+    """The additive model's KL and compounded perplexity change of one format per layer (sensitivity of each alone)."""
+    return {"kl_mean": sum(sens[f.label][i]["kl_mean"] for i, f in enumerate(formats)),
+            "ppl_delta_rel": math.expm1(sum(math.log1p(sens[f.label][i]["ppl_delta_rel"]) for i, f in enumerate(formats)))}
+
+
+def _lowest_measured(lm, stats: KVStats, spec: KVSpec, specs: dict[str, KVSpec], uniform: dict, pred: dict, windows, context: int,
+                     limits, progress: bool) -> tuple[ScaleBook, KVSpec, list[dict], dict]:
+    """The fixed-bytes searches' last step: `specs` (the searched assignment, the only name without a "uniform:" prefix,
+    and uniform formats) measured end to end on the tuning windows; the lowest KL wins, a tie going to the searched one.
+    Returns (the winner fitted as `spec.name`, its spec, the points, the winning point)."""
+    geom = lm.geometry
+    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
+    measured = _measure(lm, {n: (assemble(s, uniform) if s.is_mixed else uniform[s.layer_formats(1)[0]]) for n, s in specs.items()}, windows, progress)
+    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
+                     None if n.startswith("uniform:") else pred) for n, s in specs.items()]
+    best = min(points, key=lambda p: (p["measured"]["kl_mean"], p["kind"] != "searched"))
+    for p in points:
+        p["chosen"] = p is best
+    final = mixed_spec(spec, specs[best["name"]].layer_formats(geom.n_layers), name=spec.name)
+    return fit(stats, final), final, points, best
+
+
 def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """kv.layers=split: (ScaleBook of the chosen per-layer split, the search record); see the module doc."""
     t0 = time.time()
@@ -163,18 +186,8 @@ def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progr
     sens = layer_sensitivity(lm, windows, {f.label: b for f, b in uniform.items()}, progress)
     t_sens = time.time() - t_sens
     pick = [min(menu, key=lambda f: sens[f.label][i]["kl_mean"]) for i in range(L)]
-    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
     specs = {"split": mixed_spec(spec, pick, name="split")} | {f"uniform:{f.label}": uniform_spec(spec, f) for f in menu}
-    measured = _measure(lm, {n: (assemble(s, uniform) if s.is_mixed else uniform[s.layer_formats(1)[0]]) for n, s in specs.items()}, windows, progress)
-    pred = {"kl_mean": sum(sens[f.label][i]["kl_mean"] for i, f in enumerate(pick)),
-            "ppl_delta_rel": math.expm1(sum(math.log1p(sens[f.label][i]["ppl_delta_rel"]) for i, f in enumerate(pick)))}
-    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
-                     None if n.startswith("uniform:") else pred) for n, s in specs.items()]
-    best = min(points, key=lambda p: (p["measured"]["kl_mean"], p["name"] != "split"))
-    for p in points:
-        p["chosen"] = p is best
-    final = mixed_spec(spec, specs[best["name"]].layer_formats(L), name=spec.name)
-    book = fit(stats, final)
+    book, final, points, best = _lowest_measured(lm, stats, spec, specs, uniform, _predicted(sens, pick), windows, context, limits, progress)
     record = _record("split", (f"Objective: the lowest KL at the same bytes: each layer splits {spec.key.bits + spec.value.bits} bits per element "
                                "between its keys and values; the per-layer picks of least sensitivity KL and every uniform split are measured end to end."),
                      cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, best["name"], geom, (t_sens, t0))
@@ -235,18 +248,8 @@ def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, prog
     starts = [[0] * L] + ([list(fits[-1])] if fits else [])  # the uniform format is always within its own bytes
     pick = min((fill_budget(a, cost, kl, budget) for a in starts), key=lambda a: sum(k[o] for k, o in zip(kl, a)))
     chosen_layers = [menu[o] for o in pick]
-    pred = {"kl_mean": sum(k[o] for k, o in zip(kl, pick)),
-            "ppl_delta_rel": math.expm1(sum(math.log1p(sens[menu[o].label][i]["ppl_delta_rel"]) for i, o in enumerate(pick)))}
-    fp16_bpt = spec_bytes(uniform_spec(spec, FP16), geom, context)
     specs = {"budget": mixed_spec(spec, chosen_layers, name="budget"), f"uniform:{own.label}": uniform_spec(spec, own)}
-    measured = _measure(lm, {n: (assemble(s, uniform) if s.is_mixed else uniform[own]) for n, s in specs.items()}, windows, progress)
-    points = [_point(n, "uniform" if n.startswith("uniform:") else "searched", s, geom, context, fp16_bpt, measured[n], limits,
-                     None if n.startswith("uniform:") else pred) for n, s in specs.items()]
-    best = min(points, key=lambda p: (p["measured"]["kl_mean"], p["name"] != "budget"))
-    for p in points:
-        p["chosen"] = p is best
-    final = mixed_spec(spec, specs[best["name"]].layer_formats(L), name=spec.name)
-    book = fit(stats, final)
+    book, final, points, best = _lowest_measured(lm, stats, spec, specs, uniform, _predicted(sens, chosen_layers), windows, context, limits, progress)
     record = _record("budget", (f"Objective: the lowest KL within {own.label}'s bytes per token: each layer takes one of {', '.join(f.label for f in menu)}; "
                                 "the most accurate assignment predicted within those bytes is measured end to end beside the uniform format."),
                      cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, best["name"], geom, (t_sens, t0))
