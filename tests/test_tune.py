@@ -17,7 +17,7 @@ from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
 from kvcompress.stages.fit import fit, uniform_spec
 from kvcompress.stages.profile import profile
-from kvcompress.stages.tune import fill_budget, hull, tune
+from kvcompress.stages.tune import budget_contexts, fill_budget, hull, tune
 from kvcompress.stages.validate import evaluate_quality
 
 K8 = LayerFormat(key_bits=8, value_bits=4, value_group=16)
@@ -315,10 +315,20 @@ def test_fill_budget_spends_what_is_left_on_the_most_kl_per_byte():
     cost = [[10, 12, 20], [10, 12, 20], [10, 10, 9]]
     kl = [[5.0, 4.0, 1.0], [5.0, 2.0, 1.5], [3.0, 2.0, 2.5]]
     # layer 2: option 1 is as cheap and better; then layer 1 -> 1 (1.5 per byte) beats layer 0 -> 1 (0.5 per byte)
-    assert fill_budget([0, 0, 0], cost, kl, 33) == [0, 1, 1]
-    assert fill_budget([0, 0, 0], cost, kl, 36) == [1, 1, 1]
-    assert fill_budget([0, 0, 0], cost, kl, 30) == [0, 0, 1]
-    assert fill_budget([0, 0, 0], cost, kl, 100) == [2, 2, 1]  # everything fits: the least KL of every layer
+    assert fill_budget([0, 0, 0], [cost], kl, [33]) == [0, 1, 1]
+    assert fill_budget([0, 0, 0], [cost], kl, [36]) == [1, 1, 1]
+    assert fill_budget([0, 0, 0], [cost], kl, [30]) == [0, 0, 1]
+    assert fill_budget([0, 0, 0], [cost], kl, [100]) == [2, 2, 1]  # everything fits: the least KL of every layer
+    # a second (shorter) context where layer 1's upgrade costs more: it no longer fits there, layer 0's does
+    short = [[10, 12, 20], [10, 20, 20], [10, 10, 9]]
+    assert fill_budget([0, 0, 0], [short, cost], kl, [33, 33]) == [1, 0, 1]
+
+
+def test_budget_contexts_are_the_corners_of_the_byte_difference():
+    geom = Geometry(n_layers=3, n_heads=4, n_kv_heads=1, head_dim=32, hidden_size=64, vocab_size=256, max_position=4096,
+                    rope_theta=1e4, architecture="Gemma3ForCausalLM", sliding_windows=(512, 0, 1024))
+    assert budget_contexts(geom, 4096) == [512, 1024, 4096] and budget_contexts(geom, 800) == [512, 800]
+    assert budget_contexts(Geometry(**{**geom.__dict__, "sliding_windows": ()}), 4096) == [4096]
 
 
 def test_tune_budget_keeps_the_uniform_bytes_and_the_lower_measured_kl(lm3, stats3):
@@ -380,3 +390,39 @@ def test_kv_int8k_budget_end_to_end_on_the_tiny_model(tmp_path):
     assert "Tuning (kv.layers=budget)" in md and "the lowest KL within k8v4's bytes per token" in md
     man = json.loads((run / "export" / "manifest.json").read_text())
     assert not [c["check"] for c in man["checks"] if c["status"] == "failed"]
+
+
+def test_tune_budget_with_sliding_layers_holds_the_bytes_at_every_context(monkeypatch):
+    """Gemma 3 (sliding-window layers hold at most their window): a sensitivity table that makes the sliding layer's
+    upgrade cheap at the serving context would, picked at that context alone, take more bytes than the uniform format
+    at shorter ones. The search keeps the bytes within the uniform format's at every context up to the tuning one."""
+    import kvcompress.stages.tune as tune_mod
+    from kvcompress.stages.tune import spec_bytes
+
+    lm = tiny_lm("gemma3", layers=3, heads=4, kv_heads=1, head_dim=32)
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    geom = lm.geometry
+    assert any(geom.sliding_windows) and not all(geom.sliding_windows)
+    slid = [i for i, w in enumerate(geom.sliding_windows) if w][0]
+    table = {f.label: [1e-7] * 3 for f in ASYM.budget_formats()}
+    table["k8v4g16"][slid], table["k8v8g16"][slid] = 1e-5, 1e-8  # the sliding layer's values matter most
+    table["k8v4"] = [2e-7 if i != slid else 2e-5 for i in range(3)]
+    monkeypatch.setattr(tune_mod, "layer_sensitivity", lambda lm, w, books, progress: {
+        n: [{"kl_mean": k, "ppl_delta_rel": k} for k in table[n]] for n in books})
+    context = 8 * max(geom.sliding_windows)
+    _, rec = tune(lm, stats, ASYM, TuneConfig(n_windows=1, seq_len=96, context=context), _eval(10.0), SMOKE_CALIB, progress=False)
+    pts = {p["name"]: p for p in rec["points"]}
+    chosen = mixed_spec(ASYM, [LayerFormat.model_validate(_fmt(x)) for x in pts["budget"]["layers"]], name="c")
+    uni = uniform_spec(ASYM, ASYM.budget_formats()[0])
+    for c in (40, 64, max(geom.sliding_windows), max(geom.sliding_windows) + 37, context // 2, context):
+        assert spec_bytes(chosen, geom, c) <= spec_bytes(uni, geom, c) * (1 + 1e-9), (c, pts["budget"]["layers"])
+    assert set(rec["budget_checked_at"]) == {str(c) for c in budget_contexts(geom, context)}
+    assert pts["budget"]["layers"][slid] != "k8v4g16"  # the sliding layer still got more than the uniform format
+
+
+def _fmt(label: str) -> dict:
+    """LayerFormat fields from a label like k8v4g16 (the tests' menu only)."""
+    import re
+
+    k, v, g = re.fullmatch(r"k(\d+)v(\d+)(?:g(\d+))?", label).groups()
+    return {"key_bits": int(k), "value_bits": int(v), "value_group": int(g) if g else 32}

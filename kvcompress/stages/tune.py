@@ -21,7 +21,8 @@ kv.layers=budget (kv=int8k_budget, the static family) asks the same at the bytes
 layer takes one of KVSpec.budget_formats (the spec's value groups, halved or doubled, or 8-bit values) and the
 total stays within the uniform format's bytes per token at the tuning context. The most accurate point of the
 convex hull of step 4 within those bytes, or the uniform format if that predicts less, with any bytes left spent
-on the single-layer changes of most KL per byte (fill_budget), is checked end to end beside the uniform format, and the lower measured KL wins (tune_budget).
+on the single-layer changes of most KL per byte (fill_budget), is checked end to end (with sliding-window layers,
+the bytes are held within the uniform format's at every context up to the tuning one: budget_contexts) beside the uniform format, and the lower measured KL wins (tune_budget).
 
 The chosen spec is fitted (kvcompress.stages.fit) and written as the run's ScaleBook; the
 search record (tune.json) goes into the report. validate then measures the chosen format on the
@@ -198,21 +199,35 @@ def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progr
     return book, record
 
 
-def fill_budget(pick: list[int], cost: list[list[float]], kl: list[list[float]], budget: float) -> list[int]:
-    """`pick` (an option per layer, within `budget`) with the bytes left spent greedily: while some single-layer
-    change fits in what is left and lowers the summed KL, take the one of most KL saved per byte added (a change
-    that adds no bytes counts as the most)."""
+def budget_contexts(geom, context: int) -> list[int]:
+    """The contexts at which a per-layer assignment must take no more bytes than the uniform format for it to take no
+    more at any context up to `context`: `context` and every sliding window below it. Bytes per stored token differ
+    between candidates, and a sliding layer stops storing more at its window, so the difference of total bytes from the
+    uniform format is piecewise linear in the context with its corners there (and 0 before the first compressed token)."""
+    return sorted({int(context), *(int(w) for w in geom.sliding_windows if 0 < w < context)})
+
+
+def within(pick, costs: list[list[list[float]]], budgets: list[float]) -> bool:
+    """Whether an assignment's bytes per token are within the budget at every context (costs[c][layer][option])."""
+    return all(sum(row[o] for row, o in zip(cost, pick)) <= b * (1 + 1e-9) for cost, b in zip(costs, budgets))
+
+
+def fill_budget(pick: list[int], costs: list[list[list[float]]], kl: list[list[float]], budgets: list[float]) -> list[int]:
+    """`pick` (an option per layer, within the budgets) with the bytes left spent greedily: while some single-layer
+    change stays within the budget at every context (costs[c][layer][option], budgets[c]; the last context is the
+    serving one) and lowers the summed KL, take the one of most KL saved per byte added at the serving context (a change
+    that adds none counts as the most)."""
     pick = list(pick)
     while True:
-        left = budget - sum(c[o] for c, o in zip(cost, pick))
         best, score = None, 0.0
         for i, o in enumerate(pick):
-            for a in range(len(cost[i])):
-                add, gain = cost[i][a] - cost[i][o], kl[i][o] - kl[i][a]
-                if gain > 0 and add <= left + 1e-9 * budget:
-                    r = gain / add if add > 0 else math.inf
-                    if r > score:
-                        best, score = (i, a), r
+            for a in range(len(kl[i])):
+                gain, add = kl[i][o] - kl[i][a], costs[-1][i][a] - costs[-1][i][o]
+                if gain <= 0:
+                    continue
+                r = gain / add if add > 0 else math.inf
+                if r > score and within(pick[:i] + [a] + pick[i + 1:], costs, budgets):
+                    best, score = (i, a), r
         if best is None:
             return pick
         pick[best[0]] = best[1]
@@ -235,18 +250,20 @@ def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, prog
         except UserError as e:
             log.info("tune: candidate %s does not apply to this model (%s); left out", f.label, e)
     texts, windows = _windows(lm, cfg, calib_cfg)
-    cost = [[layer_bytes(spec, f, geom, context, i) for f in menu] for i in range(L)]
-    budget = sum(c[0] for c in cost)
-    log.info("tune: %d value formats x %d layers within %s's %.1f bytes/token at %d tokens, on %d x %d calibration tokens",
-             len(menu), L, own.label, budget, context, *windows.shape)
+    ctxs = budget_contexts(geom, context)
+    costs = [[[layer_bytes(spec, f, geom, c, i) for f in menu] for i in range(L)] for c in ctxs]
+    budgets = [sum(row[0] for row in cost) for cost in costs]
+    cost, budget = costs[-1], budgets[-1]
+    log.info("tune: %d value formats x %d layers within %s's %.1f bytes/token at %d tokens (and at %s), on %d x %d calibration tokens",
+             len(menu), L, own.label, budget, context, ctxs[:-1] or "no shorter context", *windows.shape)
     uniform = {f: fit(stats, uniform_spec(spec, f)) for f in menu}
     t_sens = time.time()
     sens = layer_sensitivity(lm, windows, {f.label: b for f, b in uniform.items()}, progress)
     t_sens = time.time() - t_sens
     kl = [[sens[f.label][i]["kl_mean"] for f in menu] for i in range(L)]
-    fits = [a for a in hull(cost, kl) if sum(c[o] for c, o in zip(cost, a)) <= budget * (1 + 1e-9)]
+    fits = [a for a in hull(cost, kl) if within(a, costs, budgets)]
     starts = [[0] * L] + ([list(fits[-1])] if fits else [])  # the uniform format is always within its own bytes
-    pick = min((fill_budget(a, cost, kl, budget) for a in starts), key=lambda a: sum(k[o] for k, o in zip(kl, a)))
+    pick = min((fill_budget(a, costs, kl, budgets) for a in starts), key=lambda a: sum(k[o] for k, o in zip(kl, a)))
     chosen_layers = [menu[o] for o in pick]
     specs = {"budget": mixed_spec(spec, chosen_layers, name="budget"), f"uniform:{own.label}": uniform_spec(spec, own)}
     book, final, points, best = _lowest_measured(lm, stats, spec, specs, uniform, _predicted(sens, chosen_layers), windows, context, limits, progress)
@@ -254,6 +271,8 @@ def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, prog
                                 "the most accurate assignment predicted within those bytes is measured end to end beside the uniform format."),
                      cfg, eval_cfg, limits, texts, windows, context, menu, sens, final, best["name"], geom, (t_sens, t0))
     record |= {"menu": [f.label for f in menu], "budget_bytes_per_token": budget,
+               "budget_checked_at": {str(c): {"budget": b, "chosen": sum(row[menu.index(f)] for row, f in zip(cost_c, final.layer_formats(L)))}
+                                     for c, cost_c, b in zip(ctxs, costs, budgets)},
                "layer_bytes_per_token": {f.label: [c[o] for c in cost] for o, f in enumerate(menu)}, "points": points}
     log.info("tune: chose %s (KL %.3e on the tuning windows against uniform %s %.3e, %.1f of %.1f bytes/token); layers %s", best["name"],
              best["measured"]["kl_mean"], own.label, points[1]["measured"]["kl_mean"], record["chosen"]["bytes_per_token"], budget,
