@@ -21,8 +21,9 @@ kv.layers=budget (kv=int8k_budget, the static family) asks the same at the bytes
 layer takes one of KVSpec.budget_formats (the spec's value groups, halved or doubled, or 8-bit values) and the
 total stays within the uniform format's bytes per token at the tuning context. The most accurate point of the
 convex hull of step 4 within those bytes, or the uniform format if that predicts less, with any bytes left spent
-on the single-layer changes of most KL per byte (fill_budget), is checked end to end (with sliding-window layers,
-the bytes are held within the uniform format's at every context up to the tuning one: budget_contexts) beside the uniform format, and the lower measured KL wins (tune_budget).
+on the single-layer changes of most KL per byte (fill_budget), is checked end to end beside the uniform format, and
+the lower measured KL wins (tune_budget). With sliding-window layers the bytes are held within the uniform format's
+at every context up to the tuning one (budget_contexts).
 
 The chosen spec is fitted (kvcompress.stages.fit) and written as the run's ScaleBook; the
 search record (tune.json) goes into the report. validate then measures the chosen format on the
@@ -207,7 +208,7 @@ def budget_contexts(geom, context: int) -> list[int]:
     return sorted({int(context), *(int(w) for w in geom.sliding_windows if 0 < w < context)})
 
 
-def within(pick, costs: list[list[list[float]]], budgets: list[float]) -> bool:
+def within_budgets(pick, costs: list[list[list[float]]], budgets: list[float]) -> bool:
     """Whether an assignment's bytes per token are within the budget at every context (costs[c][layer][option])."""
     return all(sum(row[o] for row, o in zip(cost, pick)) <= b * (1 + 1e-9) for cost, b in zip(costs, budgets))
 
@@ -226,7 +227,7 @@ def fill_budget(pick: list[int], costs: list[list[list[float]]], kl: list[list[f
                 if gain <= 0:
                     continue
                 r = gain / add if add > 0 else math.inf
-                if r > score and within(pick[:i] + [a] + pick[i + 1:], costs, budgets):
+                if r > score and within_budgets(pick[:i] + [a] + pick[i + 1:], costs, budgets):
                     best, score = (i, a), r
         if best is None:
             return pick
@@ -261,7 +262,7 @@ def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, prog
     sens = layer_sensitivity(lm, windows, {f.label: b for f, b in uniform.items()}, progress)
     t_sens = time.time() - t_sens
     kl = [[sens[f.label][i]["kl_mean"] for f in menu] for i in range(L)]
-    fits = [a for a in hull(cost, kl) if within(a, costs, budgets)]
+    fits = [a for a in hull(cost, kl) if within_budgets(a, costs, budgets)]
     starts = [[0] * L] + ([list(fits[-1])] if fits else [])  # the uniform format is always within its own bytes
     pick = min((fill_budget(a, costs, kl, budgets) for a in starts), key=lambda a: sum(k[o] for k, o in zip(kl, a)))
     chosen_layers = [menu[o] for o in pick]
