@@ -211,7 +211,7 @@ class RunConfig(Frozen):
     eval: EvalConfig
     export: ExportConfig = ExportConfig()
     tune: TuneConfig = TuneConfig()
-    # None: profile, fit, (tune when kv.layers is auto or split), validate, plus export unless export=none (resolved in to_run_config)
+    # None: profile, fit, (tune when kv.layers is auto, split or budget), validate, plus export unless export=none (resolved in to_run_config)
     stages: list[Literal["profile", "fit", "tune", "validate", "export"]]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
