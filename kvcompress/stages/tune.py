@@ -147,6 +147,12 @@ def _record(mode: str, objective: str, cfg, eval_cfg, limits, texts, windows, co
     }
 
 
+def _start(lm, cfg, eval_cfg) -> tuple[float, object, int, int, dict[str, float]]:
+    """Every search's setting: (start time, geometry, layers, the byte-accounting context, gates x margin)."""
+    geom = lm.geometry
+    return time.time(), geom, geom.n_layers, cfg.context or geom.max_position, gate_limits(eval_cfg.gates, cfg.margin)
+
+
 def _predicted(sens: dict, formats) -> dict:
     """The additive model's KL and compounded perplexity change of one format per layer (sensitivity of each alone)."""
     return {"kl_mean": sum(sens[f.label][i]["kl_mean"] for i, f in enumerate(formats)),
@@ -172,11 +178,7 @@ def _lowest_measured(lm, stats: KVStats, spec: KVSpec, specs: dict[str, KVSpec],
 
 def tune_split(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """kv.layers=split: (ScaleBook of the chosen per-layer split, the search record); see the module doc."""
-    t0 = time.time()
-    geom = lm.geometry
-    L = geom.n_layers
-    context = cfg.context or geom.max_position
-    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    t0, geom, L, context, limits = _start(lm, cfg, eval_cfg)
     menu = list(spec.split_formats())
     for f in menu:
         uniform_spec(spec, f).check_geometry(geom.head_dim)
@@ -236,11 +238,7 @@ def fill_budget(pick: list[int], costs: list[list[list[float]]], kl: list[list[f
 
 def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """kv.layers=budget: (ScaleBook of the chosen per-layer formats, the search record); see the module doc."""
-    t0 = time.time()
-    geom = lm.geometry
-    L = geom.n_layers
-    context = cfg.context or geom.max_position
-    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    t0, geom, L, context, limits = _start(lm, cfg, eval_cfg)
     own, *alt = spec.budget_formats()
     uniform_spec(spec, own).check_geometry(geom.head_dim)
     menu = [own]
@@ -287,11 +285,7 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
         return tune_split(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
     if spec.is_budget:
         return tune_budget(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
-    t0 = time.time()
-    geom = lm.geometry
-    L = geom.n_layers
-    context = cfg.context or geom.max_position
-    limits = gate_limits(eval_cfg.gates, cfg.margin)
+    t0, geom, L, context, limits = _start(lm, cfg, eval_cfg)
     if not limits:
         raise UserError(f"tune: eval.gates has none of {', '.join(TUNE_GATES)}; kv=auto needs at least one to search against")
     menu = []
