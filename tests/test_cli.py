@@ -42,6 +42,7 @@ BAD = [
     (["kv=rot_split", "stages=[profile,fit,validate]"], "kv=rot_split chooses its per-layer formats in the tune stage: add tune to stages"),
     (["kv=auto", "tune.menu=[{key_bits:8,value_bits:5}]"], "tune.menu format k8v5 does not fit kv=auto: kv.layers[0]=k8v5: kv.value.bits=5: 5..7-bit codes are in the per-token family"),
     (["kv=int8k_budget", "kv.key.bits=16", "kv.value.bits=16"], "kv.layers=budget spends the bytes of the static family's format layer by layer"),
+    (["kv=int8k_asym_rotv", "kv.key.symmetric=true", "kv.key.max_position=2048"], "kv.key.max_position=2048 sets where asymmetric static keys' ranges hold"),
     (["kv=native_int8", "kv.pair_context=8192"], "kv.pair_context=8192 sets the context kv.fold_pairs chooses its angles for"),
 ]
 
