@@ -84,6 +84,8 @@ def custom_tier(a) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.max_seq_len is None:  # the default, capped where the asymmetric keys' ranges stop holding
+        a.max_seq_len = min(8192, spec.get("key_max_position") or 8192)
     try:
         tn.check_max_seq_len(spec, a.max_seq_len)
     except tn.WeightsMismatch as e:
@@ -122,7 +124,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--kv-cache", choices=["checkpoint", "fp16"], default="checkpoint",
                     help="checkpoint: the validated quantized KV cache; fp16: the rollback with an unquantized KV cache")
-    ap.add_argument("--max-seq-len", type=int, default=8192)
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="default 8192 (custom tier with asymmetric keys: at most network.json's key_max_position)")
     ap.add_argument("--max-batch-size", type=int, default=64)
     a = ap.parse_args()
     if a.tier == "custom":
@@ -149,7 +152,7 @@ def main() -> int:
         print("error: trtllm-build not found (TensorRT engine backend removed after the 1.2 line)", file=sys.stderr)
         return 2
     cmd = [exe, "--checkpoint_dir", str(ckpt), "--output_dir", a.out, "--gemm_plugin", "auto", "--kv_cache_type", "paged",
-           "--max_seq_len", str(a.max_seq_len), "--max_batch_size", str(a.max_batch_size)]
+           "--max_seq_len", str(a.max_seq_len or 8192), "--max_batch_size", str(a.max_batch_size)]
     print(" ".join(cmd))
     return subprocess.run(cmd).returncode
 

@@ -320,8 +320,9 @@ def test_build_engine_refuses_a_max_seq_len_past_the_keys_positions(tmp_path):
     r = subprocess.run([*args, "--max-seq-len", "128"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "--max-seq-len 128 exceeds 64, the positions this bundle's asymmetric keys were fitted to hold at" in r.stderr
-    ok = subprocess.run([*args, "--max-seq-len", "64"], capture_output=True, text=True)
-    assert ok.returncode == 2 and "exceeds" not in ok.stderr and "has no *.safetensors" in ok.stderr  # past the check, to the next
+    for extra in (["--max-seq-len", "64"], []):  # without the flag, the default (8192) is capped at the keys' 64
+        ok = subprocess.run([*args, *extra], capture_output=True, text=True)
+        assert ok.returncode == 2 and "exceeds" not in ok.stderr and "has no *.safetensors" in ok.stderr, ok.stderr  # past the check, to the next
     tn.check_max_seq_len({}, 10**6)
 
 

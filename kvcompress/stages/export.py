@@ -468,7 +468,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
 
         if key_max_position(primary):
             pb["key_positions"] = (f"asymmetric static keys: ranges hold at positions 0..{key_max_position(primary) - 1} (kv.key.max_position, else "
-                                   "the model's max_position); build_engine.py --tier custom refuses a longer --max-seq-len")
+                                   "the model's max_position); build_engine.py --tier custom caps its default --max-seq-len there and refuses a longer one")
         layers = [pb["variants"][n] for n in pb["layer_variants"]] if "layer_variants" in pb else None
         pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 
