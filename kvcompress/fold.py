@@ -13,6 +13,7 @@ key pairs (kv.fold_pairs, native_fp8): each RoPE pair (d, d + D/2) of W_k and of
         keys (sigma up to 2) to move them on FP8's grid; see stages/fit.pair_transforms.
 key norms (Qwen3: RMSNorm of each head's q and k before RoPE) undo any scaling of W_q/W_k: the key factors
         go into the q_norm/k_norm weights instead (key_norm_weights), shared by every head, with no rotation.
+        Gemma's norms multiply by (1 + w) (norm_offset 1, profile.key_norm_offset): the factors scale 1 + w.
 """
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ import torch
 from kvcompress.reference import pair_halves, pair_rotate, pair_spread
 
 FLOOR = 1e-4  # smallest factor: a dead channel is not blown up by more than 1e4
+OFFSET_FLOOR = 0.5  # smallest key factor in a (1 + w) norm weight: q_norm's stored w' = (1 + w) * sigma - 1 keeps its
+                    # effective weight to within twice the model's own rounding in the export dtype (a smaller sigma loses bits)
 
 
-def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, tie_pairs: bool, pairs: torch.Tensor | None = None) -> torch.Tensor:
-    """absmax [L, H, D], target [L] (>= absmax) -> factors [L, H, D] in (0, 1], tied across each RoPE pair
+def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, tie_pairs: bool, pairs: torch.Tensor | None = None,
+                 floor: float = FLOOR) -> torch.Tensor:
+    """absmax [L, H, D], target [L] (>= absmax) -> factors [L, H, D] in [floor, 1], tied across each RoPE pair
     (reference.rope_pairs; None: (d, d + D/2))."""
     a = absmax.float().clamp(min=1e-8)
     if tie_pairs:
         a = pair_spread(torch.maximum(*pair_halves(a, pairs)), pairs)
     f = (a / target.float().view(-1, 1, 1)) ** strength
-    return f.clamp(min=FLOOR, max=1.0)
+    return f.clamp(min=floor, max=1.0)
 
 
 @torch.no_grad()
@@ -38,17 +42,18 @@ def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot:
     """Fold factors [L, H_kv, D] (and key pair angles rot [L, H_kv, D/2]) into a Llama-family model's q/k/v/o projections, in place.
 
     The same arithmetic as the export (fold_state_dict), loaded back into the model: tests of the
-    fold's exactness therefore test what is exported.
+    fold's exactness therefore test what is exported. The key norm's offset is probed from the model.
     """
     from kvcompress.models.base import Geometry
     from kvcompress.models.fused import fuse, unfuse
+    from kvcompress.stages.profile import key_norm_offset
 
     geom = Geometry.from_hf_config(model.config)
     own = {k: v.detach() for k, v in model.state_dict().items()}
-    model.load_state_dict(fuse(fold_state_dict(unfuse(own, geom), geom, sigma, tau, rot), own))
+    model.load_state_dict(fuse(fold_state_dict(unfuse(own, geom), geom, sigma, tau, rot, key_norm_offset(model)), own))
 
 
-def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, dict]:
+def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, margin: float = 16.0, norm_offset: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Raise key fold factors where the folded weights would leave `dtype`'s normal range.
 
     W_k rows are divided by sigma (<= 1; < 2 after a fold_pairs shrink) and must stay below finfo.max / margin; W_q rows are
@@ -60,21 +65,23 @@ def guard_factors(state: dict, geom, sigma: torch.Tensor, dtype: torch.dtype, ma
     out = sigma.clone()
     raised, layers = 0, []
     for L in range(sigma.shape[0]):
-        out[L], n = guard_layer(state, geom, L, sigma[L], dtype, margin)
+        out[L], n = guard_layer(state, geom, L, sigma[L], dtype, margin, norm_offset)
         if n:
             raised += n
             layers.append(L)
     return out, {"raised": raised, "layers": layers}
 
 
-def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.dtype, margin: float = 16.0) -> tuple[torch.Tensor, int]:
-    """guard_factors for one layer: (guarded factors [H, D], how many were raised)."""
+def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.dtype, margin: float = 16.0,
+                norm_offset: float = 0.0) -> tuple[torch.Tensor, int]:
+    """guard_factors for one layer: (guarded factors [H, D], how many were raised). Key norms with an offset
+    (Gemma's 1 + w) also keep every factor >= OFFSET_FLOOR (fit's factors already do)."""
     fi = torch.finfo(dtype)
     D, H = geom.head_dim, geom.n_kv_heads
     g = geom.n_heads // H
     p = f"model.layers.{L}.self_attn."
     if p + "k_norm.weight" in state:  # the factors live in the q/k norm weights (key_norm_weights): one [D] weight, or one per head
-        wk, wq = (state[p + n].float().abs() for n in ("k_norm.weight", "q_norm.weight"))
+        wk, wq = ((state[p + n].float() + norm_offset).abs() for n in ("k_norm.weight", "q_norm.weight"))
         wk = wk.expand(H, D) if wk.numel() == D else wk.view(H, D)
         wq = wq.expand(H, D) if wq.numel() == D else wq.view(H, g, D).amin(1)
     else:
@@ -83,17 +90,20 @@ def guard_layer(state: dict, geom, L: int, sigma_l: torch.Tensor, dtype: torch.d
     lo_over = wk * margin / fi.max  # sigma >= this keeps W_k / sigma finite
     lo_under = fi.tiny * 16.0 / wq.clamp(min=fi.tiny)  # sigma >= this keeps W_q * sigma normal
     lo = torch.maximum(lo_over, lo_under)
+    if norm_offset and p + "k_norm.weight" in state:
+        lo = lo.clamp(min=OFFSET_FLOOR)
     lo = torch.maximum(lo[:, : D // 2], lo[:, D // 2 :]).repeat(1, 2)  # tied pairs
     new = torch.maximum(sigma_l, lo.clamp(max=1.0))  # a raised factor stays <= 1; a pair shrink's sigma > 1 is kept
     return new, int((new > sigma_l).sum())
 
 
 @torch.no_grad()
-def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> dict:
+def fold_state_dict(state: dict, geom, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None,
+                    norm_offset: float = 0.0) -> dict:
     """A new state dict with the factors folded into q/k/v/o (float32 math); other tensors are shared, not copied."""
     out = dict(state)
     for L in range(geom.n_layers):
-        out.update(fold_layer(state, geom, L, sigma, tau, rot))
+        out.update(fold_layer(state, geom, L, sigma, tau, rot, norm_offset))
     return out
 
 
@@ -107,14 +117,16 @@ def _rotate_rows(w: torch.Tensor, angles: torch.Tensor, heads: int) -> torch.Ten
 
 
 @torch.no_grad()
-def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> dict:
+def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None,
+               norm_offset: float = 0.0) -> dict:
     """The folded q/k/v/o tensors of layer L (float32); `state` needs only that layer's tensors.
-    rot [L, H_kv, D/2]: key pair angles (None or all zero: no rotation)."""
+    rot [L, H_kv, D/2]: key pair angles (None or all zero: no rotation); norm_offset: the key norm's
+    (profile.key_norm_offset: 1 for Gemma's 1 + w)."""
     out = {}
     g = geom.n_heads // geom.n_kv_heads
     p = f"model.layers.{L}.self_attn."
     if sigma is not None and p + "k_norm.weight" in state:
-        out |= key_norm_weights(state, p, sigma[L], g, rot is not None and bool(rot[L].any()))
+        out |= key_norm_weights(state, p, sigma[L], g, rot is not None and bool(rot[L].any()), norm_offset)
     elif sigma is not None:
         s = sigma[L].reshape(-1).float()  # [H*D]
         sq = sigma[L].repeat_interleave(g, 0).reshape(-1).float()  # every query head of the group
@@ -137,21 +149,24 @@ def fold_layer(state: dict, geom, L: int, sigma: torch.Tensor | None, tau: torch
     return out
 
 
-def key_norm_weights(state: dict, p: str, sigma_l: torch.Tensor, g: int, rotated: bool) -> dict:
+def key_norm_weights(state: dict, p: str, sigma_l: torch.Tensor, g: int, rotated: bool, norm_offset: float = 0.0) -> dict:
     """The key factors of a model that normalises each head's keys before RoPE (Qwen3's q_norm/k_norm; a
     standard RMSNorm weight): k' = k / sigma is k_norm's weight divided by sigma, q' = q * sigma is q_norm's
     times sigma; scaling W_k instead would be undone by the norm. A weight of head_dim serves every head, so
     the factors must be the same for every head (fit makes them so: profile.key_norm "shared"); a weight over
-    all heads (OLMo 2) takes per-head factors. No RoPE-pair rotation can live in an elementwise weight."""
+    all heads (OLMo 2) takes per-head factors. No RoPE-pair rotation can live in an elementwise weight. A norm that
+    multiplies by (w + norm_offset) (Gemma: 1 + w) gets w' = (w + offset) / sigma - offset (keys) and
+    (w + offset) * sigma - offset (queries)."""
     if rotated:
         raise ValueError(f"{p}k_norm: RoPE-pair rotations cannot be folded into a key norm's weight")
     H, D = sigma_l.shape
-    wk, wq = state[p + "k_norm.weight"].float(), state[p + "q_norm.weight"].float()
+    off = float(norm_offset)
+    wk, wq = state[p + "k_norm.weight"].float() + off, state[p + "q_norm.weight"].float() + off
     if wk.numel() == D:
         if not torch.equal(sigma_l, sigma_l[:1].expand(H, D)):
             raise ValueError(f"{p}k_norm: one weight serves every head, but the key factors differ between heads")
-        return {p + "k_norm.weight": wk / sigma_l[0].float(), p + "q_norm.weight": wq * sigma_l[0].float()}
-    return {p + "k_norm.weight": wk / sigma_l.reshape(-1).float(), p + "q_norm.weight": wq * sigma_l.repeat_interleave(g, 0).reshape(-1).float()}
+        return {p + "k_norm.weight": wk / sigma_l[0].float() - off, p + "q_norm.weight": wq * sigma_l[0].float() - off}
+    return {p + "k_norm.weight": wk / sigma_l.reshape(-1).float() - off, p + "q_norm.weight": wq * sigma_l.repeat_interleave(g, 0).reshape(-1).float() - off}
 
 
 def check_range(state: dict, dtype: torch.dtype) -> list[str]:

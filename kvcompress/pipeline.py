@@ -148,11 +148,11 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
     if "export" in cfg.stages:
-        from kvcompress.stages.export import check_exportable
+        from kvcompress.stages.export import check_exportable, hf_only
         from kvcompress.targets.trtllm_ckpt import check_tp
 
-        check_exportable(r.lm.model)  # before anything is written; the model is needed by validate and export anyway
-        for tp in cfg.export.tp_sizes:  # and the tensor-parallel sizes the model's shapes allow
+        check_exportable(r.lm.model, cfg.kv, cfg.export.dtype)  # before anything is written; the model is needed by validate and export anyway
+        for tp in ([] if hf_only(r.lm.model) else cfg.export.tp_sizes):  # and the tensor-parallel sizes the model's shapes allow
             check_tp(r.lm.geometry, tp, r.lm.model.config)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
@@ -217,6 +217,8 @@ def finish(r: Run, times: dict[str, float]) -> None:
             lines.append(f"exported to {r.dir / 'export'}:")
             for name, art in ex.get("artifacts", {}).items():
                 lines.append(f"  {name}: {art['what']}")
+            for name, why in ex.get("not_written", {}).items():
+                lines.append(f"  {name}: not written ({why})")
             lines.append(f"on a GPU host: {ex.get('next_step_on_gpu_host')}")
             lines.append(f"operator fallback (fp16 KV, same weights): {ex.get('fallback_fp16_kv')}")
         lines.append(f"report: {r.dir / 'report.html'}")

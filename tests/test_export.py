@@ -19,6 +19,7 @@ from kvcompress.models.base import Geometry
 from kvcompress.models.tiny import build_tiny
 from kvcompress.targets import launchers, trtllm_reader
 from kvcompress.targets.trtllm_ckpt import rank_weights, write_checkpoint
+from kvcompress.spec import native_spec
 
 
 @pytest.fixture(scope="module")
@@ -516,8 +517,19 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
         with pytest.raises(UserError, match=f"this Qwen3MoeForCausalLM has dense layers \\(.*{re.escape(shown)}.*allowed: \\[\\] and 1\\): add export=none"):
             check_exportable(moe)
         setattr(moe.config, field, [] if field == "mlp_only_layers" else 1)
-    with pytest.raises(UserError, match="this model is Gemma3ForCausalLM"):
-        check_exportable(build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    gemma = build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)  # written as the FP8 HF checkpoint only
+    check_exportable(gemma, native_spec("native_fp8"), "bfloat16")
+    with pytest.raises(UserError, match="writes Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only .*; kv=native_int8 is not that "
+                                        "format: use kv=native_fp8, or add export=none"):
+        check_exportable(gemma, native_spec("native_int8"), "bfloat16")
+    with pytest.raises(UserError, match="export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16 .*allowed for it: bfloat16, float32"):
+        check_exportable(gemma, native_spec("native_fp8"), "float16")
+
+    class FalconForCausalLM(torch.nn.Module):
+        config = None
+
+    with pytest.raises(UserError, match="this model is FalconForCausalLM: add export=none"):
+        check_exportable(FalconForCausalLM())
 
 
 def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, monkeypatch):

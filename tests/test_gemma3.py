@@ -2,6 +2,7 @@
 several PyPI packages. Fast tests on a tiny random Gemma 3 built in code; the real Gemma 3 270M
 end to end is in test_gemma3_real (slow)."""
 import hashlib
+import json
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from conftest import fitted_book, float64_model, tiny_lm
 from kvcompress.config import ModelConfig
 from kvcompress.errors import UserError
 from kvcompress.models.gguf import join_parts
+from kvcompress.fold import apply_fold
 from kvcompress.reference import spec_cache_nbytes
+from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import KVSpec, LayerFormat
 from kvcompress.stages.profile import rope_inv_freq
 from test_eval_equivalence import TOL, decode_logits, onepass_logits, with_spec
@@ -84,6 +87,118 @@ def test_tuner_prices_layers_by_what_they_hold(gemma):
     assert layer_bytes(spec, f, gemma.geometry, 4096, 0) < layer_bytes(spec, f, gemma.geometry, 4096, 2) / 100
 
 
+
+def gemma_norms(lm):
+    """A tiny Gemma 3 whose q/k norm weights are not zero (Gemma's norms multiply by 1 + w; init leaves w = 0)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            for n in ("q_norm", "k_norm"):
+                w = getattr(layer.self_attn, n).weight
+                w.copy_(torch.rand(w.shape, generator=g) * 1.2 - 0.4)
+    return lm
+
+
+def test_key_norm_offset_is_probed_from_the_model():
+    from kvcompress.stages.profile import key_norm_offset
+
+    assert key_norm_offset(gemma_norms(tiny_lm("gemma3", layers=1)).model) == 1.0  # x / rms(x) * (1 + w)
+    assert key_norm_offset(tiny_lm("qwen3", layers=1).model) == 0.0  # x / rms(x) * w
+    assert key_norm_offset(tiny_lm("llama", layers=1).model) == 0.0  # no key norm
+
+
+def test_fold_into_gemmas_one_plus_w_norms_is_exact():
+    """Head-shared key factors (>= fold.OFFSET_FLOOR) and value factors folded into a Gemma 3: the same logits, the
+    cached keys k / sigma (q_norm and k_norm hold (1 + w) * sigma - 1 and (1 + w) / sigma - 1). Negative: the same
+    factors folded as into a standard norm (w * sigma) give another model."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from kvcompress.fold import OFFSET_FLOOR, fold_state_dict
+    from kvcompress.models.fused import fuse, unfuse
+
+    lm = gemma_norms(tiny_lm("gemma3", layers=3, heads=4, kv_heads=2, head_dim=32))
+    L, H, D = lm.geometry.n_layers, lm.geometry.n_kv_heads, lm.geometry.head_dim
+    g = torch.Generator().manual_seed(0)
+    sigma = (torch.rand(L, 1, D // 2, generator=g) * (1 - OFFSET_FLOOR) + OFFSET_FLOOR).repeat(1, 1, 2).expand(L, H, D).contiguous()
+    tau = torch.rand(L, H, D, generator=g) * 0.8 + 0.2
+    folded = copy.deepcopy(lm.model)
+    apply_fold(folded, sigma, tau)
+    k0, k1 = lm.model.model.layers[0].self_attn.k_norm.weight, folded.model.layers[0].self_attn.k_norm.weight
+    torch.testing.assert_close(k1, (1 + k0) / sigma[0, 0] - 1)
+    ids = torch.randint(0, 256, (2, 40), generator=g)  # 40 > the sliding window (16)
+    with torch.no_grad():
+        c1, c2 = DynamicCache(config=lm.model.config), DynamicCache(config=lm.model.config)
+        a = lm.model(input_ids=ids, past_key_values=c1, use_cache=True).logits
+        b = folded(input_ids=ids, past_key_values=c2, use_cache=True).logits
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for layer in range(L):
+        torch.testing.assert_close(c2.layers[layer].keys, c1.layers[layer].keys / sigma[layer][None, :, None, :], atol=1e-5, rtol=1e-4)
+    wrong = copy.deepcopy(lm.model)
+    own = {k: v.detach() for k, v in wrong.state_dict().items()}
+    wrong.load_state_dict(fuse(fold_state_dict(unfuse(own, lm.geometry), lm.geometry, sigma, tau, None, 0.0), own))
+    with torch.no_grad():
+        assert (wrong(input_ids=ids).logits - a).abs().max() > 1e-2
+
+
+def test_fit_keeps_gemmas_key_factors_above_the_floor():
+    """native_fp8 on a Gemma 3: fit reads the offset from the stats, gives head-shared key factors >= OFFSET_FLOOR
+    (the stored q_norm weight (1 + w) * sigma - 1 keeps its precision) and says so; a standard norm may go lower."""
+    from kvcompress.fold import OFFSET_FLOOR
+    from kvcompress.spec import native_spec
+    from kvcompress.stages.fit import fit
+    from kvcompress.stages.profile import profile
+    from conftest import SMOKE_CALIB
+    from kvcompress.data import load_texts
+
+    lm = gemma_norms(tiny_lm("gemma3", layers=3, heads=4, kv_heads=2, head_dim=32))
+    stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)
+    assert stats.header["key_norm"] == "shared" and stats.header["key_norm_offset"] == 1.0
+    spec = native_spec("native_fp8").model_copy(update={"fold_strength": 1.0, "fold_keys": True})
+    book = fit(stats, spec)
+    fk = book.tensors["fold_k"]
+    assert torch.equal(fk, fk[:, :1].expand_as(fk)) and fk.min() >= OFFSET_FLOOR and (fk == OFFSET_FLOOR).any()
+    assert "(w + 1)" in book.fit_info["key_norm"]
+    stats.header["key_norm_offset"] = 0.0  # the same statistics read as a standard norm: nothing holds the factors up
+    assert fit(stats, spec).tensors["fold_k"].min() < OFFSET_FLOOR
+
+
+def test_gemma3_exports_the_fp8_hf_checkpoint_alone(tmp_path):
+    """export=trtllm with kv=native_fp8 on a Gemma 3 (an HF directory) writes hf_ckpt/ only: bfloat16 weights with
+    the fold in (1 + w) form, FP8 scales, a config.json that transformers reads back as the same Gemma 3 (per-layer
+    RoPE, sliding windows), re-measured against validate within tolerance; the manifest says why there is no
+    TensorRT-LLM checkpoint. Another kv format or float16 weights: one line, nothing written."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from test_export import _dir_run, _hf_dir
+
+    ckpt = _hf_dir(tmp_path, "gemma3")
+    p, run = _dir_run(tmp_path, ckpt, "run", "kv=native_fp8", "export.dtype=bfloat16", "kv.fold_strength=1.0", "kv.fold_keys=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert set(manifest["artifacts"]) == {"hf_ckpt"} and "trtllm_ckpt" in manifest["not_written"]
+    assert not (run / "export" / "trtllm_ckpt").exists() and all(c["status"] == "passed" for c in manifest["checks"]), manifest["checks"]
+    assert manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"] and "trtllm-serve export/hf_ckpt" in manifest["next_step_on_gpu_host"]
+    out = run / "export" / "hf_ckpt"
+    cfg, src_cfg = AutoConfig.from_pretrained(str(out)), AutoConfig.from_pretrained(str(ckpt))
+    assert type(cfg).__name__ == "Gemma3TextConfig" and cfg.architectures == ["Gemma3ForCausalLM"]
+    assert cfg.rope_parameters == src_cfg.rope_parameters and cfg.layer_types == src_cfg.layer_types and cfg.sliding_window == src_cfg.sliding_window
+    w = load_file(str(next(out.glob("*.safetensors"))))
+    src = load_file(str(ckpt / "model.safetensors"))
+    assert w["model.layers.0.self_attn.k_norm.weight"].dtype == torch.bfloat16
+    book = ScaleBook.load(run / "scalebook.safetensors")
+    sigma = book.tensors["fold_k"][0, 0]
+    assert (sigma < 1).any()
+    torch.testing.assert_close(w["model.layers.0.self_attn.k_norm.weight"].float(),
+                               ((1 + src["model.layers.0.self_attn.k_norm.weight"].float()) / sigma - 1).bfloat16().float())
+    p, run2 = _dir_run(tmp_path, ckpt, "run2", "export.dtype=bfloat16")
+    assert p.returncode != 0 and "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
+    assert "Traceback" not in p.stderr and not (run2 / "export").exists()
+    p, run3 = _dir_run(tmp_path, ckpt, "run3", "kv=native_fp8")
+    assert p.returncode != 0 and "export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16" in p.stderr and "Traceback" not in p.stderr
+
 def test_split_gguf_is_joined_checked_and_reused(tmp_path):
     parts = []
     for i, data in enumerate([b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7]):
@@ -121,7 +236,7 @@ def test_gemma3_270m_end_to_end(tmp_path):
     """The second real model family (Gemma 3 270M from four chunk packages) through profile, fit and
     validate from an EMPTY cache: chunks joined and checked, GGUF dequantized, the evaluation path
     reproduces the model (sliding-window layers included), bytes counted with rolling sliding layers.
-    The TensorRT-LLM export is for Llama-family models and says so in one line."""
+    The export writes Gemma 3 as the FP8 HF checkpoint only (kv=native_fp8); another kv format is refused in one line."""
     import json
 
     from conftest import run_cli
@@ -139,7 +254,15 @@ def test_gemma3_270m_end_to_end(tmp_path):
     assert r["quality"]["kl_mean"] > 0  # keys and values really are quantized on the evaluated path
     p = run_cli("model=gemma3_270m", "calib=smoke", "eval=smoke", f"hydra.run.dir={tmp_path / 'run2'}", cache_dir=tmp_path / "cache")
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "Gemma3ForCausalLM: add export=none" in p.stderr
+    assert "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
+    # the native FP8 HF checkpoint: bfloat16 weights, the key fold in Gemma's (1 + w) norms, re-measured through transformers
+    run = tmp_path / "run3"
+    p = run_cli("model=gemma3_270m", "kv=native_fp8", "calib=smoke", "eval=smoke", "export.dtype=bfloat16", f"hydra.run.dir={run}",
+                cache_dir=tmp_path / "cache", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads((run / "export" / "manifest.json").read_text())
+    assert set(m["artifacts"]) == {"hf_ckpt"} and m["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
+    assert all(c["status"] == "passed" for c in m["checks"]), m["checks"]
 
 
 @pytest.mark.parametrize("cache", ["kept", "sliding"])

@@ -49,11 +49,23 @@ EXPORT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # targets.trtllm_re
 SUPPORTED_ARCH = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that can place dense layers among the expert layers
+# written as the folded FP8 HF checkpoint only (hf_ckpt: TensorRT-LLM's PyTorch backend and vLLM run the model's own code from
+# config.json, sliding windows, GeGLU, sandwich norms and all); no TensorRT-LLM checkpoint (the reader and the custom-tier
+# graph implement the Llama layer), so kv=native_fp8 only
+HF_ONLY_ARCH = ("Gemma3ForCausalLM",)
 FORMAT_VERSION = 2
 
 
-def check_exportable(model) -> None:
+def hf_only(model) -> bool:
+    """The export writes this model's folded FP8 HF checkpoint only (HF_ONLY_ARCH)."""
+    return type(model).__name__ in HF_ONLY_ARCH
+
+
+def check_exportable(model, spec=None, dtype: str | None = None) -> None:
     """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
+    Gemma 3 (HF_ONLY_ARCH) is written as the folded FP8 HF checkpoint alone, the native tier's hf_ckpt: the run's kv
+    `spec` must be native_fp8 (what hf_ckpt holds; nothing else would ship what was validated) and the weights
+    bfloat16 or float32 (`dtype`, export.dtype), as Gemma is trained and served (its residual stream outgrows float16).
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
     the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Phi-3/Phi-4 are the Llama
     forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Mixtral is the
@@ -65,8 +77,17 @@ def check_exportable(model) -> None:
     decoder_sparse_step > 1) is refused, as the checkpoint gives every layer the same MLP. A sliding_window of 0 or
     None is no window (Qwen2-MoE's config says 0 when use_sliding_window is off)."""
     arch, cfg = type(model).__name__, model.config
+    if arch in HF_ONLY_ARCH:
+        if spec is not None and spec.format != "native_fp8":
+            raise UserError(f"export=trtllm writes {arch} as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for TensorRT-LLM's PyTorch "
+                            f"backend and vLLM); kv={spec.name} is not that format: use kv=native_fp8, or add export=none")
+        if dtype == "float16":
+            raise UserError(f"export.dtype=float16: {arch} is trained and served in bfloat16 (its residual stream outgrows float16's range); "
+                            "allowed for it: bfloat16, float32")
+        return
     if arch not in SUPPORTED_ARCH:
-        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)}; this model is {arch}: add export=none to profile, fit and validate it")
+        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)} (and {', '.join(HF_ONLY_ARCH)} with kv=native_fp8, as an FP8 HF "
+                        f"checkpoint); this model is {arch}: add export=none to profile, fit and validate it")
     dense, step = list(getattr(cfg, "mlp_only_layers", None) or []), int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     if arch in EVERY_LAYER_MOE and (dense or step != 1):
         raise UserError(f"export=trtllm writes an expert MLP in every layer; this {arch} has dense layers (mlp_only_layers={dense}, "
@@ -379,18 +400,18 @@ class FoldedLayers:
     """Fold one ScaleBook into each layer as it passes (guard, fold, range check), recording the
     guard's changes and any range problem for the manifest."""
 
-    def __init__(self, book: ScaleBook, geom, dtype: torch.dtype, label: str):
-        self.book, self.geom, self.dtype, self.label = book, geom, dtype, label
+    def __init__(self, book: ScaleBook, geom, dtype: torch.dtype, label: str, norm_offset: float = 0.0):
+        self.book, self.geom, self.dtype, self.label, self.norm_offset = book, geom, dtype, label, norm_offset
         self.sigma = book.tensors["fold_k"].clone()
         self.guard = {"raised": 0, "layers": []}
         self.bad: list[str] = []
 
     def __call__(self, layer: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-        self.sigma[i], n = guard_layer(layer, self.geom, i, self.book.tensors["fold_k"][i], self.dtype)
+        self.sigma[i], n = guard_layer(layer, self.geom, i, self.book.tensors["fold_k"][i], self.dtype, norm_offset=self.norm_offset)
         if n:
             self.guard["raised"] += n
             self.guard["layers"].append(i)
-        folded = {**layer, **fold_layer(layer, self.geom, i, self.sigma, self.book.tensors["fold_v"], self.book.tensors.get("fold_k_rot"))}
+        folded = {**layer, **fold_layer(layer, self.geom, i, self.sigma, self.book.tensors["fold_v"], self.book.tensors.get("fold_k_rot"), self.norm_offset)}
         self.bad += check_range(folded, self.dtype)
         if self.bad:
             raise UserError(f"export: folding {self.book.spec.name} puts weights outside {self.dtype}: {self.bad[0]}; nothing exported")
@@ -401,14 +422,19 @@ class FoldedLayers:
                    {"factors_raised_by_guard": self.guard["raised"], "layers": self.guard["layers"], "problems": self.bad[:5]})
 
 
-def write_native_checkpoints(lm, geom, trt_book: ScaleBook, hf_book: ScaleBook, ecfg, tp_dirs: list[Path], hf_dir: Path, progress: bool = True):
+def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: ScaleBook, ecfg, tp_dirs: list[Path], hf_dir: Path, progress: bool = True):
     """One pass over the model, layer by layer: each layer is read once, folded with each book and
-    written to every rank file of every tp size and to its HF shard. Returns the two FoldedLayers."""
+    written to every rank file of every tp size and to its HF shard. Returns the two FoldedLayers
+    (trt_book None, an HF_ONLY_ARCH model: the HF checkpoint alone, and None for the first)."""
+    from kvcompress.stages.profile import key_norm_offset
+
     dtype = DTYPES[ecfg.dtype]
     src = ModelTensors(lm)
-    trt_fold, hf_fold = FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt"), FoldedLayers(hf_book, geom, dtype, "hf_ckpt")
-    algo = NATIVE_ALGO[trt_book.spec.format]
-    trt = [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, algo, trt_book.tensors["native_scale"], lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
+    offset = key_norm_offset(lm.model)
+    trt_fold = None if trt_book is None else FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt", offset)
+    hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
+    trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
+                                                    lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
     hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model)
     writers = [*trt, hf]
     try:
@@ -421,10 +447,11 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook, hf_book: ScaleBook, 
                     hf.write(key, block, row=lo)
         for i in tqdm(range(geom.n_layers), desc="export", unit="layer", disable=not progress):
             layer = src.layer(i)
-            t = trt_fold(layer, i)
-            for w in trt:
-                w.write_layer(t, i)
-            del t
+            if trt:
+                t = trt_fold(layer, i)
+                for w in trt:
+                    w.write_layer(t, i)
+                del t
             hf.write_layer(hf_fold(layer, i), i)
         for w in writers:
             w.close()
@@ -439,20 +466,25 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     lm, cfg = run.lm, run.cfg
     ecfg = cfg.export
     geom = lm.geometry
-    check_exportable(lm.model)
-    for tp in ecfg.tp_sizes:
+    check_exportable(lm.model, books["primary"].spec, ecfg.dtype)
+    only_hf = hf_only(lm.model)
+    for tp in ([] if only_hf else ecfg.tp_sizes):
         check_tp(geom, tp, lm.model.config)
     checks = Checks()
-    trt_book, hf_book = _book_for(books, cfg.trtllm_format()), _book_for(books, "native_fp8")
+    trt_book, hf_book = (None if only_hf else _book_for(books, cfg.trtllm_format())), _book_for(books, "native_fp8")
     artifacts = {}
 
     # ---- writers: one pass over the layers, nothing larger than a layer held
-    algo = NATIVE_ALGO[trt_book.spec.format]
-    tp_dirs = [out / "trtllm_ckpt" / f"tp{tp}" for tp in ecfg.tp_sizes]
+    tp_dirs = [] if only_hf else [out / "trtllm_ckpt" / f"tp{tp}" for tp in ecfg.tp_sizes]
     trt_fold, hf_fold = write_native_checkpoints(lm, geom, trt_book, hf_book, ecfg, tp_dirs, out / "hf_ckpt", run.progress)
-    trt_fold.record(checks)
+    if trt_fold is not None:
+        trt_fold.record(checks)
     hf_fold.record(checks)
-    trt_guard, hf_guard = trt_fold.guard, hf_fold.guard
+    hf_guard = hf_fold.guard
+    if only_hf:
+        return _hf_only_manifest(run, out, checks, report, hf_book, hf_guard)
+    algo = NATIVE_ALGO[trt_book.spec.format]
+    trt_guard = trt_fold.guard
     primary = books["primary"]
     if primary.spec.tier == "custom":
         mixed = " (per-layer formats: one kernel variant per distinct layer format)" if primary.spec.is_mixed else ""
@@ -473,11 +505,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         pb["network"] = custom_network(run, primary, pb["variant"], out / "plugin_bundle", checks, layers)
 
     # ---- checks: read back and re-measure what was written
-    base = run.baseline
-    if base is None:  # export without validate in this process: the baseline of the same held-out windows
-        windows = token_windows(lm.tokenizer, load_texts(cfg.eval, "eval"), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
-        base = recheck.baseline(lm, windows, cfg.eval.batch_size)
-    tol = (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
+    base, tol = _baseline(run), (ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
     g = books["primary"].geometry
     streamed = lm.streamer is not None  # a model that does not fit is re-measured layer by layer, never loaded whole
     how = f"streamed layer by layer into transformers' {type(lm.model).__name__}" if streamed else "reader"
@@ -489,15 +517,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     for tp, d in list(zip(ecfg.tp_sizes, tp_dirs))[1:]:
         same = recheck.same_trtllm_tensors(tp_dirs[0], d, geom.n_layers)
         checks.add(f"trtllm_ckpt/tp{tp} shards merge to exactly the tensors of tp{ecfg.tp_sizes[0]}", same, None)
-    v_hf = _validated(report, hf_book.spec.name)
-    m_hf = recheck.remeasure_hf_streamed(out / "hf_ckpt", g, base, lm.device) if streamed \
-        else recheck.remeasure_hf(out / "hf_ckpt", g, base)
-    c_hf = recheck.compare(v_hf["quality"], m_hf, *tol)
-    checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards{', layer by layer' if streamed else ''}, FP8 KV from k_scale/v_scale) matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
-    for label, c in (("trtllm_ckpt", c_trt), ("hf_ckpt", c_hf)):
-        if not c["passed"]:
-            raise UserError(f"export: the written {label} re-measures KL {c['remeasured_kl']:.3e} but validate measured {c['validated_kl']:.3e} "
-                            f"(tolerance {c['tolerance']:.1e}); nothing exported")
+    _refuse_failed("trtllm_ckpt", c_trt)
+    v_hf, c_hf = _check_hf(run, out, hf_book, report, checks, base, g)
 
     artifacts["trtllm_ckpt"] = {
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
@@ -508,11 +529,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
                                                               "or re-export with export.native_kv=FP8")
-    artifacts["hf_ckpt"] = {
-        "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
-        "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
-        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": hf_guard, "remeasured": c_hf,
-    }
+    artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     build, why = engine_status(ecfg.build_engine)
@@ -546,6 +563,71 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
     }
     return manifest, build
+
+
+def _baseline(run):
+    """validate's kept baseline of the held-out windows, or (export without validate in this process) computed again."""
+    if run.baseline is not None:
+        return run.baseline
+    lm, cfg = run.lm, run.cfg
+    windows = token_windows(lm.tokenizer, load_texts(cfg.eval, "eval"), cfg.eval.n_windows, cfg.eval.seq_len, seed=cfg.eval.seed)
+    return recheck.baseline(lm, windows, cfg.eval.batch_size)
+
+
+def _refuse_failed(label: str, c: dict) -> None:
+    if not c["passed"]:
+        raise UserError(f"export: the written {label} re-measures KL {c['remeasured_kl']:.3e} but validate measured {c['validated_kl']:.3e} "
+                        f"(tolerance {c['tolerance']:.1e}); nothing exported")
+
+
+def _check_hf(run, out: Path, hf_book: ScaleBook, report: dict, checks: Checks, base, g: dict) -> tuple[dict, dict]:
+    """Re-measure the written hf_ckpt through transformers (layer by layer for a streamed model) against validate's
+    numbers for its format: (validated, comparison); a failed comparison exports nothing."""
+    lm, ecfg = run.lm, run.cfg.export
+    streamed = lm.streamer is not None
+    v_hf = _validated(report, hf_book.spec.name)
+    m_hf = recheck.remeasure_hf_streamed(out / "hf_ckpt", g, base, lm.device) if streamed \
+        else recheck.remeasure_hf(out / "hf_ckpt", g, base)
+    c_hf = recheck.compare(v_hf["quality"], m_hf, ecfg.recheck_rel_tol, ecfg.recheck_abs_tol)
+    checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards{', layer by layer' if streamed else ''}, FP8 KV from k_scale/v_scale) "
+               f"matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
+    _refuse_failed("hf_ckpt", c_hf)
+    return v_hf, c_hf
+
+
+def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict) -> dict:
+    return {
+        "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
+        "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
+        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs", "key_norm")},
+        "fold_guard": guard, "remeasured": c_hf,
+    }
+
+
+def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: ScaleBook, guard: dict) -> tuple[dict, bool]:
+    """The export of an HF_ONLY_ARCH model (Gemma 3): the folded FP8 HF checkpoint, re-measured, and nothing else."""
+    lm = run.lm
+    arch = type(lm.model).__name__
+    v_hf, c_hf = _check_hf(run, out, hf_book, report, checks, _baseline(run), hf_book.geometry)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "run": str(run.dir),
+        "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard)},
+        "not_written": {"trtllm_ckpt": f"{arch}: kvcompress's TensorRT-LLM checkpoint writer, its reader and the custom-tier graph implement the Llama "
+                                       "layer; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with the model's own code"},
+        "checks": checks.rows,
+        "engine_built": False,
+        "engine_reason": "no TensorRT-LLM checkpoint for this architecture (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
+        "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; hf_quant_config.json carries the "
+                                 "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
+        "fallback_fp16_kv": "serve export/hf_ckpt without hf_quant_config.json and config.json's quantization_config: the same folded weights "
+                            "(the fold is exact) with an unquantized KV cache",
+        "not_verified_here": {
+            "trtllm-serve / vLLM loading and serving": "neither installs on this machine; the checkpoint was re-measured through transformers (see checks)",
+        },
+        "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
+    }
+    return manifest, False
 
 
 def _build(ckpt: Path, engine: Path) -> dict:

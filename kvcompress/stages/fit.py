@@ -6,7 +6,7 @@ import logging
 import torch
 
 from kvcompress.errors import UserError
-from kvcompress.fold import fold_factors
+from kvcompress.fold import FLOOR, OFFSET_FLOOR, fold_factors
 from kvcompress.observers import OBSERVERS
 from kvcompress.observers.base import arc_ranges, channel_ranges, key_positions, pick_outliers, tie_pair_scales, tie_rope_pairs, uses_arc
 from kvcompress.observers.mse import gram_score_error
@@ -63,6 +63,8 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     pairs = stats.tensors.get("rope_pairs")  # the model's RoPE pairs (partial rotary: its own)
     if knorm == "shared":  # one k_norm weight for every head (Qwen3): the key factors must be head-independent
         k_abs = k_abs.amax(1, keepdim=True).expand_as(k_abs)
+    offset = float(stats.header.get("key_norm_offset", 0.0)) if knorm != "none" else 0.0  # Gemma's (1 + w) norm weights
+    k_floor = OFFSET_FLOOR if offset else FLOOR  # fold.OFFSET_FLOOR: the stored q_norm weight keeps its precision
     scale = (target / NATIVE_QMAX[spec.format]).float()
     n = stats["sample_k"].shape[1] if "sample_k" in stats.tensors else 0
     sk, sv = torch.ones(L, H, D), torch.ones(L, H, D)
@@ -71,7 +73,8 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     for layer in range(L):
         for w, abs_, flag, tie, out in (("k", k_abs, spec.fold_keys, True, sk), ("v", v_abs, spec.fold_values, False, sv)):
             cands = _strengths(flag, spec.fold_strength)
-            facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie, pairs=pairs)[0] for a in cands}
+            facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie, pairs=pairs,
+                                     floor=k_floor if w == "k" else FLOOR)[0] for a in cands}
             if n and len(cands) > 1:
                 x = stats[f"sample_{w}"][layer].float()
                 q = stats.q_second_moment(layer) if w == "k" else None
@@ -97,7 +100,9 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
             raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "
                             "rotation can be folded; allowed: kv.fold_pairs=auto or false")
         info["key_norm"] = (f"{knorm}: the model normalises each head's keys before RoPE, so the key factors fold into its q/k norm weights"
-                            + (" (one per channel, shared by every head)" if knorm == "shared" else "") + "; no RoPE-pair rotation can fold there")
+                            + (" (one per channel, shared by every head)" if knorm == "shared" else "")
+                            + (f"; the norms multiply by (w + {offset:g}), so the factors scale that and stay >= {OFFSET_FLOOR}" if offset else "")
+                            + "; no RoPE-pair rotation can fold there")
     if spec.pairs_folded and n and knorm == "none" and half_split:
         per_layer = []
         inv = stats.tensors.get("rope_inv_freq")

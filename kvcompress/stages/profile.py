@@ -54,6 +54,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
     header = {
         "geometry": g.to_dict(),
         "key_norm": key_norm(lm.model, g),
+        "key_norm_offset": key_norm_offset(lm.model),
         "provenance": {
             **base_provenance(),
             "model": lm.identity,
@@ -95,6 +96,28 @@ def key_norm(model, g) -> str:
         return "none"
     w = getattr(norm, "weight", None)
     return "per_head" if w is not None and w.numel() == g.n_kv_heads * g.head_dim and g.n_kv_heads > 1 else "shared"
+
+
+@torch.no_grad()
+def key_norm_offset(model) -> float:
+    """The constant the key norm adds to its weight: 0.0 for a standard RMSNorm (y = x / rms(x) * w: Llama's, Qwen3's),
+    1.0 for Gemma's (y = x / rms(x) * (1 + w)); 0.0 without a key norm. Found by probing the model's own k_norm with a
+    row of +-100 (mean 0, rms 100 >> eps, so an RMSNorm and a LayerNorm both see x / rms(x) = +-1) through a float32 CPU
+    copy of it whose parameters are zero (a streamed model's are on the meta device): the output times the sign is
+    the offset. The key fold scales the effective weight (w + offset), so it must know it (fold.key_norm_weights)."""
+    import copy
+
+    norm = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
+    w = getattr(norm, "weight", None)
+    if w is None:
+        return 0.0
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    for p in probe.parameters():
+        p.zero_()
+    sign = torch.ones(w.shape[-1])
+    sign[1::2] = -1
+    x = (100.0 * sign).expand(1, *w.shape)
+    return round(float((probe(x).float() * sign).mean()), 3)
 
 
 def rope_pairs_of(model, g) -> torch.Tensor:

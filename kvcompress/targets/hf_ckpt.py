@@ -40,17 +40,29 @@ def config_quantization(hf_quant: dict) -> dict:
 
 
 def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
-    """config.json for transformers 4.57 and 5.x: both RoPE spellings, one dtype value."""
+    """config.json for transformers 4.57 and 5.x: both RoPE spellings (per layer type, Gemma 3: rope_parameters for 5.x, and
+    rope_theta / rope_local_base_freq / rope_scaling of the global layers for 4.57), one dtype value."""
     cfg = hf_config.to_dict()
     cfg.pop("quantization_config", None)
     rope = dict(cfg.get("rope_parameters") or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): 4.57 reads the global RoPE and the local base apart
+        full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+        cfg["rope_theta"] = full.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if "rope_theta" in local:
+            cfg["rope_local_base_freq"] = local["rope_theta"]
+        kind = full.get("rope_type", "default")
+        cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in full.items() if k not in ("rope_theta", "rope_type")}}
+        return _dtype_fields(cfg, dtype)
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", "default")
     cfg["rope_theta"] = theta
     cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")}}
-    name = str(dtype).removeprefix("torch.")
+    return _dtype_fields(cfg, dtype)
+
+
+def _dtype_fields(cfg: dict, dtype: torch.dtype) -> dict:
     cfg.pop("dtype", None)
-    cfg["torch_dtype"] = name  # 4.57 reads torch_dtype; 5.x maps it to dtype
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")  # 4.57 reads torch_dtype; 5.x maps it to dtype
     return cfg
 
 
@@ -122,6 +134,8 @@ class HFWriter:
         atomic_write_json(self.dir / "model.safetensors.index.json", {"metadata": {"total_size": self.total}, "weight_map": weight_map})
         hq = quant_config()
         cfg = hf_config_dict(self.hf_config, self.dtype)
+        if not cfg.get("architectures") and self.model is not None:  # a model built from a GGUF or in code: servers pick the class by this
+            cfg["architectures"] = [type(self.model).__name__]
         cfg["quantization_config"] = config_quantization(hq)
         atomic_write_json(self.dir / "config.json", cfg)
         atomic_write_json(self.dir / "hf_quant_config.json", hq)
