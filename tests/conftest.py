@@ -65,6 +65,19 @@ def float64_model(lm: LoadedModel, mp: pytest.MonkeyPatch) -> LoadedModel:
     return lm
 
 
+@torch.no_grad()
+def assert_folded_like(model, folded, sigma: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`folded` (a key/value fold applied) gives `model`'s logits and caches its keys divided by sigma [L, H, D]; returns the logits."""
+    from transformers import DynamicCache
+
+    c1, c2 = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    a = model(input_ids=ids, cache=c1, use_cache=True).logits
+    b = folded(input_ids=ids, cache=c2, use_cache=True).logits
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for layer in range(sigma.shape[0]):
+        torch.testing.assert_close(c2.layers[layer].keys, c1.layers[layer].keys / sigma[layer][None, :, None, :], atol=1e-5, rtol=1e-4)
+    return a
+
 def fitted_book(lm: LoadedModel, **spec_kw):
     spec = KVSpec(name=spec_kw.pop("name", "test"), **spec_kw)
     stats = profile(lm, SMOKE_CALIB, load_texts(SMOKE_CALIB), progress=False)

@@ -113,8 +113,7 @@ def test_fold_into_gemmas_one_plus_w_norms_is_exact():
     factors folded as into a standard norm (w * sigma) give another model."""
     import copy
 
-    from transformers import DynamicCache
-
+    from conftest import assert_folded_like
     from kvcompress.fold import OFFSET_FLOOR, fold_state_dict
     from kvcompress.models.fused import fuse, unfuse
 
@@ -128,13 +127,7 @@ def test_fold_into_gemmas_one_plus_w_norms_is_exact():
     k0, k1 = lm.model.model.layers[0].self_attn.k_norm.weight, folded.model.layers[0].self_attn.k_norm.weight
     torch.testing.assert_close(k1, (1 + k0) / sigma[0, 0] - 1)
     ids = torch.randint(0, 256, (2, 40), generator=g)  # 40 > the sliding window (16)
-    with torch.no_grad():
-        c1, c2 = DynamicCache(config=lm.model.config), DynamicCache(config=lm.model.config)
-        a = lm.model(input_ids=ids, past_key_values=c1, use_cache=True).logits
-        b = folded(input_ids=ids, past_key_values=c2, use_cache=True).logits
-    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-    for layer in range(L):
-        torch.testing.assert_close(c2.layers[layer].keys, c1.layers[layer].keys / sigma[layer][None, :, None, :], atol=1e-5, rtol=1e-4)
+    a = assert_folded_like(lm.model, folded, sigma, ids)
     wrong = copy.deepcopy(lm.model)
     own = {k: v.detach() for k, v in wrong.state_dict().items()}
     wrong.load_state_dict(fuse(fold_state_dict(unfuse(own, lm.geometry), lm.geometry, sigma, tau, None, 0.0), own))
