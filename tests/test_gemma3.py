@@ -161,7 +161,7 @@ def test_gemma3_exports_the_fp8_hf_checkpoint_alone(tmp_path):
     """export=trtllm with kv=native_fp8 on a Gemma 3 (an HF directory) writes hf_ckpt/ only: bfloat16 weights with
     the fold in (1 + w) form, FP8 scales, a config.json that transformers reads back as the same Gemma 3 (per-layer
     RoPE, sliding windows), re-measured against validate within tolerance; the manifest says why there is no
-    TensorRT-LLM checkpoint. Another kv format or float16 weights: one line, nothing written."""
+    TensorRT-LLM checkpoint; streamed layer by layer, the same. Another kv format or float16 weights: one line, nothing written."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -186,6 +186,12 @@ def test_gemma3_exports_the_fp8_hf_checkpoint_alone(tmp_path):
     assert (sigma < 1).any()
     torch.testing.assert_close(w["model.layers.0.self_attn.k_norm.weight"].float(),
                                ((1 + src["model.layers.0.self_attn.k_norm.weight"].float()) / sigma - 1).bfloat16().float())
+    p, runs = _dir_run(tmp_path, ckpt, "run_streamed", "kv=native_fp8", "export.dtype=bfloat16", "kv.fold_strength=1.0", "kv.fold_keys=true",
+                       "model.streaming=true")  # a model too large to load: layer by layer, re-measured the same way
+    assert p.returncode == 0, p.stderr[-3000:]
+    ms = json.loads((runs / "export" / "manifest.json").read_text())
+    assert any("layer by layer" in c["check"] and c["status"] == "passed" for c in ms["checks"]), ms["checks"]
+    assert ms["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"] == manifest["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"]
     p, run2 = _dir_run(tmp_path, ckpt, "run2", "export.dtype=bfloat16")
     assert p.returncode != 0 and "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
     assert "Traceback" not in p.stderr and not (run2 / "export").exists()
