@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvcompress.errors import UserError
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
+from kvcompress.models.multimodal import DECODER_KEYS, text_config, text_config_dict
 from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
@@ -29,6 +31,13 @@ def check_dir(cfg) -> Path:
         raise UserError(f"model.path={cfg.path!r}: config.json is not a JSON object") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    text = text_config_dict(hf) if isinstance(hf, dict) else None
+    if text is not None:  # a multimodal checkpoint: its text decoder (models.multimodal)
+        tcls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.get("model_type"), "")
+        if not (isinstance(tcls, str) and tcls.endswith("ForCausalLM")):
+            raise UserError(f"model.path={cfg.path!r} holds a multimodal {archs[0]} whose text decoder (text_config model_type="
+                            f"{text.get('model_type')!r}) is not a causal LM transformers knows (e.g. gemma3_text, mistral)")
+        model_type, archs = text.get("model_type"), [tcls]
     cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
     if not (isinstance(cls, str) and cls.endswith("ForCausalLM")) or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
         raise UserError(f"model.path={cfg.path!r} holds a model_type={model_type!r} model, not a decoder-only causal LM "
@@ -45,13 +54,52 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     p = check_dir(cfg)
     tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
     identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
-    if should_stream(cfg, p):
+    wrapper = multimodal_arch(p)
+    if wrapper:
+        identity["text_decoder_of"] = wrapper
+    if should_stream(cfg, p, text_decoder=bool(wrapper)):
         return load_streamed(p, cfg, tok, identity)
     kwargs = {"dtype": DTYPES[cfg.dtype], "local_files_only": True}
     if cfg.device == "auto":
         kwargs["device_map"] = "auto"  # accelerate spreads layers over the visible GPUs (and CPU)
-    model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    if wrapper:  # the text decoder alone, its tensors renamed on loading; the vision tower's are not read into the model
+        kwargs |= {"config": text_config(p), "key_mapping": dict(DECODER_KEYS)}
+        with quiet_transformers():  # it would list every vision tensor as "unexpected"
+            model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        forget_decoder_renaming(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     if cfg.device != "auto":
         model = model.to(cfg.device)
     identity |= {"model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None)}
     return LoadedModel(model.eval(), tok, Geometry.from_hf_config(model.config), identity)
+
+
+def multimodal_arch(p: Path) -> str | None:
+    """The wrapper architecture (e.g. Gemma3ForConditionalGeneration) when `p` holds a multimodal checkpoint, else None."""
+    hf = json.loads((p / "config.json").read_text())
+    return (hf.get("architectures") or [None])[0] if text_config_dict(hf) is not None else None
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' loading report at error level only, for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+def forget_decoder_renaming(model) -> None:
+    """transformers records the key mapping a model was loaded with and reverts it when the model's tensors are saved
+    (the HF export's revert_weight_conversion): the text decoder's own checkpoint keeps the text model's names."""
+    from transformers.core_model_loading import WeightRenaming
+
+    ours = {pattern for pattern, _ in DECODER_KEYS}
+    conv = getattr(model, "_weight_conversions", None)
+    if conv:
+        model._weight_conversions = [c for c in conv if not (isinstance(c, WeightRenaming) and set(c.source_patterns) <= ours)]

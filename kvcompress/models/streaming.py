@@ -51,7 +51,9 @@ class Checkpoint:
     that reads exactly a tensor's bytes (or a row range of them) into a fresh tensor: positioned
     reads, no mapping of the shard, so resident memory holds only what was asked for."""
 
-    def __init__(self, model_dir: str | Path, files: list[Path] | None = None):
+    def __init__(self, model_dir: str | Path, files: list[Path] | None = None, text_decoder: bool = False):
+        """text_decoder: a multimodal checkpoint read as its text decoder (models.multimodal): tensors under the text
+        model's names, the vision tower's left out."""
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if files is not None:
@@ -66,6 +68,10 @@ class Checkpoint:
         for f in files:
             header, start = read_header(f)
             self.entries.update({k: (f, e, start) for k, e in header.items()})
+        if text_decoder:
+            from kvcompress.models.multimodal import decoder_name
+
+            self.entries = {n: e for k, e in self.entries.items() if (n := decoder_name(k)) is not None}
         self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
         self._model = None
 
@@ -501,18 +507,21 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
     """A LoadedModel whose `model` is the empty skeleton and whose `streamer` runs it from disk."""
     from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 
+    from kvcompress.models.multimodal import text_config
+
     dtype = DTYPES[cfg.dtype]
-    model = build_empty(model_dir, dtype)
+    text = identity.get("text_decoder_of") is not None  # a multimodal checkpoint: its text decoder alone
+    model = build_empty(None if text else model_dir, dtype, config=text_config(model_dir) if text else None)
     device = "cuda:0" if cfg.device == "cuda" else cfg.device
-    streamer = LayerStreamer(model, Checkpoint(model_dir), dtype, device)
+    streamer = LayerStreamer(model, Checkpoint(model_dir, text_decoder=text), dtype, device)
     ident = {**identity, "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir), "streamed": True}
     return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), ident, streamer=streamer)
 
 
-def should_stream(cfg, model_dir: Path) -> bool:
-    """Resolve model.streaming (auto|true|false) for a checkpoint directory."""
+def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
+    """Resolve model.streaming (auto|true|false) for a checkpoint directory (text_decoder: its text decoder's weights)."""
     from kvcompress.models.base import DTYPES
 
     if cfg.streaming == "auto":
-        return cfg.device != "auto" and weights_exceed_device(Checkpoint(model_dir), DTYPES[cfg.dtype], cfg.device)
+        return cfg.device != "auto" and weights_exceed_device(Checkpoint(model_dir, text_decoder=text_decoder), DTYPES[cfg.dtype], cfg.device)
     return bool(cfg.streaming)

@@ -538,6 +538,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
         "artifacts": artifacts,
+        **_text_decoder_note(lm),
         "checks": checks.rows,
         "engine_built": False,
         "engine_reason": why,
@@ -604,6 +605,15 @@ def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict) 
     }
 
 
+def _text_decoder_note(lm) -> dict:
+    """The manifest's word on a multimodal source (models.multimodal): only its text decoder was compressed and written."""
+    wrapper = lm.identity.get("text_decoder_of")
+    if not wrapper:
+        return {}
+    return {"text_decoder_only": f"the source is a multimodal {wrapper}: its text decoder ({type(lm.model).__name__}) was profiled, validated and "
+                                 "written; its vision tower and projector are not in this export (the checkpoints serve text)"}
+
+
 def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: ScaleBook, guard: dict) -> tuple[dict, bool]:
     """The export of an HF_ONLY_ARCH model (Gemma 3): the folded FP8 HF checkpoint, re-measured, and nothing else."""
     lm = run.lm
@@ -613,6 +623,7 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
         "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard)},
+        **_text_decoder_note(lm),
         "not_written": {"trtllm_ckpt": f"{arch}: kvcompress's TensorRT-LLM checkpoint writer, its reader and the custom-tier graph implement the Llama "
                                        "layer; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with the model's own code"},
         "checks": checks.rows,

@@ -120,6 +120,7 @@ def render_md(r: Report) -> str:
                 f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
         out += [f"- {k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()}): {v['what']}" for k, v in r.export["artifacts"].items()]
         out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
+        out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
         out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
     if r.stage_times_s:
         out += ["", "## Stage times", "", ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items()) + f" (total {sum(r.stage_times_s.values()):.0f} s)"]
@@ -344,7 +345,8 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     if r.export:
         parts.append(f"<h2>Export</h2><p>TensorRT engine built: <b>{r.export['engine_built']}</b> ({html.escape(r.export['engine_reason'])})</p>")
         parts.append("<ul>" + "".join(f"<li>{html.escape(k)} ({v['tier']} tier, from validated {html.escape(v['validated_as'])}): {html.escape(v['what'])}</li>" for k, v in r.export["artifacts"].items())
-                     + "".join(f"<li>{html.escape(k)}: not written ({html.escape(why)})</li>" for k, why in r.export.get("not_written", {}).items()) + "</ul>")
+                     + "".join(f"<li>{html.escape(k)}: not written ({html.escape(why)})</li>" for k, why in r.export.get("not_written", {}).items())
+                     + (f"<li>text decoder only: {html.escape(r.export['text_decoder_only'])}</li>" if r.export.get("text_decoder_only") else "") + "</ul>")
         parts.append("<table><tr><th>check that ran in this export</th><th>status</th></tr>" + "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{c['status']}</td></tr>" for c in r.export["checks"]) + "</table>")
     if r.stage_times_s:
         parts.append("<h2>Stage times</h2><p>" + html.escape(", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items())) + "</p>")
