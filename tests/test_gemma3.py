@@ -89,14 +89,19 @@ def test_tuner_prices_layers_by_what_they_hold(gemma):
 
 
 
-def gemma_norms(lm):
-    """A tiny Gemma 3 whose q/k norm weights are not zero (Gemma's norms multiply by 1 + w; init leaves w = 0)."""
+def random_qk_norms(layers) -> None:
+    """Gemma's q/k norms multiply by 1 + w and init leaves w = 0: give the weights seeded values in [-0.4, 0.8)."""
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for layer in lm.model.model.layers:
+        for layer in layers:
             for n in ("q_norm", "k_norm"):
                 w = getattr(layer.self_attn, n).weight
                 w.copy_(torch.rand(w.shape, generator=g) * 1.2 - 0.4)
+
+
+def gemma_norms(lm):
+    """A tiny Gemma 3 whose q/k norm weights are not zero."""
+    random_qk_norms(lm.model.model.layers)
     return lm
 
 
@@ -216,12 +221,7 @@ def multimodal_dir(tmp_path) -> Path:
     cfg.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            for n in ("q_norm", "k_norm"):
-                w = getattr(layer.self_attn, n).weight
-                w.copy_(torch.rand(w.shape, generator=g) * 1.2 - 0.4)
+    random_qk_norms(model.model.language_model.layers)
     d = tmp_path / "gemma3_mm"
     model.save_pretrained(str(d))
     byte_tokenizer().save_pretrained(str(d))
