@@ -10,7 +10,7 @@ from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.multimodal import DECODER_KEYS, text_config, text_config_dict
-from kvcompress.models.streaming import load_streamed, should_stream
+from kvcompress.models.streaming import Checkpoint, load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
 def check_dir(cfg) -> Path:
@@ -63,9 +63,12 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     if cfg.device == "auto":
         kwargs["device_map"] = "auto"  # accelerate spreads layers over the visible GPUs (and CPU)
     if wrapper:  # the text decoder alone, its tensors renamed on loading; the vision tower's are not read into the model
-        kwargs |= {"config": text_config(p), "key_mapping": dict(DECODER_KEYS)}
+        kwargs |= {"config": text_config(p, Checkpoint(p, text_decoder=True).entries), "key_mapping": dict(DECODER_KEYS), "output_loading_info": True}
         with quiet_transformers():  # it would list every vision tensor as "unexpected"
-            model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        if info.get("missing_keys"):  # never a randomly initialised tensor
+            raise UserError(f"model.path={cfg.path!r}: the text decoder of this {wrapper} lacks {sorted(info['missing_keys'])[:3]} "
+                            f"(read from model.language_model.* or language_model.model.*)")
         forget_decoder_renaming(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)

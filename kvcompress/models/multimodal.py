@@ -33,10 +33,14 @@ def decoder_name(stored: str) -> str | None:
     return None
 
 
-def text_config(model_dir):
-    """The transformers config of the text decoder of the multimodal checkpoint in `model_dir`."""
+def text_config(model_dir, stored_names):
+    """The transformers config of the text decoder of the multimodal checkpoint in `model_dir`. Its output head is tied
+    to the embedding exactly when the checkpoint stores none (`stored_names`: the text model's names of the stored
+    tensors): wrappers say so in their own config (Mistral 3.1: tie_word_embeddings true there, false in text_config),
+    and a text model left untied would get a random head."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True).text_config
     cfg.architectures = None  # the text class is chosen by its model_type (transformers' causal-LM mapping)
+    cfg.tie_word_embeddings = "lm_head.weight" not in stored_names
     return cfg

@@ -511,9 +511,10 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
 
     dtype = DTYPES[cfg.dtype]
     text = identity.get("text_decoder_of") is not None  # a multimodal checkpoint: its text decoder alone
-    model = build_empty(None if text else model_dir, dtype, config=text_config(model_dir) if text else None)
+    ckpt = Checkpoint(model_dir, text_decoder=text)
+    model = build_empty(None if text else model_dir, dtype, config=text_config(model_dir, ckpt.entries) if text else None)
     device = "cuda:0" if cfg.device == "cuda" else cfg.device
-    streamer = LayerStreamer(model, Checkpoint(model_dir, text_decoder=text), dtype, device)
+    streamer = LayerStreamer(model, ckpt, dtype, device)
     ident = {**identity, "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir), "streamed": True}
     return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), ident, streamer=streamer)
 

@@ -27,6 +27,7 @@ module level (torch, tensorrt, tensorrt_llm, safetensors inside the functions th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,26 @@ def check_max_seq_len(spec: dict, max_seq_len: int) -> None:
                               f"(kv.key.max_position); build with --max-seq-len <= {lim} or re-export with kv.key.max_position={max_seq_len}")
 
 
+# A multimodal checkpoint's text decoder (Mistral3ForConditionalGeneration, Gemma3ForConditionalGeneration) under the text
+# model's names: kvcompress.models.multimodal.DECODER_KEYS (this file runs alone on the GPU host; a test holds the two equal).
+TEXT_DECODER_KEYS = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
+                     (r"^language_model\.lm_head\.", "lm_head."), (r"^lm_head\.", "lm_head."))
+
+
+def text_decoder_tensors(raw: dict) -> dict:
+    """`raw` itself for a text model's checkpoint; for a multimodal one, its text decoder's tensors under the text model's
+    names (TEXT_DECODER_KEYS), the vision tower's and projector's left out."""
+    if "model.embed_tokens.weight" in raw:
+        return raw
+    out = {}
+    for k, v in raw.items():
+        for pattern, repl in TEXT_DECODER_KEYS:
+            if re.match(pattern, k):
+                out[re.sub(pattern, repl, k, count=1)] = v
+                break
+    return out or raw
+
+
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
     per-head q/k norms, Phi-3/Phi-4 with fused q/k/v and gate/up, split here) as fp16
@@ -169,6 +190,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
     raw = {}
     for f in files:
         raw.update(load_file(str(f)))
+    raw = text_decoder_tensors(raw)
     a = spec["arch"]
     p = "model."
     for name in [n for n in raw if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:  # Phi-3/Phi-4: fused rows q|k|v, gate|up
