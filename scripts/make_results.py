@@ -45,6 +45,10 @@ COMMANDS = {
     # the second model family (Gemma 3 270M: head dim 256, QK-norm, sliding-window layers) at 8K: wf6 and wf5 beside the default
     # and the default with Hadamard-rotated values (int8k_rotv), the 8K table's 4 x 8192 held-out tokens
     "gemma8k_wf": "python -m kvcompress model=gemma3_270m kv=wf6 eval=long export=none eval.compare=[wf5,int8k_int4v,int8k_rotv]",
+    # kv=int8k_budget on the second family at 8K (Gemma 3 270M: the tune prices its sliding-window layers as rolling
+    # buffers at every context), beside int8k_asym_rotv and int8k_int4v on gemma8k_wf's 4 x 8192 held-out tokens, no tasks
+    "gemma8k_budget": "python -m kvcompress model=gemma3_270m kv=int8k_budget eval=long export=none eval.tasks.names=[] "
+                      "eval.compare=[int8k_asym_rotv,int8k_int4v]",
     # where the default's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
     # compressed), beside the default with Hadamard-rotated values, on the 8K table's 4 x 8192 held-out tokens (no tasks)
     "long8k_attr": "python -m kvcompress eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
@@ -79,6 +83,7 @@ RATIOS = {
     "long8k_rot7k": [("rot7k_int5v", "int8k_int4v"), ("rot7k_int5v", "rot8k_int4v")],
     "long8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v")],
     "gemma8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v"), ("int8k_rotv", "int8k_int4v")],
+    "gemma8k_budget": [("int8k_budget", "int8k_asym_rotv"), ("int8k_budget", "int8k_int4v")],
     "long8k_attr": [("int8k_rotv", "int8k_int4v")],
     "long8k_asym": [("int8k_asym_rotv", "int8k_rotv")],
     "long8k_asymk_mse": [("int8k_rotv_asymk", "int8k_rotv")],
