@@ -26,8 +26,10 @@ BAD = [
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
-    (["model.tiny.arch=gemma3"], "export=trtllm writes Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for TensorRT-LLM's "
-                                 "PyTorch backend and vLLM); kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none"),
+    (["model.tiny.arch=gemma3"], "export=trtllm writes this Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for "
+                                 "TensorRT-LLM's PyTorch backend and vLLM; Gemma3ForCausalLM: kvcompress's TensorRT-LLM checkpoint writer, its "
+                                 "reader and the custom-tier graph implement the Llama layer); kv=int8k_int4v is not that format: use kv=native_fp8, "
+                                 "or add export=none"),
     (["model.tiny.arch=gemma3", "kv=native_fp8"], "export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16 (its residual stream "
                                                   "outgrows float16's range); allowed for it: bfloat16, float32"),
     (["kv=int8k_int4v", "kv.value.symmetric=true"], "a comparison format that is validated but never shipped: add export=none"),

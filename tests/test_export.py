@@ -457,22 +457,33 @@ def test_tp_sizes_must_split_heads_and_the_mlp_evenly():
     check_tp(geom, 8, SimpleNamespace())  # no MLP size to check
 
 
-def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
+def test_export_routes_what_a_llama_checkpoint_cannot_carry_to_the_fp8_hf_checkpoint():
+    """What the TensorRT-LLM checkpoint (and the custom tier) cannot carry is written as the folded FP8 HF checkpoint
+    alone (export_route): kv=native_fp8 passes, any other kv is one line naming why and both ways out."""
     from kvcompress.errors import UserError
     from kvcompress.models.tiny import build_tiny
-    from kvcompress.stages.export import check_exportable
+    from kvcompress.stages.export import check_exportable, hf_only
+
+    def full(model):  # every artifact
+        assert not hf_only(model)
+        check_exportable(model, native_spec("native_int8"), "float16")
+
+    def hf_alone(model, why: str):
+        assert hf_only(model)
+        check_exportable(model, native_spec("native_fp8"), "float16")
+        with pytest.raises(UserError, match=f"writes this {type(model).__name__} as the folded FP8 Hugging Face checkpoint only .*{why}.*\\); "
+                                            "kv=native_int8 is not that format: use kv=native_fp8, or add export=none"):
+            check_exportable(model, native_spec("native_int8"), "float16")
 
     mistral = build_tiny("mistral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, max_position=4096)
-    check_exportable(mistral)  # sliding_window None
+    full(mistral)  # sliding_window None
     mistral.config.sliding_window = 4096  # a window as long as the context changes nothing
-    check_exportable(mistral)
+    full(mistral)
     mistral.config.sliding_window = 1024
-    with pytest.raises(UserError, match="sliding_window=1024 < max_position_embeddings=4096: add export=none"):
-        check_exportable(mistral)
+    hf_alone(mistral, "sliding_window=1024 < max_position_embeddings=4096")
     llama = build_tiny("llama", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
     llama.config.attention_bias = True  # Llama's flag puts a bias on o_proj too
-    with pytest.raises(UserError, match="has attention_bias=True: add export=none"):
-        check_exportable(llama)
+    hf_alone(llama, "has attention_bias=True")
     llama.config.attention_bias = False
     theta = llama.config.rope_parameters["rope_theta"]
 
@@ -484,42 +495,37 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     for ok in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
                yarn, yarn | {"mscale": None, "beta_fast": None}, yarn | {"mscale": 0.7, "mscale_all_dim": 0.7}):
         rope(**ok)
-        check_exportable(llama)  # the reader (TensorRT-LLM's rule) computes the model's own RoPE
+        full(llama)  # the reader (TensorRT-LLM's rule) computes the model's own RoPE
     for bad in (yarn | {"attention_factor": 1.2}, yarn | {"mscale_all_dim": 1.0}, yarn | {"truncate": False}):
-        rope(**bad)  # transformers and TensorRT-LLM read these differently: the checkpoint would serve another model
-        with pytest.raises(UserError, match="export=trtllm writes RoPE yarn as TensorRT-LLM computes it, which differs from this LlamaForCausalLM's own"):
-            check_exportable(llama)
+        rope(**bad)  # transformers and TensorRT-LLM read these differently: the TensorRT-LLM checkpoint would serve another model
+        hf_alone(llama, "RoPE yarn, as TensorRT-LLM computes it, differs from this LlamaForCausalLM's own")
     rope(rope_type="dynamic", factor=4.0)
-    with pytest.raises(UserError, match="RoPE scaling of type default, linear, llama3, yarn; this LlamaForCausalLM has rope_type='dynamic': add export=none"):
-        check_exportable(llama)  # before: a ValueError traceback from the re-measure, after profile, fit and validate
+    hf_alone(llama, "RoPE scaling of type default, linear, llama3, yarn; this LlamaForCausalLM has rope_type='dynamic'")
     rope(rope_type="default")
     llama.config.hidden_act = "gelu"
-    with pytest.raises(UserError, match="hidden_act='gelu': add export=none"):
-        check_exportable(llama)
+    hf_alone(llama, "hidden_act='gelu'")
     qwen2 = build_tiny("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
-    check_exportable(qwen2)
+    full(qwen2)
     qwen2.config.layer_types = ["sliding_attention"]  # Qwen2's use_sliding_window
-    with pytest.raises(UserError, match="add export=none"):
-        check_exportable(qwen2)
-    check_exportable(build_tiny("qwen3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    hf_alone(qwen2, "sliding_window=")
+    full(build_tiny("qwen3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     phi = build_tiny("phi3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)
-    check_exportable(phi)  # Phi-4's layout: full-width default RoPE, no window
+    full(phi)  # Phi-4's layout: full-width default RoPE, no window
     phi.config.rope_parameters = {**phi.config.rope_parameters, "partial_rotary_factor": 0.75}  # Phi-4-mini's
     phi.model.rotary_emb.__init__(phi.config)
-    with pytest.raises(UserError, match="this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary\\): add export=none"):
-        check_exportable(phi)
-    check_exportable(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
+    hf_alone(phi, "this Phi3ForCausalLM rotates 24 of its 32 head channels \\(partial rotary")
+    full(build_tiny("mixtral", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32))
     moe = build_tiny("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32)
-    check_exportable(moe)
-    check_exportable(build_tiny("qwen2_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32))  # its sliding_window 0: no window
+    full(moe)
+    full(build_tiny("qwen2_moe", layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32))  # its sliding_window 0: no window
     for field, value, shown in (("mlp_only_layers", [1], "mlp_only_layers=[1]"), ("decoder_sparse_step", 2, "decoder_sparse_step=2")):
         setattr(moe.config, field, value)  # a dense layer among the expert layers: the checkpoint's MLP is the same in every layer
-        with pytest.raises(UserError, match=f"this Qwen3MoeForCausalLM has dense layers \\(.*{re.escape(shown)}.*allowed: \\[\\] and 1\\): add export=none"):
-            check_exportable(moe)
+        hf_alone(moe, f"this Qwen3MoeForCausalLM has dense layers \\(.*{re.escape(shown)}.*allowed: \\[\\] and 1")
         setattr(moe.config, field, [] if field == "mlp_only_layers" else 1)
-    gemma = build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)  # written as the FP8 HF checkpoint only
+    gemma = build_tiny("gemma3", layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32)  # always the FP8 HF checkpoint only
+    assert hf_only(gemma)
     check_exportable(gemma, native_spec("native_fp8"), "bfloat16")
-    with pytest.raises(UserError, match="writes Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only .*; kv=native_int8 is not that "
+    with pytest.raises(UserError, match="writes this Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only .*; kv=native_int8 is not that "
                                         "format: use kv=native_fp8, or add export=none"):
         check_exportable(gemma, native_spec("native_int8"), "bfloat16")
     with pytest.raises(UserError, match="export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16 .*allowed for it: bfloat16, float32"):
@@ -531,6 +537,25 @@ def test_export_refuses_what_a_llama_checkpoint_cannot_carry():
     with pytest.raises(UserError, match="this model is FalconForCausalLM: add export=none"):
         check_exportable(FalconForCausalLM())
 
+
+def test_a_sliding_window_mistral_exports_the_fp8_hf_checkpoint_alone(tmp_path):
+    """A Mistral with a sliding window shorter than its context (Mistral 7B v0.1's layout): no TensorRT-LLM checkpoint can
+    carry the window, so kv=native_fp8 writes hf_ckpt/ alone (config.json keeps the window), re-measured through
+    transformers; the manifest says why trtllm_ckpt/ is missing."""
+    from kvcompress.models.synthetic import byte_tokenizer
+
+    model = build_tiny("mistral", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32, max_position=4096)
+    model.config.sliding_window = 24
+    model.config.architectures = ["MistralForCausalLM"]
+    ckpt = tmp_path / "mistral_sw"
+    model.save_pretrained(str(ckpt))
+    byte_tokenizer().save_pretrained(str(ckpt))
+    p, run = _dir_run(tmp_path, ckpt, "run", "kv=native_fp8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads((run / "export" / "manifest.json").read_text())
+    assert set(m["artifacts"]) == {"hf_ckpt"} and "sliding_window=24 < max_position_embeddings=4096" in m["not_written"]["trtllm_ckpt"]
+    assert all(c["status"] == "passed" for c in m["checks"]), m["checks"]
+    assert json.loads((run / "export" / "hf_ckpt" / "config.json").read_text())["sliding_window"] == 24
 
 def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, monkeypatch):
     """One layer's kv_cache_scaling_factor 8x too small in the written checkpoint (its K/V saturate):

@@ -53,19 +53,51 @@ EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that
 # config.json, sliding windows, GeGLU, sandwich norms and all); no TensorRT-LLM checkpoint (the reader and the custom-tier
 # graph implement the Llama layer), so kv=native_fp8 only
 HF_ONLY_ARCH = ("Gemma3ForCausalLM",)
+BF16_ARCH = ("Gemma3ForCausalLM",)  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
 
 
 def hf_only(model) -> bool:
-    """The export writes this model's folded FP8 HF checkpoint only (HF_ONLY_ARCH)."""
-    return type(model).__name__ in HF_ONLY_ARCH
+    """The export writes this model's folded FP8 HF checkpoint only (export_route)."""
+    return export_route(model)[0]
+
+
+def export_route(model) -> tuple[bool, str]:
+    """(HF checkpoint only?, why). The TensorRT-LLM checkpoint, its reader and the custom-tier graph implement the Llama
+    layer (trtllm_obstacle); where they cannot carry a model of a known family, the folded FP8 HF checkpoint still can:
+    TensorRT-LLM's PyTorch backend and vLLM run it with the model's own code (windows, biases, RoPE variants, MLPs), and
+    the re-measure reads it through transformers. Gemma 3 (HF_ONLY_ARCH) always goes that way. An architecture outside
+    both lists is refused (the fold's tensor names are the Llama family's)."""
+    arch = type(model).__name__
+    if arch in HF_ONLY_ARCH:
+        return True, f"{arch}: kvcompress's TensorRT-LLM checkpoint writer, its reader and the custom-tier graph implement the Llama layer"
+    if arch not in SUPPORTED_ARCH:
+        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)} (and {', '.join(HF_ONLY_ARCH)} with kv=native_fp8, as an FP8 HF "
+                        f"checkpoint); this model is {arch}: add export=none to profile, fit and validate it")
+    why = trtllm_obstacle(model)
+    return bool(why), why
 
 
 def check_exportable(model, spec=None, dtype: str | None = None) -> None:
-    """export=trtllm writes Llama-layer checkpoints only: say so before profiling, not after validating.
-    Gemma 3 (HF_ONLY_ARCH) is written as the folded FP8 HF checkpoint alone, the native tier's hf_ckpt: the run's kv
-    `spec` must be native_fp8 (what hf_ckpt holds; nothing else would ship what was validated) and the weights
-    bfloat16 or float32 (`dtype`, export.dtype), as Gemma is trained and served (its residual stream outgrows float16).
+    """export=trtllm: say before profiling, not after validating, what cannot be written. Where the TensorRT-LLM
+    checkpoint cannot carry the model (export_route), the folded FP8 HF checkpoint is written alone, the native tier's
+    hf_ckpt: the run's kv `spec` must then be native_fp8 (what hf_ckpt holds; nothing else would ship what was
+    validated), and Gemma's weights bfloat16 or float32 (`dtype`, export.dtype), as Gemma is trained and served (its
+    residual stream outgrows float16)."""
+    only_hf, why = export_route(model)
+    if not only_hf:
+        return
+    arch = type(model).__name__
+    if spec is not None and spec.format != "native_fp8":
+        raise UserError(f"export=trtllm writes this {arch} as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for TensorRT-LLM's PyTorch "
+                        f"backend and vLLM; {why}); kv={spec.name} is not that format: use kv=native_fp8, or add export=none")
+    if dtype == "float16" and arch in BF16_ARCH:
+        raise UserError(f"export.dtype=float16: {arch} is trained and served in bfloat16 (its residual stream outgrows float16's range); "
+                        "allowed for it: bfloat16, float32")
+
+
+def trtllm_obstacle(model) -> str:
+    """'' when the TensorRT-LLM checkpoint (and the custom tier) can carry this model of SUPPORTED_ARCH, else why not.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
     the checkpoint cannot carry (TensorRT-LLM maps MistralForCausalLM to its Llama class); Phi-3/Phi-4 are the Llama
     forward with fused q/k/v and gate/up matrices (split on reading, models.fused), written as Llama; Mixtral is the
@@ -74,50 +106,38 @@ def check_exportable(model, spec=None, dtype: str | None = None) -> None:
     QWen class, the same tensor names); Qwen3-MoE is Qwen3's attention with Mixtral's expert tensors in every layer
     (the QWen class, qwen_type qwen3_moe), Qwen2-MoE Qwen2's attention with those experts and a shared expert behind
     a sigmoid gate (qwen_type qwen2_moe): a model of either with dense layers among its expert layers (mlp_only_layers,
-    decoder_sparse_step > 1) is refused, as the checkpoint gives every layer the same MLP. A sliding_window of 0 or
-    None is no window (Qwen2-MoE's config says 0 when use_sliding_window is off)."""
+    decoder_sparse_step > 1) cannot be written, as the checkpoint gives every layer the same MLP. A sliding_window of 0
+    or None is no window (Qwen2-MoE's config says 0 when use_sliding_window is off)."""
     arch, cfg = type(model).__name__, model.config
-    if arch in HF_ONLY_ARCH:
-        if spec is not None and spec.format != "native_fp8":
-            raise UserError(f"export=trtllm writes {arch} as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for TensorRT-LLM's PyTorch "
-                            f"backend and vLLM); kv={spec.name} is not that format: use kv=native_fp8, or add export=none")
-        if dtype == "float16":
-            raise UserError(f"export.dtype=float16: {arch} is trained and served in bfloat16 (its residual stream outgrows float16's range); "
-                            "allowed for it: bfloat16, float32")
-        return
-    if arch not in SUPPORTED_ARCH:
-        raise UserError(f"export=trtllm supports {', '.join(SUPPORTED_ARCH)} (and {', '.join(HF_ONLY_ARCH)} with kv=native_fp8, as an FP8 HF "
-                        f"checkpoint); this model is {arch}: add export=none to profile, fit and validate it")
     dense, step = list(getattr(cfg, "mlp_only_layers", None) or []), int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     if arch in EVERY_LAYER_MOE and (dense or step != 1):
-        raise UserError(f"export=trtllm writes an expert MLP in every layer; this {arch} has dense layers (mlp_only_layers={dense}, "
-                        f"decoder_sparse_step={step}; allowed: [] and 1): add export=none")
+        return (f"the TensorRT-LLM checkpoint has an expert MLP in every layer; this {arch} has dense layers (mlp_only_layers={dense}, "
+                f"decoder_sparse_step={step}; allowed: [] and 1)")
     window, positions = getattr(cfg, "sliding_window", None), getattr(cfg, "max_position_embeddings", None)
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
     if sliding or (window and (positions is None or window < positions)):
-        raise UserError(f"export=trtllm writes checkpoints without an attention window; this {arch} has sliding_window={window} "
-                        f"< max_position_embeddings={positions}: add export=none to profile, fit and validate it")
+        return f"the TensorRT-LLM checkpoint has no attention window; this {arch} has sliding_window={window} < max_position_embeddings={positions}"
     biases = [n for n in ("attention_bias", "mlp_bias") if getattr(cfg, n, False)]
     if biases:  # Llama's attention_bias also puts a bias on o_proj: neither the checkpoint writer nor the custom-tier graph carries it
-        raise UserError(f"export=trtllm writes q/k/v biases only (Qwen2's); this {arch} has {' and '.join(f'{n}=True' for n in biases)}: add export=none")
+        return f"the TensorRT-LLM checkpoint carries q/k/v biases only (Qwen2's); this {arch} has {' and '.join(f'{n}=True' for n in biases)}"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in EXPORT_ROPE_TYPES:  # the checkpoint reader (and so the re-measure of what ships) implements these only
-        raise UserError(f"export=trtllm writes RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}: add export=none")
+        return f"the TensorRT-LLM checkpoint is written with RoPE scaling of type {', '.join(EXPORT_ROPE_TYPES)}; this {arch} has rope_type={kind!r}"
     from kvcompress.models.base import Geometry
     from kvcompress.stages.profile import rotary_dim
 
     g = Geometry.from_hf_config(cfg)
     r = rotary_dim(model, g)
     if r < g.head_dim:  # Phi-4-mini, GPT-NeoX: a Llama checkpoint rotates every channel
-        raise UserError(f"export=trtllm writes RoPE over the whole head; this {arch} rotates {r} of its {g.head_dim} head channels "
-                        f"(partial rotary): add export=none")
+        return f"the TensorRT-LLM checkpoint rotates the whole head; this {arch} rotates {r} of its {g.head_dim} head channels (partial rotary)"
     mismatch = rope_mismatch(model)
     if mismatch:
-        raise UserError(f"export=trtllm writes RoPE {kind} as TensorRT-LLM computes it, which differs from this {arch}'s own ({mismatch}): add export=none")
+        return f"the TensorRT-LLM checkpoint's RoPE {kind}, as TensorRT-LLM computes it, differs from this {arch}'s own ({mismatch})"
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
-        raise UserError(f"export=trtllm writes Llama checkpoints (SiLU gated MLP); this {arch} has hidden_act={act!r}: add export=none")
+        return f"the TensorRT-LLM checkpoint is a Llama checkpoint (SiLU gated MLP); this {arch} has hidden_act={act!r}"
+    return ""
 
 
 def rope_mismatch(model) -> str:
@@ -615,20 +635,20 @@ def _text_decoder_note(lm) -> dict:
 
 
 def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: ScaleBook, guard: dict) -> tuple[dict, bool]:
-    """The export of an HF_ONLY_ARCH model (Gemma 3): the folded FP8 HF checkpoint, re-measured, and nothing else."""
+    """The export of a model the TensorRT-LLM checkpoint cannot carry (export_route; Gemma 3): the folded FP8 HF checkpoint,
+    re-measured, and nothing else."""
     lm = run.lm
-    arch = type(lm.model).__name__
     v_hf, c_hf = _check_hf(run, out, hf_book, report, checks, _baseline(run), hf_book.geometry)
     manifest = {
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
         "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard)},
         **_text_decoder_note(lm),
-        "not_written": {"trtllm_ckpt": f"{arch}: kvcompress's TensorRT-LLM checkpoint writer, its reader and the custom-tier graph implement the Llama "
-                                       "layer; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with the model's own code"},
+        "not_written": {"trtllm_ckpt": f"{export_route(lm.model)[1]}; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with "
+                                       "the model's own code"},
         "checks": checks.rows,
         "engine_built": False,
-        "engine_reason": "no TensorRT-LLM checkpoint for this architecture (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
+        "engine_reason": "no TensorRT-LLM checkpoint for this model (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
         "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; hf_quant_config.json carries the "
                                  "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
         "fallback_fp16_kv": "serve export/hf_ckpt without hf_quant_config.json and config.json's quantization_config: the same folded weights "
