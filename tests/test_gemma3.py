@@ -162,6 +162,20 @@ def test_fit_keeps_gemmas_key_factors_above_the_floor():
     assert fit(stats, spec).tensors["fold_k"].min() < OFFSET_FLOOR
 
 
+def test_the_export_guard_holds_offset_norm_factors_at_the_floor():
+    """A ScaleBook fitted before the offset was known (stats without key_norm_offset) can carry key factors below
+    OFFSET_FLOOR: the export's guard raises them to it for (1 + w) norms and counts them; a standard norm keeps them."""
+    from kvcompress.fold import OFFSET_FLOOR, guard_layer
+
+    lm = gemma_norms(tiny_lm("gemma3", layers=1, heads=4, kv_heads=2, head_dim=32))
+    state = {k: v.detach() for k, v in lm.model.state_dict().items()}
+    sigma = torch.full((2, 32), 0.1)
+    sigma[:, :4] = 0.9
+    held, n = guard_layer(state, lm.geometry, 0, sigma, torch.bfloat16, norm_offset=1.0)
+    assert n == 2 * 28 and held.min() == OFFSET_FLOOR and torch.equal(held[:, :4], sigma[:, :4])
+    kept, n0 = guard_layer(state, lm.geometry, 0, sigma, torch.bfloat16)
+    assert n0 == 0 and torch.equal(kept, sigma)
+
 def test_gemma3_exports_the_fp8_hf_checkpoint_alone(tmp_path):
     """export=trtllm with kv=native_fp8 on a Gemma 3 (an HF directory) writes hf_ckpt/ only: bfloat16 weights with
     the fold in (1 + w) form, FP8 scales, a config.json that transformers reads back as the same Gemma 3 (per-layer

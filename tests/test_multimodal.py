@@ -154,10 +154,3 @@ def test_mistral3s_text_decoder_exports_every_tier(tmp_path):
     assert all(c["status"] == "passed" for c in ms["checks"] if "network graph" not in c["check"]), ms["checks"]
     assert ms["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"] == m["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"]
 
-
-def test_the_standalone_network_reads_the_same_decoder_names():
-    """trtllm_network.py runs alone on the GPU host, so it keeps its own copy of the name mapping: the same."""
-    from kvcompress.models.multimodal import DECODER_KEYS
-    from kvcompress.targets.trtllm_network import TEXT_DECODER_KEYS
-
-    assert TEXT_DECODER_KEYS == DECODER_KEYS

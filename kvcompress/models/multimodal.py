@@ -9,10 +9,9 @@ logits (tested). The export then writes a text-only checkpoint of that class and
 """
 from __future__ import annotations
 
-import re
-
-DECODER_KEYS = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
-                (r"^language_model\.lm_head\.", "lm_head."), (r"^lm_head\.", "lm_head."))  # stored -> the text model's names
+# stored -> the text model's names; the one mapping lives beside the custom-tier network, which runs alone on the GPU host
+from kvcompress.targets.trtllm_network import TEXT_DECODER_KEYS as DECODER_KEYS  # noqa: F401 (hf_dir's key_mapping)
+from kvcompress.targets.trtllm_network import text_decoder_name as decoder_name  # noqa: F401 (streaming.Checkpoint)
 
 
 def text_config_dict(hf: dict) -> dict | None:
@@ -22,14 +21,6 @@ def text_config_dict(hf: dict) -> dict | None:
     text = hf.get("text_config")
     if isinstance(text, dict) and any(str(a).endswith("ForConditionalGeneration") for a in archs):
         return text
-    return None
-
-
-def decoder_name(stored: str) -> str | None:
-    """The text model's name of a stored tensor, or None for a tensor outside the text decoder (vision tower, projector)."""
-    for pattern, repl in DECODER_KEYS:
-        if re.match(pattern, stored):
-            return re.sub(pattern, repl, stored, count=1)
     return None
 
 

@@ -580,10 +580,14 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
                                                 "its graph ran on CPU with the reference plugins (see checks), its TensorRT names were checked "
                                                 "against TensorRT v10.13.3's bindings and its TensorRT-LLM names by reading the source (export/TRTLLM_API_CHECK.md)"),
         },
-        # every file the export wrote (checkpoints, kernels, launchers, audit, plugin sources, acceptance kit), hashed
-        "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
+        "files": _files(out),
     }
     return manifest, build
+
+
+def _files(out: Path) -> dict:
+    """Every file the export wrote (checkpoints, kernels, launchers, audit, plugin sources, acceptance kit), hashed."""
+    return {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 def _baseline(run):
@@ -652,11 +656,11 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
         "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; hf_quant_config.json carries the "
                                  "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
         "fallback_fp16_kv": "serve export/hf_ckpt without hf_quant_config.json and config.json's quantization_config: the same folded weights "
-                            "(the fold is exact) with an unquantized KV cache",
+                            "(the fold is exact in float32, then rounded to export.dtype) with an unquantized KV cache",
         "not_verified_here": {
             "trtllm-serve / vLLM loading and serving": "neither installs on this machine; the checkpoint was re-measured through transformers (see checks)",
         },
-        "files": {str(p.relative_to(out)): file_fingerprint(p) for p in sorted(out.rglob("*")) if p.is_file() and not p.is_symlink()},
+        "files": _files(out),
     }
     return manifest, False
 

@@ -91,11 +91,16 @@ def key_norm(model, g) -> str:
     scaling of W_k, so a factor must go into the norms' weights instead, and no rotation can (an elementwise weight
     does not commute with one): "shared" when one weight of head_dim serves every head (Qwen3, Gemma 3: the
     factors must be the same for every head), "per_head" when the weight spans all heads (OLMo 2)."""
-    norm = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
+    norm = _key_norm_module(model)
     if norm is None:
         return "none"
     w = getattr(norm, "weight", None)
     return "per_head" if w is not None and w.numel() == g.n_kv_heads * g.head_dim and g.n_kv_heads > 1 else "shared"
+
+
+def _key_norm_module(model):
+    """The model's first per-head key norm module (k_norm; Cohere's k_layernorm), or None."""
+    return next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
 
 
 @torch.no_grad()
@@ -107,7 +112,7 @@ def key_norm_offset(model) -> float:
     the offset. The key fold scales the effective weight (w + offset), so it must know it (fold.key_norm_weights)."""
     import copy
 
-    norm = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
+    norm = _key_norm_module(model)
     w = getattr(norm, "weight", None)
     if w is None:
         return 0.0

@@ -45,22 +45,13 @@ def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
     cfg = hf_config.to_dict()
     cfg.pop("quantization_config", None)
     rope = dict(cfg.get("rope_parameters") or {})
-    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): 4.57 reads the global RoPE and the local base apart
-        full, local = rope["full_attention"], rope.get("sliding_attention") or {}
-        cfg["rope_theta"] = full.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if "rope_theta" in local:
-            cfg["rope_local_base_freq"] = local["rope_theta"]
-        kind = full.get("rope_type", "default")
-        cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in full.items() if k not in ("rope_theta", "rope_type")}}
-        return _dtype_fields(cfg, dtype)
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", "default")
-    cfg["rope_theta"] = theta
-    cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")}}
-    return _dtype_fields(cfg, dtype)
-
-
-def _dtype_fields(cfg: dict, dtype: torch.dtype) -> dict:
+    per_type = isinstance(rope.get("full_attention"), dict)  # per layer type (Gemma 3): 4.57 reads the global RoPE and the local base apart
+    params = rope["full_attention"] if per_type else rope
+    cfg["rope_theta"] = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if per_type and "rope_theta" in (rope.get("sliding_attention") or {}):
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    kind = params.get("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **{k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}}
     cfg.pop("dtype", None)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")  # 4.57 reads torch_dtype; 5.x maps it to dtype
     return cfg

@@ -157,23 +157,26 @@ def check_max_seq_len(spec: dict, max_seq_len: int) -> None:
 
 
 # A multimodal checkpoint's text decoder (Mistral3ForConditionalGeneration, Gemma3ForConditionalGeneration) under the text
-# model's names: kvcompress.models.multimodal.DECODER_KEYS (this file runs alone on the GPU host; a test holds the two equal).
+# model's names, stored -> text model. Defined here because this file runs alone on the GPU host; kvcompress.models.multimodal
+# reads the same mapping from here.
 TEXT_DECODER_KEYS = ((r"^model\.language_model\.", "model."), (r"^language_model\.model\.", "model."),
                      (r"^language_model\.lm_head\.", "lm_head."), (r"^lm_head\.", "lm_head."))
 
 
+def text_decoder_name(stored: str) -> str | None:
+    """The text model's name of a stored tensor, or None for a tensor outside the text decoder (vision tower, projector)."""
+    for pattern, repl in TEXT_DECODER_KEYS:
+        if re.match(pattern, stored):
+            return re.sub(pattern, repl, stored, count=1)
+    return None
+
+
 def text_decoder_tensors(raw: dict) -> dict:
     """`raw` itself for a text model's checkpoint; for a multimodal one, its text decoder's tensors under the text model's
-    names (TEXT_DECODER_KEYS), the vision tower's and projector's left out."""
+    names (text_decoder_name), the vision tower's and projector's left out."""
     if "model.embed_tokens.weight" in raw:
         return raw
-    out = {}
-    for k, v in raw.items():
-        for pattern, repl in TEXT_DECODER_KEYS:
-            if re.match(pattern, k):
-                out[re.sub(pattern, repl, k, count=1)] = v
-                break
-    return out or raw
+    return {n: v for k, v in raw.items() if (n := text_decoder_name(k)) is not None} or raw
 
 
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
