@@ -19,7 +19,7 @@ STAGES = ("profile", "fit", "tune", "validate", "export")
 
 
 class TinyModelConfig(Frozen):
-    arch: Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "gemma2"] = "llama"
     layers: int = Field(2, ge=1)
     hidden: int = Field(128, ge=8)
     heads: int = Field(6, ge=1)

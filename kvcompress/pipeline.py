@@ -13,6 +13,7 @@ from kvcompress.data import load_texts
 from kvcompress.errors import UserError
 from kvcompress.eval.tasks.base import FACT_GAP
 from kvcompress.hashing import obj_hash
+from kvcompress.eval.attention import check_supported
 from kvcompress.models import load_model, model_fingerprint
 from kvcompress.provenance import base_provenance
 from kvcompress.scalebook import ScaleBook
@@ -40,7 +41,9 @@ class Run:
     def lm(self):
         if self._lm is None:
             log.info("loading model %s", self.cfg.model.name)
-            self._lm = load_model(self.cfg.model, self.cfg.cache_dir)
+            lm = load_model(self.cfg.model, self.cfg.cache_dir)
+            check_supported(lm.model, self.cfg.model.name)  # before any work on a model whose cache or attention cannot be simulated
+            self._lm = lm
         return self._lm
 
     def stats_cache_path(self, texts) -> Path:
@@ -147,6 +150,8 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
+    if needs_model(cfg):
+        r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
     if "export" in cfg.stages:
         from kvcompress.stages.export import check_exportable, hf_only
         from kvcompress.targets.trtllm_ckpt import check_tp

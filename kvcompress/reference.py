@@ -732,11 +732,14 @@ def spec_cache_nbytes(spec, geometry, n_tokens: int, batch: int = 1) -> dict[str
 
 
 # ---------------------------------------------------------------- attention over a compressed cache
-def _allowed(pos: torch.Tensor, s_idx: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility [tq, S]: s <= t and t - s < sliding_window."""
+def _allowed(pos: torch.Tensor, s_idx: torch.Tensor, sliding_window: int | None, chunk: int | None = None) -> torch.Tensor:
+    """Causal (sliding-window, chunked) visibility [tq, S]: s <= t, t - s < sliding_window, and with chunked attention
+    (Llama 4's attention_chunk_size) s in t's chunk: s // chunk == t // chunk."""
     allowed = s_idx.unsqueeze(0) <= pos.unsqueeze(-1)
     if sliding_window is not None:
         allowed = allowed & ((pos.unsqueeze(-1) - s_idx.unsqueeze(0)) < sliding_window)
+    if chunk:
+        allowed = allowed & ((pos.unsqueeze(-1) // chunk) == (s_idx.unsqueeze(0) // chunk))
     return allowed
 
 
@@ -774,22 +777,32 @@ def mixed_attention(
     key_mask: torch.Tensor | None = None,
     q_block: int = 1024,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention where query t reads (k, v) at s in fp16 iff fp16_mask, else (k_hat, v_hat).
 
     q: [B, Hq, Tq, D]; k, v, k_hat, v_hat: [B, Hkv, S, D]; q_pos: [Tq] absolute positions
     (cache slot index). key_mask: optional bool [B, S] (False = padding). sliding_window: a layer
-    that attends only to t - s < sliding_window (transformers' convention). Returns [B, Hq, Tq, D]
+    that attends only to t - s < sliding_window (transformers' convention). softcap: the scaled
+    scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2's attn_logit_softcapping).
+    sink_logits: [Hq] one learned logit per query head that joins every softmax's denominator and
+    adds no value (GPT-OSS's attention sinks, transformers' s_aux). chunk: a chunked-attention layer (Llama 4) attends
+    only within its attention_chunk_size-token chunk. Returns [B, Hq, Tq, D]
     in float32 (float64 for float64 inputs).
 
     softmax over the union of two disjoint key sets (compressed: k_hat/v_hat; fp16: k/v) equals
     the log-sum-exp weighted merge of the two partial attentions; on CPU each part is one fused
     flash-attention call (which returns its log-sum-exp), queries in blocks of q_block to bound
-    the masks' memory. Elsewhere `_mixed_attention_explicit` computes the same thing (tested equal).
+    the masks' memory; a sink logit is one more part with log-sum-exp = the logit and output 0.
+    Elsewhere, and with a soft cap (which the fused call cannot apply to its scores),
+    `_mixed_attention_explicit` computes the same thing (tested equal).
     """
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" or softcap:
         return _mixed_attention_explicit(q, k, v, k_hat, v_hat, q_pos, sink_tokens=sink_tokens, window=window, scaling=scaling,
-                                         key_mask=key_mask, sliding_window=sliding_window)
+                                         key_mask=key_mask, q_block=min(q_block, 256), sliding_window=sliding_window, softcap=softcap,
+                                         sink_logits=sink_logits, chunk=chunk)
     B, Hq, Tq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -802,7 +815,7 @@ def mixed_attention(
     for lo in range(0, Tq, q_block):
         hi = min(Tq, lo + q_block)
         pos = q_pos[lo:hi]
-        allowed = _allowed(pos, s_idx, sliding_window).expand(B, 1, hi - lo, S)
+        allowed = _allowed(pos, s_idx, sliding_window, chunk).expand(B, 1, hi - lo, S)
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :]
         hp = fp16_mask(pos, S, sink_tokens, window)
@@ -818,14 +831,18 @@ def mixed_attention(
         if not parts:
             out[:, :, lo:hi] = 0
             continue
-        total = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)  # [B, Hq, tq]
+        lses = [p[1] for p in parts]
+        if sink_logits is not None:  # the sink: one more term of the denominator, no value
+            lses.append(sink_logits.to(dt).reshape(1, Hq, 1).expand_as(lses[0]))
+        total = torch.logsumexp(torch.stack(lses), 0)  # [B, Hq, tq]
         safe = total.masked_fill(total == float("-inf"), 0.0)
         out[:, :, lo:hi] = sum(o * torch.exp(lse - safe).unsqueeze(-1) for o, lse in parts)
     return out
 
 
 def _mixed_attention_explicit(q, k, v, k_hat, v_hat, q_pos, *, sink_tokens: int, window: int, scaling: float,
-                               key_mask=None, q_block: int = 256, sliding_window: int | None = None) -> torch.Tensor:
+                               key_mask=None, q_block: int = 256, sliding_window: int | None = None, softcap: float | None = None,
+                               sink_logits: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """mixed_attention's contract as one explicit softmax over the mixed scores (any device)."""
     B, Hq, Tq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -848,10 +865,18 @@ def _mixed_attention_explicit(q, k, v, k_hat, v_hat, q_pos, *, sink_tokens: int,
         if cols.numel():
             hpc = hp[:, cols].repeat(g, 1)
             scores[..., cols] += (qb @ dk[..., cols, :].transpose(-1, -2)) * hpc
-        allowed = _allowed(pos, s_idx, sliding_window).repeat(g, 1)  # [g*tq, S]
+        allowed = _allowed(pos, s_idx, sliding_window, chunk).repeat(g, 1)  # [g*tq, S]
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :]
-        p = torch.softmax((scores * scaling).masked_fill_(~allowed, float("-inf")), dim=-1).nan_to_num_(0.0)
+        scores = scores * scaling
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(~allowed, float("-inf"))
+        if sink_logits is None:
+            p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        else:  # the sink's column joins the softmax and is dropped
+            sink = sink_logits.to(dt).reshape(1, Hkv, g, 1, 1).expand(B, Hkv, g, tq, 1).flatten(2, 3)
+            p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         ob = p @ vhf
         if cols.numel():
             ob += (p[..., cols] * hpc) @ dv[..., cols, :]

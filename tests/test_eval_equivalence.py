@@ -195,16 +195,6 @@ def test_self_check_passes_for_heads_that_scale_their_logits(arch):
     assert self_check(lm, torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0)), arch)["passed"]
 
 
-def test_softcapping_models_are_refused_before_any_work():
-    from kvcompress.errors import UserError
-    from kvcompress.eval.attention import check_supported
-
-    lm = tiny_lm("llama")
-    lm.model.config.attn_logit_softcapping = 50.0
-    with pytest.raises(UserError, match="soft-caps attention logits"):
-        check_supported(lm.model, "tiny")
-
-
 def test_a_model_that_drops_the_attention_keywords_is_a_clear_error():
     """Some modeling code (transformers' StableLM) calls the attention interface without the forward's
     keywords: the evaluation context never arrives. One line naming the module, not a traceback."""

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from kvcompress import reference as ref
 from kvcompress.errors import UserError
 from kvcompress.eval.metrics import BUCKET_EDGES, position_bucket
-from kvcompress.models.observe import attention_implementation
+from kvcompress.models.observe import attention_chunk, attention_implementation
 from kvcompress.scalebook import ScaleBook
 
 EVAL_ATTN = "kvcompress_eval"
@@ -157,9 +157,9 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
     if ctx is None:  # compressed_attention passes it through the model's forward; some modeling code drops the keywords
         raise UserError(f"validate: {type(module).__name__} does not pass the forward's keyword arguments to transformers' attention "
                         "interface, so the evaluation context never reaches it; kvcompress cannot evaluate this model")
-    if kwargs.get("softcap") is not None:
-        raise UserError("validate: this model soft-caps attention logits, which the evaluation does not simulate")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # Gemma 2's soft cap; GPT-OSS's per-head sink logits
     layer = module.layer_idx
+    chunk = attention_chunk(module.config, layer)  # Llama 4's chunked layers (transformers passes them only as a mask)
     S, T = key.shape[2], query.shape[2]
     q_pos = torch.arange(S - T, S, device=query.device)
     window = kwargs.get("sliding_window")
@@ -175,7 +175,8 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
             k_hat = k_hp.to(k_hat.dtype)
         n_sink, win = spec.sink_tokens, spec.window
     out = ref.mixed_attention(
-        query, k_hp, v_hp, k_hat, v_hat, q_pos, sink_tokens=n_sink, window=win, scaling=scale, q_block=ctx.q_block, sliding_window=window
+        query, k_hp, v_hp, k_hat, v_hat, q_pos, sink_tokens=n_sink, window=win, scaling=scale, q_block=ctx.q_block, sliding_window=window,
+        softcap=softcap, sink_logits=sinks, chunk=chunk,
     )  # [B, Hq, T, D] float32
     if ctx.errors is not None and not ctx.exact:
         e = ctx.errors
@@ -184,8 +185,9 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
         e.extra["attn_error_batches"][layer] += 1
         g = query.shape[1] // key.shape[1]
-        exact = ref.mixed_attention(query, key, value, key, value, q_pos, sink_tokens=0, window=0, scaling=scale, q_block=ctx.q_block, sliding_window=window) \
-            if window else F.scaled_dot_product_attention(query.float(), key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1), is_causal=True, scale=scale)
+        exact = ref.mixed_attention(query, key, value, key, value, q_pos, sink_tokens=0, window=0, scaling=scale, q_block=ctx.q_block, sliding_window=window,
+                                    softcap=softcap, sink_logits=sinks, chunk=chunk) \
+            if window or softcap or chunk or sinks is not None else F.scaled_dot_product_attention(query.float(), key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1), is_causal=True, scale=scale)
         e.attn_err_sq[layer] += float((out - exact).pow(2).sum())
         e.attn_ref_sq[layer] += float(exact.pow(2).sum())
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
@@ -194,14 +196,30 @@ def _eval_attention(module, query, key, value, attention_mask, scaling=None, dro
 AttentionInterface.register(EVAL_ATTN, _eval_attention)
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # config.layer_types that keep a KV cache
+
+
 def check_supported(model, name: str) -> None:
-    """Refuse, before any work, attention features the evaluation cannot simulate (one line)."""
+    """Refuse, right after loading and before any work, models whose cache or attention the pipeline cannot
+    simulate (one line): encoder-decoders, hybrids whose layers keep a recurrent state (Qwen3-Next, Jamba, Bamba,
+    Falcon-H1, Nemotron-H), multi-head latent attention (DeepSeek-V2/V3, Kimi: the cache holds a latent, not per-head
+    K/V), and models not laid out as transformers' Llama-family decoders (model.layers, lm_head: GPT-NeoX, Falcon,
+    GPT-J, Bloom, MPT, OPT). Soft-capped logits (Gemma 2), attention sinks (GPT-OSS), sliding windows and
+    Llama 4's chunked attention are simulated."""
     cfg = model.config
     why = []
     if getattr(cfg, "is_encoder_decoder", False):
         why.append("it is an encoder-decoder model (cross-attention)")
-    if getattr(cfg, "attn_logit_softcapping", None):
-        why.append(f"it soft-caps attention logits (attn_logit_softcapping={cfg.attn_logit_softcapping})")
+    other = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
+    if other:
+        why.append(f"it is a hybrid: config.layer_types has {', '.join(other)} layers, which keep a recurrent state, not a KV cache "
+                   f"(kvcompress compresses attention caches: {', '.join(ATTENTION_LAYER_TYPES)})")
+    if getattr(cfg, "kv_lora_rank", None):
+        why.append(f"it uses multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): its cache holds a compressed latent per token, "
+                   "not per-head keys and values")
+    if not (hasattr(getattr(model, "model", None), "layers") and hasattr(model, "lm_head")):
+        why.append(f"{type(model).__name__} is not laid out as transformers' Llama-family decoders (model.layers and lm_head; "
+                   f"it keeps its decoder in .{getattr(model, 'base_model_prefix', '?')})")
     for m in model.modules():
         if hasattr(m, "layer_idx") and hasattr(m, "k_proj") and getattr(m, "is_causal", True) is False:
             why.append("an attention layer is not causal")

@@ -58,11 +58,32 @@ _Q_CALLBACKS: dict[str, QCallback] = {}
 OBSERVE_ATTN = "kvcompress_observe"
 
 
+def attention_chunk(config, layer: int) -> int | None:
+    """The chunk size of a chunked-attention layer (config.layer_types[layer] == "chunked_attention": Llama 4), else None."""
+    types = getattr(config, "layer_types", None)
+    if types and types[layer] == "chunked_attention":
+        return int(config.attention_chunk_size)
+    return None
+
+
 def _observing_attention(module, query, key, value, attention_mask, **kwargs):
     cb = _Q_CALLBACKS.get(OBSERVE_ATTN)
     if cb is not None:
         cb(module.layer_idx, query)  # query: [B, H_q, T, D] post-RoPE
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    S = key.shape[2]
+    window, chunk = kwargs.get("sliding_window"), attention_chunk(module.config, module.layer_idx)
+    if kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not (window and S > window) and not (chunk and S > chunk):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # SDPA has no soft cap (Gemma 2) and ignores attention sinks (GPT-OSS); under this registered attention transformers
+    # builds no sliding-window or chunked mask: where one of them binds, the reference computes the model's own attention
+    # (a teacher-forced pass of one unpadded window, keys and queries at the same positions)
+    from kvcompress import reference as ref
+
+    scaling = kwargs.get("scaling")
+    out = ref.mixed_attention(query, key, value, key, value, torch.arange(S - query.shape[2], S, device=query.device), sink_tokens=0, window=0,
+                              scaling=scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window=window,
+                              softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"), chunk=chunk)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(OBSERVE_ATTN, _observing_attention)

@@ -10,11 +10,11 @@ from kvcompress.models.tokenizer import ByteTokenizer
 
 
 def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_position: int):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+               "gemma2": Gemma2Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
     common = dict(
         vocab_size=ByteTokenizer.vocab_size,
         hidden_size=hidden,
@@ -42,6 +42,9 @@ def tiny_hf_config(arch: str, layers: int, hidden: int, heads: int, kv_heads: in
                       layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)],
                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if arch == "gemma2":  # Gemma 2's layout: sliding and global layers alternate (window 16), soft-capped attention and output logits
+        common.update(sliding_window=16, query_pre_attn_scalar=head_dim, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
     return classes[arch](**common)
 
 

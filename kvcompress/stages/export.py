@@ -52,8 +52,8 @@ EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that
 # written as the folded FP8 HF checkpoint only (hf_ckpt: TensorRT-LLM's PyTorch backend and vLLM run the model's own code from
 # config.json, sliding windows, GeGLU, sandwich norms and all); no TensorRT-LLM checkpoint (the reader and the custom-tier
 # graph implement the Llama layer), so kv=native_fp8 only
-HF_ONLY_ARCH = ("Gemma3ForCausalLM",)
-BF16_ARCH = ("Gemma3ForCausalLM",)  # trained and served in bfloat16: export.dtype=float16 is refused
+HF_ONLY_ARCH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+BF16_ARCH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
 
 
