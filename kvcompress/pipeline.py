@@ -151,7 +151,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
     if needs_model(cfg):
-        r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
+        _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
     if "export" in cfg.stages:
         from kvcompress.stages.export import check_exportable, hf_only
         from kvcompress.targets.trtllm_ckpt import check_tp
