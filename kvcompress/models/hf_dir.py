@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvcompress.errors import UserError
+from kvcompress.models.quantized import weight_quantization
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
@@ -44,6 +45,7 @@ def check_dir(cfg) -> Path:
                         "transformers knows (e.g. llama, mistral, qwen2)")
     if not any(p.glob("*.safetensors")):
         raise UserError(f"model.path={cfg.path!r} has no *.safetensors weights (kvcompress reads safetensors only, never pickled .bin files)")
+    weight_quantization(p)  # weights stored in a format kvcompress cannot read: one line, before anything loads
     return p
 
 

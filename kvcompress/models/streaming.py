@@ -26,6 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
+from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
+from kvcompress.models.quantized import weight_quantization
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
 HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes,
@@ -74,6 +76,7 @@ class Checkpoint:
             self.entries = {n: e for k, e in self.entries.items() if (n := decoder_name(k)) is not None}
         self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
         self._model = None
+        self.block = _weight_block_size(self.dir)  # FP8 weights (models.quantized): config.json's block size, if it states one
 
     def for_model(self, model) -> "Checkpoint":
         """Read tensors under `model`'s own parameter names where transformers converts the stored ones on loading
@@ -115,6 +118,21 @@ class Checkpoint:
         return ST_DTYPES[self.entries[key][1]["dtype"]]
 
     def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor `key` (or its rows lo:hi): as stored, exactly its bytes read; a float8 weight dequantized with its stored
+        scale into float32 (models.quantized), or refused in one line when it has none."""
+        t = self.read_stored(key, lo, hi)
+        if t.dtype in FLOAT8:
+            sk = scale_name(self.entries, key)
+            if sk is None:
+                raise UserError(f"checkpoint {str(self.dir)!r}: tensor {key!r} is {t.dtype} without a {key}_scale_inv or {key}_scale "
+                                "beside it; kvcompress cannot tell its values")
+            try:
+                return dequantize(t, self.read_stored(sk), self.shape(key), lo or 0, self.block)
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
+        return t
+
+    def read_stored(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor `key` (or its rows lo:hi) as stored: exactly its bytes, nothing else read."""
         if key not in self.entries:
             raise UserError(f"checkpoint {str(self.dir)!r} lacks tensor {key!r}, which the model needs")
@@ -519,10 +537,24 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
     return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), ident, streamer=streamer)
 
 
+def _weight_block_size(model_dir: Path) -> list[int] | None:
+    p = Path(model_dir) / "config.json"
+    q = (json.loads(p.read_text()).get("quantization_config") or {}) if p.is_file() else {}
+    b = q.get("weight_block_size") if isinstance(q, dict) else None
+    return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
+
+
 def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
-    """Resolve model.streaming (auto|true|false) for a checkpoint directory (text_decoder: its text decoder's weights)."""
+    """Resolve model.streaming (auto|true|false) for a checkpoint directory (text_decoder: its text decoder's weights).
+    FP8 weights are always streamed: the streaming reader dequantizes them with their stored scales (models.quantized);
+    model.streaming=false is then a one-line error."""
     from kvcompress.models.base import DTYPES
 
+    if weight_quantization(model_dir):
+        if cfg.streaming is False or cfg.streaming == "false":
+            raise UserError(f"model.streaming=false: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer, "
+                            "dequantized with their stored scales; allowed for it: model.streaming=auto or true")
+        return True
     if cfg.streaming == "auto":
         return cfg.device != "auto" and weights_exceed_device(Checkpoint(model_dir, text_decoder=text_decoder), DTYPES[cfg.dtype], cfg.device)
     return bool(cfg.streaming)

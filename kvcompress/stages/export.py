@@ -299,6 +299,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
+    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
     info = {"variant": variants[0].__dict__, "kernels": kernels}
     if book.spec.is_mixed:
         info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
@@ -325,7 +326,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits, layers)
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
-    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
             "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
@@ -560,6 +561,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
+    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {

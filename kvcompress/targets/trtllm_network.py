@@ -179,6 +179,31 @@ def text_decoder_tensors(raw: dict) -> dict:
     return {n: v for k, v in raw.items() if (n := text_decoder_name(k)) is not None} or raw
 
 
+def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
+    """An FP8-weight checkpoint's float8 tensors as float32 values w * scale (their `_scale_inv` / `_scale` tensors dropped;
+    fp8_weights.py, copied beside this file in the bundle; block size from config.json's quantization_config)."""
+    import torch
+
+    if not any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in raw.values()):
+        return raw
+    try:
+        from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
+    except ImportError:  # the bundle: fp8_weights.py beside this file
+        from fp8_weights import FLOAT8, dequantize, scale_name
+    cfg = Path(hf_dir) / "config.json"
+    block = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("weight_block_size") if cfg.is_file() else None
+    out = {}
+    for k, t in raw.items():
+        if t.dtype in FLOAT8:
+            sk = scale_name(raw, k)
+            if sk is None:
+                raise WeightsMismatch(f"{hf_dir}: {k} is {t.dtype} without a {k}_scale_inv or {k}_scale beside it")
+            out[k] = dequantize(t, raw[sk], list(t.shape), 0, block)
+        elif not (k.endswith(("_scale_inv", "_scale")) and k.rsplit("_scale", 1)[0] in raw and raw[k.rsplit("_scale", 1)[0]].dtype in FLOAT8):
+            out[k] = t
+    return out
+
+
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
     per-head q/k norms, Phi-3/Phi-4 with fused q/k/v and gate/up, split here) as fp16
@@ -193,7 +218,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
     raw = {}
     for f in files:
         raw.update(load_file(str(f)))
-    raw = text_decoder_tensors(raw)
+    raw = text_decoder_tensors(dequantize_fp8(raw, hf_dir))
     a = spec["arch"]
     p = "model."
     for name in [n for n in raw if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:  # Phi-3/Phi-4: fused rows q|k|v, gate|up

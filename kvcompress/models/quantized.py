@@ -1,0 +1,47 @@
+"""Checkpoints whose weights are stored quantized (config.json `quantization_config`).
+
+kvcompress calibrates and validates the model's K/V at full weight precision as stored: FP8 weight checkpoints (the
+common form of large open models: DeepSeek-style block-scaled `fp8`, NVIDIA Model Optimizer `FP8`, compressed-tensors
+8-bit float) are read through the streaming reader, which dequantizes each float8 weight with its stored scale
+(`<name>_scale_inv`: block-scaled; `<name>_scale`: per tensor or per output channel) into the compute dtype, so every
+stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. Any other weight format (AWQ, GPTQ, bitsandbytes,
+MXFP4, NVFP4, integer compressed-tensors, ...) is refused in one line: transformers' CPU path for them either needs a GPU
+kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
+quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
+leaves the weights as they are.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvcompress.errors import UserError
+
+READ = "fp8 (block-scaled), modelopt FP8, compressed-tensors 8-bit float"
+
+
+def weight_quantization(model_dir: Path) -> str | None:
+    """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
+    float8 with stored scales (read dequantized by the streaming reader); any other weight format: one-line UserError."""
+    p = Path(model_dir) / "config.json"
+    cfg = json.loads(p.read_text()) if p.is_file() else {}
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method == "modelopt":
+        algo = q.get("quant_algo")
+        if algo in (None, "", "NONE"):
+            return None  # KV cache only (kvcompress's own hf_ckpt, ModelOpt's KV-only export)
+        if str(algo).upper() == "FP8":
+            return "fp8"
+    elif method == "fp8":
+        return "fp8"
+    elif method == "compressed-tensors":
+        groups = (q.get("config_groups") or {}).values()
+        weights = [g.get("weights") or {} for g in groups]
+        if weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights):
+            return "fp8"
+    raise UserError(f"model.path={str(model_dir)!r} stores its weights quantized (quantization_config quant_method={method or '?'!r}"
+                    f"{', quant_algo=' + repr(q.get('quant_algo')) if q.get('quant_algo') else ''}); kvcompress reads unquantized weights "
+                    f"and FP8 ones ({READ}): point it at the unquantized checkpoint")

@@ -1,0 +1,169 @@
+"""Checkpoints whose weights are stored quantized (models.quantized): FP8 weights read dequantized by the streaming reader
+(before, their float8 values were read as weights: every key clipped, perplexity off), other formats refused in one line."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+from kvcompress.errors import UserError
+from kvcompress.models.quantized import weight_quantization
+from kvcompress.models.streaming import Checkpoint
+
+
+def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | None, name: str = "fp8", scale_suffix: str = "_scale_inv") -> tuple[Path, dict]:
+    """A tiny Llama saved as an HF directory whose q/k/v/o/MLP weights are float8 e4m3 with stored scales: per block of
+    `block` (rows and columns not multiples of it: ceil blocks) or, block None, one per tensor. Returns the directory and
+    the float32 weights those float8 values and scales define, computed here independently of the reader."""
+    from kvcompress.models.synthetic import byte_tokenizer
+    from kvcompress.models.tiny import build_tiny
+
+    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = ["LlamaForCausalLM"]
+    out = tmp_path / name
+    m.save_pretrained(str(out))
+    byte_tokenizer().save_pretrained(str(out))
+    sd = load_file(str(out / "model.safetensors"))
+    new, expect = {}, {}
+    for k, v in sd.items():
+        if not k.endswith("proj.weight"):
+            new[k] = v
+            continue
+        o, i = v.shape
+        if block is None:
+            s = v.abs().max() / 448.0
+            q = (v / s).to(torch.float8_e4m3fn)
+            new[k], new[k + scale_suffix] = q, s.reshape(1).float()
+            expect[k] = q.float() * s
+        else:
+            b0, b1 = block
+            s = torch.zeros(math.ceil(o / b0), math.ceil(i / b1))
+            for r in range(s.shape[0]):
+                for c in range(s.shape[1]):
+                    s[r, c] = v[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1].abs().max() / 448.0
+            full = s.repeat_interleave(b0, 0)[:o].repeat_interleave(b1, 1)[:, :i]
+            q = (v / full).to(torch.float8_e4m3fn)
+            new[k], new[k + scale_suffix] = q, s
+            expect[k] = q.float() * full
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, expect
+
+
+BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}
+
+
+@pytest.mark.parametrize("qcfg,block,suffix", [
+    (BLOCK_FP8, (64, 64), "_scale_inv"),  # DeepSeek / transformers fine-grained FP8, blocks that do not divide 96 or 256
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, (32, 64), "_scale_inv"),  # no block size stated: implied by the shapes
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None}, None, "_scale"),  # Model Optimizer: one scale per tensor
+])
+def test_fp8_weights_are_read_dequantized(tmp_path, qcfg, block, suffix):
+    ckpt, expect = _quantized_dir(tmp_path, qcfg, block, scale_suffix=suffix)
+    assert weight_quantization(ckpt) == "fp8"
+    c = Checkpoint(ckpt)
+    for k, w in expect.items():
+        torch.testing.assert_close(c.read(k), w, atol=0, rtol=0)
+        hi = min(90, w.shape[0])
+        torch.testing.assert_close(c.read(k, 37, hi), w[37:hi], atol=0, rtol=0)  # a row range across block edges
+    assert c.read("model.norm.weight").dtype == torch.float32  # unquantized tensors as stored
+
+
+def test_an_fp8_checkpoint_runs_streamed_and_model_streaming_false_is_one_line(tmp_path):
+    """End to end, streamed whatever model.streaming=auto decides; the run's perplexity is the dequantized model's, which
+    an in-memory run of the same weights written unquantized reproduces (before: ~10% off, every key clipped)."""
+    from kvcompress.models.synthetic import byte_tokenizer  # noqa: F401 (the directory helper's tokenizer)
+
+    ckpt, expect = _quantized_dir(tmp_path, BLOCK_FP8, (64, 64))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (plain / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((plain / "config.json").read_text())
+    del cfg["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not k.endswith("_scale_inv")}
+    save_file({**sd, **expect}, str(plain / "model.safetensors"), metadata={"format": "pt"})
+
+    def run(path, name, *extra):
+        p = run_cli("model=llama3_8b", f"model.path={path}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",
+                    "export=none", "eval.tasks.names=[]", *extra, f"hydra.run.dir={tmp_path / name}", cache_dir=tmp_path / "cache")
+        return p, tmp_path / name
+
+    p, r = run(ckpt, "run_fp8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p2, r2 = run(plain, "run_plain", "model.streaming=false")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
+    assert a["model"].get("streamed") and not b["model"].get("streamed")
+    assert a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+    assert a["quality"]["kl_mean"] == pytest.approx(b["quality"]["kl_mean"], rel=1e-3)
+    p3, r3 = run(ckpt, "forced", "model.streaming=false")
+    assert p3.returncode != 0 and "stores FP8 weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
+
+
+@pytest.mark.parametrize("qcfg,name", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
+    ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo='NVFP4'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "'compressed-tensors'"),
+])
+def test_other_weight_formats_are_one_line(tmp_path, qcfg, name):
+    ckpt, _ = _quantized_dir(tmp_path, qcfg, None)
+    with pytest.raises(UserError) as e:
+        weight_quantization(ckpt)
+    assert name in str(e.value) and "point it at the unquantized checkpoint" in str(e.value) and "\n" not in str(e.value)
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "calib=smoke", "eval=smoke", "export=none",
+                f"hydra.run.dir={tmp_path / 'r'}", cache_dir=tmp_path / "cache")
+    assert p.returncode != 0 and "stores its weights quantized" in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+
+
+def test_kv_only_quantization_and_unscaled_float8():
+    """This project's own FP8 HF checkpoint quantizes only the KV cache: its weights read as stored. A float8 weight
+    without a stored scale is one line."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt", "kv_cache_scheme": {"type": "float"}}}))
+    assert weight_quantization(d) is None
+    save_file({"w": torch.ones(4, 4).to(torch.float8_e4m3fn)}, str(d / "model.safetensors"))
+    with pytest.raises(UserError, match="without a w_scale_inv or w_scale"):
+        Checkpoint(d).read("w")
+
+
+def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_path):
+    """build_engine.py --tier custom reads the model's own HF directory (trtllm_network.load_hf_weights): FP8 weights come
+    out as the values their scales define, the scale tensors dropped; in the bundle, without kvcompress installed,
+    through the fp8_weights.py copied beside trtllm_network.py."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from kvcompress.targets.trtllm_network import dequantize_fp8
+
+    ckpt, expect = _quantized_dir(tmp_path, BLOCK_FP8, (64, 64))
+    raw = load_file(str(ckpt / "model.safetensors"))
+    out = dequantize_fp8(raw, ckpt)
+    assert set(out) == {k for k in raw if not k.endswith("_scale_inv")}
+    for k, w in expect.items():
+        torch.testing.assert_close(out[k], w, atol=0, rtol=0)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", bundle)
+    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", bundle)
+    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
+            "from safetensors.torch import load_file; from pathlib import Path; "
+            "o = tn.dequantize_fp8(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
+            "print(float(o['model.layers.0.self_attn.k_proj.weight'].double().sum()))")
+    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout) == pytest.approx(float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum()), rel=1e-12)
