@@ -335,3 +335,13 @@ def test_hf_only_families_export_and_remeasure(tmp_path, arch):
     assert manifest["artifacts"]["hf_ckpt"]["remeasured"]["passed"]
     p, run2 = _dir_run(tmp_path, ckpt, "run2", "export=trtllm")
     assert p.returncode != 0 and "use kv=native_fp8, or add export=none" in p.stderr and not run2.exists()
+
+
+def test_chunked_layers_are_counted_as_holding_one_chunk():
+    """Llama 4's chunked layers read only their current chunk, so the byte accounting holds them to attention_chunk_size
+    tokens (like a sliding layer's window); its global layers hold every token."""
+    lm = tiny("llama4_text", num_hidden_layers=4)  # every 4th layer global
+    g = lm.geometry
+    types = lm.model.config.layer_types
+    assert g.sliding_windows == tuple(16 if t == "chunked_attention" else 0 for t in types) and "full_attention" in types
+    assert [g.stored_tokens(i, 1000) for i in range(len(types))] == [16 if t == "chunked_attention" else 1000 for t in types]

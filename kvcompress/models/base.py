@@ -24,7 +24,8 @@ class Geometry:
     architecture: str
     # per layer: the sliding attention window in tokens, 0 = full attention (empty: all full). A
     # serving engine keeps a sliding layer's cache as a rolling buffer of that many tokens
-    # (TensorRT-LLM's per-layer max_attention_window, transformers' sliding-window cache layers).
+    # (TensorRT-LLM's per-layer max_attention_window, transformers' sliding-window cache layers);
+    # a chunked-attention layer (Llama 4) reads only its current chunk, so it holds at most attention_chunk_size.
     sliding_windows: tuple = ()
 
     @classmethod
@@ -35,8 +36,9 @@ class Geometry:
             rope = rope["full_attention"]
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         types = getattr(cfg, "layer_types", None) or ()
-        sw = getattr(cfg, "sliding_window", None) or 0
-        sliding = tuple(int(sw) if t == "sliding_attention" else 0 for t in types) if sw and "sliding_attention" in types else ()
+        # the most tokens a layer's cache holds: a sliding layer its window; a chunked layer (Llama 4) its current chunk
+        bound = {"sliding_attention": getattr(cfg, "sliding_window", None) or 0, "chunked_attention": getattr(cfg, "attention_chunk_size", None) or 0}
+        sliding = tuple(int(bound.get(t) or 0) for t in types) if any(bound.get(t) for t in types) else ()
         return cls(
             n_layers=cfg.num_hidden_layers,
             n_heads=cfg.num_attention_heads,
