@@ -112,7 +112,6 @@ def test_an_fp8_checkpoint_runs_streamed_and_model_streaming_false_is_one_line(t
 
 @pytest.mark.parametrize("qcfg,name", [
     ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
-    ({"quant_method": "mxfp4"}, "'mxfp4'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo='NVFP4'"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "'compressed-tensors'"),
 ])
@@ -167,3 +166,58 @@ def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_pa
     p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert float(p.stdout) == pytest.approx(float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum()), rel=1e-12)
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert weight [E, A, B] as GPT-OSS stores it in MXFP4 (OpenAI's layout, which transformers reads): the transposed
+    rows [E, B, A] in groups of 32 along A, e2m1 codes two per byte (even element in the low nibble), one e8m0 exponent
+    byte per group; returns (blocks [E, B, A/32, 16], scales [E, B, A/32], the values they define [E, A, B]), written here."""
+    m = w.transpose(1, 2).float()
+    E, B, A = m.shape
+    g = m.reshape(E, B, A // 32, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    idx = ((g / torch.exp2(e)[..., None])[..., None] - FP4).abs().argmin(-1)
+    values = (FP4[idx] * torch.exp2(e)[..., None]).reshape(E, B, A).transpose(1, 2).contiguous()
+    return (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8), (e + 127).to(torch.uint8), values
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_in_memory(tmp_path):
+    """GPT-OSS ships its experts in MXFP4: kvcompress loads them in memory, transformers dequantizing them (before: a
+    traceback or a GPU requirement); the experts' weights are the values the codes define; a run validates;
+    model.streaming=true is one line."""
+    from kvcompress.config import ModelConfig
+    from kvcompress.models import load_model
+    from kvcompress.models.synthetic import byte_tokenizer
+    from test_architectures import tiny
+
+    m = tiny("gpt_oss").model
+    m.config.architectures = ["GptOssForCausalLM"]
+    ckpt = tmp_path / "gpt_oss"
+    m.save_pretrained(str(ckpt))
+    byte_tokenizer().save_pretrained(str(ckpt))
+    sd, new, expect = load_file(str(ckpt / "model.safetensors")), {}, {}
+    for k, v in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            new[k + "_blocks"], new[k + "_scales"], expect[k] = _mxfp4(v)
+        else:
+            new[k] = v
+    save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert weight_quantization(ckpt) == "mxfp4"
+    lm = load_model(ModelConfig(name="gpt_oss", source="hf_dir", path=str(ckpt), device="cpu", dtype="float32"), tmp_path / "cache")
+    params = dict(lm.model.named_parameters())
+    assert len(expect) == 2 * lm.model.config.num_hidden_layers
+    for k, w in expect.items():
+        torch.testing.assert_close(params[k], w, atol=0, rtol=0)
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",
+                "export=none", "eval.tasks.names=[]", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "calib=smoke", "eval=smoke", "export=none", "model.streaming=true", "model.device=cpu",
+                f"hydra.run.dir={tmp_path / 'r2'}", cache_dir=tmp_path / "cache")
+    assert p.returncode != 0 and "stores MXFP4 weights" in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "r2").exists()

@@ -62,6 +62,10 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     if should_stream(cfg, p, text_decoder=bool(wrapper)):
         return load_streamed(p, cfg, tok, identity)
     kwargs = {"dtype": DTYPES[cfg.dtype], "local_files_only": True}
+    if weight_quantization(p) == "mxfp4":  # GPT-OSS's MXFP4 experts, dequantized by transformers on loading (models.quantized)
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if cfg.device == "auto":
         kwargs["device_map"] = "auto"  # accelerate spreads layers over the visible GPUs (and CPU)
     if wrapper:  # the text decoder alone, its tensors renamed on loading; the vision tower's are not read into the model

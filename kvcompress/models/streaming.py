@@ -547,10 +547,17 @@ def _weight_block_size(model_dir: Path) -> list[int] | None:
 def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
     """Resolve model.streaming (auto|true|false) for a checkpoint directory (text_decoder: its text decoder's weights).
     FP8 weights are always streamed: the streaming reader dequantizes them with their stored scales (models.quantized);
-    model.streaming=false is then a one-line error."""
+    model.streaming=false is then a one-line error. MXFP4 weights are never streamed (transformers dequantizes them on
+    loading); model.streaming=true is then a one-line error."""
     from kvcompress.models.base import DTYPES
 
-    if weight_quantization(model_dir):
+    wq = weight_quantization(model_dir)
+    if wq == "mxfp4":
+        if cfg.streaming is True:
+            raise UserError(f"model.streaming=true: model.path={str(model_dir)!r} stores MXFP4 weights, which kvcompress loads in memory "
+                            "(transformers dequantizes them); allowed for it: model.streaming=auto or false")
+        return False
+    if wq:
         if cfg.streaming is False or cfg.streaming == "false":
             raise UserError(f"model.streaming=false: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer, "
                             "dequantized with their stored scales; allowed for it: model.streaming=auto or true")
