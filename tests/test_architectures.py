@@ -193,6 +193,10 @@ def test_reference_attention_fused_and_explicit_agree_with_a_direct_softmax(soft
     ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2), "hybrid: config.layer_types has linear_attention layers"),
     ("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=32, n_routed_experts=4,
                          num_experts_per_tok=2, first_k_dense_replace=3), "multi-head latent attention (kv_lora_rank=16)"),
+    ("gemma3n_text", dict(sliding_window=16, num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[256] * 4, laurel_rank=8,
+                          altup_num_inputs=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=257, activation_sparsity_pattern=[0.0] * 4,
+                          layer_types=["sliding_attention", "full_attention"] * 2),
+     "its last 2 layers reuse earlier layers' KV caches"),  # one-pass and decoding differed by ~0.5 in its logits
     ("gpt_neox", {}, "GPTNeoXForCausalLM is not laid out as transformers' Llama-family decoders"),
     ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None), "FalconForCausalLM is not laid out"),
 ])

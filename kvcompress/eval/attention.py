@@ -202,7 +202,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 def check_supported(model, name: str) -> None:
     """Refuse, right after loading and before any work, models whose cache or attention the pipeline cannot
     simulate (one line): encoder-decoders, hybrids whose layers keep a recurrent state (Qwen3-Next, Jamba, Bamba,
-    Falcon-H1, Nemotron-H), multi-head latent attention (DeepSeek-V2/V3, Kimi: the cache holds a latent, not per-head
+    Falcon-H1, Nemotron-H), layers that reuse other layers' caches (Gemma 3n), multi-head latent attention (DeepSeek-V2/V3, Kimi: the cache holds a latent, not per-head
     K/V), and models not laid out as transformers' Llama-family decoders (model.layers, lm_head: GPT-NeoX, Falcon,
     GPT-J, Bloom, MPT, OPT). Soft-capped logits (Gemma 2), attention sinks (GPT-OSS), sliding windows and
     Llama 4's chunked attention are simulated."""
@@ -214,6 +214,9 @@ def check_supported(model, name: str) -> None:
     if other:
         why.append(f"it is a hybrid: config.layer_types has {', '.join(other)} layers, which keep a recurrent state, not a KV cache "
                    f"(kvcompress compresses attention caches: {', '.join(ATTENTION_LAYER_TYPES)})")
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        why.append(f"its last {cfg.num_kv_shared_layers} layers reuse earlier layers' KV caches (num_kv_shared_layers: Gemma 3n), which "
+                   "the one-pass evaluation does not follow (it differs from decoding through the compressed cache)")
     if getattr(cfg, "kv_lora_rank", None):
         why.append(f"it uses multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): its cache holds a compressed latent per token, "
                    "not per-head keys and values")
