@@ -108,6 +108,9 @@ def test_an_fp8_checkpoint_runs_streamed_and_model_streaming_false_is_one_line(t
     assert a["quality"]["kl_mean"] == pytest.approx(b["quality"]["kl_mean"], rel=1e-3)
     p3, r3 = run(ckpt, "forced", "model.streaming=false")
     assert p3.returncode != 0 and "stores FP8 weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
+    p4, r4 = run(ckpt, "spread", "model.device=auto")  # llama70b's default: the whole model over the GPUs, never streamed
+    assert p4.returncode != 0 and "model.device=auto: model.path=" in p4.stderr and "allowed for it: model.device=cpu or cuda:N" in p4.stderr
+    assert "Traceback" not in p4.stderr and not r4.exists()
 
 
 @pytest.mark.parametrize("qcfg,name", [

@@ -558,6 +558,9 @@ def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
                             "(transformers dequantizes them); allowed for it: model.streaming=auto or false")
         return False
     if wq:
+        if cfg.device == "auto":
+            raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer on one "
+                            "device, dequantized with their stored scales; allowed for it: model.device=cpu or cuda:N")
         if cfg.streaming is False or cfg.streaming == "false":
             raise UserError(f"model.streaming=false: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer, "
                             "dequantized with their stored scales; allowed for it: model.streaming=auto or true")
