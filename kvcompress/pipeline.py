@@ -11,9 +11,9 @@ from kvcompress.artifacts import atomic_write_json
 from kvcompress.config import RunConfig
 from kvcompress.data import load_texts
 from kvcompress.errors import UserError
+from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
 from kvcompress.hashing import obj_hash
-from kvcompress.eval.attention import check_supported
 from kvcompress.models import load_model, model_fingerprint
 from kvcompress.provenance import base_provenance
 from kvcompress.scalebook import ScaleBook

@@ -33,6 +33,8 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, shape: list[int], lo: int =
         raise ValueError(f"a float8 tensor of shape {shape} with a scale of shape {list(s.shape)}: kvcompress reads float8 matrices only")
     r = torch.arange(lo, lo + x.shape[0])
     if s.dim() == 1 or (s.shape[0] == rows and s.shape[1] == 1):
+        if s.numel() != rows:
+            raise ValueError(f"a float8 weight of shape {shape} with {s.numel()} per-row scales")
         return x * s.reshape(-1)[r][:, None]
     b0, b1 = block or (_block(rows, s.shape[0]), _block(shape[1], s.shape[1]))
     if math.ceil(rows / b0) != s.shape[0] or math.ceil(shape[1] / b1) != s.shape[1]:

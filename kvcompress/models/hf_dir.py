@@ -6,11 +6,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvcompress.errors import UserError
-from kvcompress.models.quantized import weight_quantization
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.multimodal import DECODER_KEYS, text_config, text_config_dict
+from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint, load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 

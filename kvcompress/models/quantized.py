@@ -21,14 +21,26 @@ from kvcompress.errors import UserError
 READ = "fp8 (block-scaled), modelopt FP8, compressed-tensors 8-bit float, mxfp4"
 
 
+def quantization_config(model_dir: Path) -> dict | None:
+    """config.json's quantization_config (a multimodal checkpoint's may sit in its text_config), or None."""
+    p = Path(model_dir) / "config.json"
+    cfg = json.loads(p.read_text()) if p.is_file() else {}
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    return q if isinstance(q, dict) else None
+
+
+def weight_block_size(model_dir: Path) -> list[int] | None:
+    """The block size [rows, cols] of block-scaled FP8 weights, where quantization_config states one (else the shapes imply it)."""
+    b = (quantization_config(model_dir) or {}).get("weight_block_size")
+    return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
+
+
 def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (loaded in
     memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); any other weight format: one-line UserError."""
-    p = Path(model_dir) / "config.json"
-    cfg = json.loads(p.read_text()) if p.is_file() else {}
-    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
-    if not isinstance(q, dict):
+    q = quantization_config(model_dir)
+    if q is None:
         return None
     method = str(q.get("quant_method", "")).lower()
     if method == "modelopt":

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
-from kvcompress.models.quantized import weight_quantization
+from kvcompress.models.quantized import weight_block_size, weight_quantization
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
 HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes,
@@ -76,7 +76,7 @@ class Checkpoint:
             self.entries = {n: e for k, e in self.entries.items() if (n := decoder_name(k)) is not None}
         self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
         self._model = None
-        self.block = _weight_block_size(self.dir)  # FP8 weights (models.quantized): config.json's block size, if it states one
+        self.block = weight_block_size(self.dir)  # FP8 weights (models.quantized): config.json's block size, if it states one
 
     def for_model(self, model) -> "Checkpoint":
         """Read tensors under `model`'s own parameter names where transformers converts the stored ones on loading
@@ -535,13 +535,6 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
     streamer = LayerStreamer(model, ckpt, dtype, device)
     ident = {**identity, "model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir), "streamed": True}
     return LoadedModel(model, tokenizer, Geometry.from_hf_config(model.config), ident, streamer=streamer)
-
-
-def _weight_block_size(model_dir: Path) -> list[int] | None:
-    p = Path(model_dir) / "config.json"
-    q = (json.loads(p.read_text()).get("quantization_config") or {}) if p.is_file() else {}
-    b = q.get("weight_block_size") if isinstance(q, dict) else None
-    return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
 
 
 def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
