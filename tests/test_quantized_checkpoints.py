@@ -16,10 +16,12 @@ from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint
 
 
-def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | None, name: str = "fp8", scale_suffix: str = "_scale_inv") -> tuple[Path, dict]:
+def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | str | None, name: str = "fp8", scale_suffix: str = "_scale_inv",
+                   input_scale: bool = False) -> tuple[Path, dict]:
     """A tiny Llama saved as an HF directory whose q/k/v/o/MLP weights are float8 e4m3 with stored scales: per block of
-    `block` (rows and columns not multiples of it: ceil blocks) or, block None, one per tensor. Returns the directory and
-    the float32 weights those float8 values and scales define, computed here independently of the reader."""
+    `block` (rows and columns not multiples of it: ceil blocks), "row": one per output row ([rows, 1]), or None: one per
+    tensor; input_scale: a static activation scale beside each (ModelOpt FP8). Returns the directory and the float32
+    weights those float8 values and scales define, computed here independently of the reader."""
     from kvcompress.models.synthetic import byte_tokenizer
     from kvcompress.models.tiny import build_tiny
 
@@ -35,10 +37,17 @@ def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | None, na
             new[k] = v
             continue
         o, i = v.shape
+        if input_scale:
+            new[k.removesuffix("weight") + "input_scale"] = torch.tensor(0.02 + 0.001 * len(new))
         if block is None:
             s = v.abs().max() / 448.0
             q = (v / s).to(torch.float8_e4m3fn)
             new[k], new[k + scale_suffix] = q, s.reshape(1).float()
+            expect[k] = q.float() * s
+        elif block == "row":
+            s = v.abs().amax(1, keepdim=True) / 448.0
+            q = (v / s).to(torch.float8_e4m3fn)
+            new[k], new[k + scale_suffix] = q, s.float()
             expect[k] = q.float() * s
         else:
             b0, b1 = block
@@ -64,6 +73,7 @@ BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_bloc
     (BLOCK_FP8, (64, 64), "_scale_inv"),  # DeepSeek / transformers fine-grained FP8, blocks that do not divide 96 or 256
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, (32, 64), "_scale_inv"),  # no block size stated: implied by the shapes
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None}, None, "_scale"),  # Model Optimizer: one scale per tensor
+    ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "row", "_scale"),  # Meta's FP8: one scale per output row ([rows, 1])
 ])
 def test_fp8_weights_are_read_dequantized(tmp_path, qcfg, block, suffix):
     ckpt, expect = _quantized_dir(tmp_path, qcfg, block, scale_suffix=suffix)
@@ -224,3 +234,117 @@ def test_gpt_oss_mxfp4_experts_load_dequantized_in_memory(tmp_path):
     p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "calib=smoke", "eval=smoke", "export=none", "model.streaming=true", "model.device=cpu",
                 f"hydra.run.dir={tmp_path / 'r2'}", cache_dir=tmp_path / "cache")
     assert p.returncode != 0 and "stores MXFP4 weights" in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "r2").exists()
+
+
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "dynamic": False},
+                                        "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}}}
+FBGEMM = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+MODELOPT = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None}
+
+
+def _export(tmp_path, ckpt, name, *extra):
+    run = tmp_path / name
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "calib=smoke", "eval=smoke", "kv=native_fp8",
+                "eval.tasks.names=[]", "export.dtype=bfloat16", *extra, f"hydra.run.dir={run}", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run / "export"
+
+
+def _tensors(d: Path) -> dict:
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("qcfg,block,suffix,input_scale", [
+    (BLOCK_FP8 | {"weight_block_size": [32, 32]}, (32, 32), "_scale_inv", False),  # DeepSeek / Qwen3 fine-grained FP8
+    (MODELOPT, None, "_scale", True),  # Model Optimizer FP8: one weight scale per tensor, static input scales
+    (CT_FP8, "row", "_scale", False),  # compressed-tensors (llm-compressor FP8-dynamic): one scale per output channel
+    (FBGEMM, "row", "_scale", False),  # Meta's Llama 3.1 405B FP8
+])
+def test_an_fp8_source_exports_its_fp8_weights_as_stored(tmp_path, qcfg, block, suffix, input_scale):
+    """export.fp8_weights=keep (the default): hf_ckpt/ holds the source's float8 weights and scale tensors byte for byte, the attention
+    projections the fold changes in export.dtype, listed as unquantized in the source's own format; the export's re-measurement
+    (its own check) passed; smaller than the dequantized export."""
+    ckpt, _ = _quantized_dir(tmp_path, qcfg, block, scale_suffix=suffix, input_scale=input_scale)
+    src = load_file(str(ckpt / "model.safetensors"))
+    out = _export(tmp_path, ckpt, "run")
+    hf = out / "hf_ckpt"
+    got = _tensors(hf)
+    attn = {k.removesuffix(".weight") for k in src if k.split(".")[-2] in ATTN and k.endswith(".weight")}
+    for k, v in src.items():
+        module = k.rsplit(".", 1)[0]
+        if module in attn:  # folded: written in export.dtype, no scales
+            assert k not in got or (k.endswith(".weight") and got[k].dtype == torch.bfloat16), k
+        elif v.dtype == torch.float8_e4m3fn or k.endswith(("_scale", "_scale_inv")):
+            assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else got[k], v.view(torch.uint8)
+                                                            if v.dtype == torch.float8_e4m3fn else v), k
+    assert sum(1 for v in got.values() if v.dtype == torch.float8_e4m3fn) == 6  # 2 layers x gate/up/down
+    cfg = json.loads((hf / "config.json").read_text())["quantization_config"]
+    listed = cfg.get("modules_to_not_convert") or cfg.get("ignore")
+    assert attn | set(qcfg.get("modules_to_not_convert") or qcfg.get("ignore") or []) <= set(listed)  # the source's own entries kept
+    if qcfg is MODELOPT:
+        hq = json.loads((hf / "hf_quant_config.json").read_text())["quantization"]
+        assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8" and set(attn) <= set(hq["exclude_modules"])
+        convert = pytest.importorskip("modelopt.torch.export.convert_hf_config").convert_hf_quant_config_format
+        assert convert(json.loads((hf / "hf_quant_config.json").read_text())) == cfg  # ModelOpt's own converter gives config.json's
+    else:
+        assert cfg["quant_method"] == qcfg["quant_method"] and not (hf / "hf_quant_config.json").exists()
+        assert all(cfg[k] == v for k, v in qcfg.items() if k not in ("modules_to_not_convert", "ignore"))
+    if qcfg is CT_FP8:
+        assert cfg["kv_cache_scheme"]["type"] == "float" and cfg["kv_cache_scheme"]["num_bits"] == 8 and not cfg["kv_cache_scheme"]["dynamic"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] is True
+    assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
+    w = Checkpoint(hf)
+    for k in src:  # what the written checkpoint defines == the validated model's weights (the source's, folded where listed)
+        if k.endswith(".weight") and k.split(".")[-2] in ("gate_proj", "up_proj", "down_proj"):
+            torch.testing.assert_close(w.read(k), Checkpoint(ckpt).read(k), atol=0, rtol=0)
+    if qcfg is FBGEMM:  # the dequantizing export, for the size
+        dq = _tensors(_export(tmp_path, ckpt, "dq", "export.fp8_weights=dequantize") / "hf_ckpt")
+        assert not any(v.dtype == torch.float8_e4m3fn for v in dq.values())
+        size = lambda t: sum(v.numel() * v.element_size() for k, v in t.items() if ".layers." in k)  # noqa: E731
+        assert size(got) < 0.8 * size(dq)
+
+
+def test_transformers_reads_the_kept_fp8_export_as_kvcompress_does(tmp_path):
+    """An independent reader of the format: transformers' fine-grained FP8 loader (dequantize=True, on CPU) reads the exported
+    checkpoint's weights exactly as kvcompress's re-measurement did, modules_to_not_convert included."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    ckpt, _ = _quantized_dir(tmp_path, BLOCK_FP8 | {"weight_block_size": [32, 32]}, (32, 32))
+    hf = _export(tmp_path, ckpt, "run") / "hf_ckpt"
+    m = AutoModelForCausalLM.from_pretrained(str(hf), quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=(32, 32)),
+                                             dtype=torch.float32)
+    ours, n = Checkpoint(hf), 0
+    for k, v in m.named_parameters():
+        if k in ours:
+            torch.testing.assert_close(v.detach(), ours.read(k).float(), atol=0, rtol=0)
+            n += 1
+    assert n >= 20
+
+
+def test_a_kept_fp8_weight_is_checked_against_what_was_validated(tmp_path):
+    """The writer copies a kept FP8 weight only if its stored bytes define exactly the value it is handed (the validated model's):
+    a changed one is refused and nothing is left behind. Where a key norm takes the fold's key factors (Qwen3), q/k_proj keep FP8."""
+    from transformers import AutoConfig
+
+    from kvcompress.targets.hf_ckpt import HFWriter, folded_by_export
+
+    ckpt, _ = _quantized_dir(tmp_path, BLOCK_FP8 | {"weight_block_size": [32, 32]}, (32, 32))
+    c = Checkpoint(ckpt)
+    state = {k: c.read(k) for k in c.entries if not k.endswith("_scale_inv")}
+    w = HFWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, AutoConfig.from_pretrained(str(ckpt)), None, tmp_path / "out",
+                 torch.ones(2), torch.bfloat16, 100, fp8_source=c)
+    k = "model.layers.0.mlp.up_proj.weight"
+    assert k in w.kept and "model.layers.0.self_attn.q_proj" in w.unquantized and "model.layers.0.mlp.up_proj" not in w.unquantized
+    w.write(k, state[k])  # unchanged: copied
+    with pytest.raises(RuntimeError, match="changed before writing"):
+        w.write("model.layers.1.mlp.up_proj.weight", state["model.layers.1.mlp.up_proj.weight"] * 1.01)
+    w.abort()
+    assert not list((tmp_path / "out").glob("*.safetensors*")) and not list((tmp_path / "out").glob(".*.tmp"))
+    names = {"model.layers.3.self_attn.k_norm.weight"}
+    assert not folded_by_export("model.layers.3.self_attn.q_proj.weight", names) and folded_by_export("model.layers.3.self_attn.o_proj.weight", names)
+    assert folded_by_export("model.layers.3.self_attn.k_proj.weight", set()) and not folded_by_export("model.layers.3.mlp.down_proj.weight", set())

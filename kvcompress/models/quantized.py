@@ -1,8 +1,8 @@
 """Checkpoints whose weights are stored quantized (config.json `quantization_config`).
 
 kvcompress calibrates and validates the model's K/V at full weight precision as stored: FP8 weight checkpoints (the
-common form of large open models: DeepSeek-style block-scaled `fp8`, NVIDIA Model Optimizer `FP8`, compressed-tensors
-8-bit float) are read through the streaming reader, which dequantizes each float8 weight with its stored scale
+common form of large open models: DeepSeek-style block-scaled `fp8`, Meta's `fbgemm_fp8` (per output row), NVIDIA Model
+Optimizer `FP8`, compressed-tensors 8-bit float) are read through the streaming reader, which dequantizes each float8 weight with its stored scale
 (`<name>_scale_inv`: block-scaled; `<name>_scale`: per tensor or per output channel) into the compute dtype, so every
 stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. GPT-OSS's MXFP4 experts are loaded in memory by
 transformers, which dequantizes them (its Mxfp4Config(dequantize=True), on any device). Any other weight format (AWQ,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvcompress.errors import UserError
 
-READ = "fp8 (block-scaled), modelopt FP8, compressed-tensors 8-bit float, mxfp4"
+READ = "fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4"
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -49,7 +49,7 @@ def weight_quantization(model_dir: Path) -> str | None:
             return None  # KV cache only (kvcompress's own hf_ckpt, ModelOpt's KV-only export)
         if str(algo).upper() == "FP8":
             return "fp8"
-    elif method == "fp8":
+    elif method in ("fp8", "fbgemm_fp8"):  # fbgemm_fp8: Meta's Llama 3.1 405B FP8 (one scale per output row)
         return "fp8"
     elif method == "mxfp4":
         return "mxfp4"

@@ -36,6 +36,7 @@ from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES
 from kvcompress.models.fused import unfuse
+from kvcompress.models.quantized import weight_quantization
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
@@ -464,7 +465,9 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
     trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
                                                     lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
-    hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model)
+    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) == "fp8" else None
+    hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model,
+                  fp8_source=keep)
     writers = [*trt, hf]
     try:
         rows = max(1, HEAD_CHUNK_BYTES // (geom.hidden_size * 4))
@@ -488,6 +491,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
         for w in writers:
             w.abort()
         raise
+    hf_fold.weights = hf.weights_note()
     return trt_fold, hf_fold
 
 
@@ -511,7 +515,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     hf_fold.record(checks)
     hf_guard = hf_fold.guard
     if only_hf:
-        return _hf_only_manifest(run, out, checks, report, hf_book, hf_guard)
+        return _hf_only_manifest(run, out, checks, report, hf_book, hf_guard, hf_fold.weights)
     algo = NATIVE_ALGO[trt_book.spec.format]
     trt_guard = trt_fold.guard
     primary = books["primary"]
@@ -558,7 +562,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     if algo == "NVFP4":
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
                                                               "or re-export with export.native_kv=FP8")
-    artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard)
+    artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard, hf_fold.weights)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
@@ -630,9 +634,11 @@ def _check_hf(run, out: Path, hf_book: ScaleBook, report: dict, checks: Checks, 
     return v_hf, c_hf
 
 
-def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict) -> dict:
+def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, weights: dict) -> dict:
+    what = (f"Hugging Face checkpoint (sharded) with FP8 KV scales, the source's FP8 weights kept, fold of {hf_book.spec.name}" if weights["fp8_weights_kept"] else
+            f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}")
     return {
-        "tier": "native", "what": f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}",
+        "tier": "native", "what": what, **weights,
         "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
         "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs", "key_norm")},
         "fold_guard": guard, "remeasured": c_hf,
@@ -648,7 +654,7 @@ def _text_decoder_note(lm) -> dict:
                                  "written; its vision tower and projector are not in this export (the checkpoints serve text)"}
 
 
-def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: ScaleBook, guard: dict) -> tuple[dict, bool]:
+def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: ScaleBook, guard: dict, weights: dict) -> tuple[dict, bool]:
     """The export of a model the TensorRT-LLM checkpoint cannot carry (export_route; Gemma 3): the folded FP8 HF checkpoint,
     re-measured, and nothing else."""
     lm = run.lm
@@ -656,17 +662,20 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
     manifest = {
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
-        "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard)},
+        "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard, weights)},
         **_text_decoder_note(lm),
         "not_written": {"trtllm_ckpt": f"{export_route(lm.model)[1]}; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with "
                                        "the model's own code"},
         "checks": checks.rows,
         "engine_built": False,
         "engine_reason": "no TensorRT-LLM checkpoint for this model (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
-        "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; hf_quant_config.json carries the "
+        "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; the quantization config carries the "
                                  "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
-        "fallback_fp16_kv": "serve export/hf_ckpt without hf_quant_config.json and config.json's quantization_config: the same folded weights "
-                            "(the fold is exact in float32, then rounded to export.dtype) with an unquantized KV cache",
+        "fallback_fp16_kv": ("serve export/hf_ckpt with --kv-cache-dtype auto after removing the KV entries of its quantization config (kv_cache_quant_algo "
+                             "in hf_quant_config.json, kv_cache_scheme in config.json), keeping the weight format: the same folded weights with an "
+                             "unquantized KV cache") if weights["fp8_weights_kept"] else
+                            ("serve export/hf_ckpt without hf_quant_config.json and config.json's quantization_config: the same folded weights "
+                             "(the fold is exact in float32, then rounded to export.dtype) with an unquantized KV cache"),
         "not_verified_here": {
             "trtllm-serve / vLLM loading and serving": "neither installs on this machine; the checkpoint was re-measured through transformers (see checks)",
         },

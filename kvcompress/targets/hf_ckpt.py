@@ -13,16 +13,25 @@ What is written, and where each part comes from:
   ModelOpt's converter on our hf_quant_config.json and compares;
 * config.json readable by transformers 4.57 (TensorRT-LLM 1.2's pin: `rope_theta`, `rope_scaling`,
   `torch_dtype`) and 5.x (`rope_parameters`); one dtype value.
+* a source whose weights are FP8 (models.quantized; export.fp8_weights=keep, the default) keeps them: every float8
+  weight the fold leaves alone is copied as stored, its bytes and its scale tensors (`weight_scale_inv`, `weight_scale`,
+  `input_scale`) unchanged, so the export is about the source's size, not twice it; the attention projections the fold
+  changes (q/k/v/o_proj; q/k stay where a key norm takes the key factors) are written folded in `export.dtype` and
+  added to the format's list of unconverted modules; the quantization config keeps the source's format
+  (fp8_weight_configs). export.fp8_weights=dequantize writes every weight in `export.dtype`.
 Not verified here: loading by vLLM or trtllm-serve (neither installs on this machine).
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 
 from kvcompress.artifacts import atomic_write_json
+from kvcompress.errors import UserError
+from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.fused import fuse
 
 FP8_MAX = 448.0
@@ -34,9 +43,59 @@ def quant_config() -> dict:
 
 
 def config_quantization(hf_quant: dict) -> dict:
-    """ModelOpt 0.47's convert_hf_quant_config_format for a KV-only FP8 config (checked by a test)."""
-    return {"ignore": [], "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
-            "producer": hf_quant["producer"], "quant_method": "modelopt"}
+    """ModelOpt 0.47's convert_hf_quant_config_format for an FP8 KV cache, with weights unquantized or FP8 (quant_algo FP8:
+    one scale per tensor) outside `exclude_modules` (checked against ModelOpt's converter by a test)."""
+    q = hf_quant["quantization"]
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    out = {"ignore": list(q.get("exclude_modules") or []), "kv_cache_scheme": dict(fp8), "producer": hf_quant["producer"], "quant_method": "modelopt"}
+    if q.get("quant_algo") == "FP8":
+        out |= {"quant_algo": "FP8", "config_groups": {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}}
+    return out
+
+
+# The list of modules a weight format leaves unquantized, by quant_method (transformers, vLLM and TensorRT-LLM read these):
+# fp8 / fbgemm_fp8 `modules_to_not_convert` (vLLM also `ignored_layers`), compressed-tensors `ignore`.
+UNCONVERTED = ("modules_to_not_convert", "ignored_layers", "ignore")
+DEFAULT_UNCONVERTED = {"fp8": "modules_to_not_convert", "fbgemm_fp8": "modules_to_not_convert", "compressed-tensors": "ignore"}
+# compressed-tensors' static FP8 KV cache (one scale per layer for K and one for V: k_scale / v_scale), as llm-compressor writes it
+CT_KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: list[str]) -> tuple[dict, dict | None]:
+    """(config.json's quantization_config, hf_quant_config.json or None) of a folded checkpoint that keeps an FP8 source's
+    weights except the `unquantized` modules (written in export.dtype): the source's own format with those modules added
+    to its list of unconverted modules, and the FP8 KV cache declared where the format has a field for it (ModelOpt:
+    kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fp8 / fbgemm_fp8 have no such field: the server's
+    --kv-cache-dtype fp8 reads the stored k_scale / v_scale."""
+    method = str(src_qcfg.get("quant_method", "")).lower()
+    if method == "modelopt":
+        q = (src_hf_quant or {}).get("quantization") or {}
+        excl = list(q.get("exclude_modules") or src_qcfg.get("exclude_modules") or src_qcfg.get("ignore") or [])
+        hq = {"producer": PRODUCER, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                                     "exclude_modules": excl + [m for m in unquantized if m not in excl]}}
+        return config_quantization(hq), hq
+    if method not in DEFAULT_UNCONVERTED:
+        raise ValueError(f"no FP8-weight export for quant_method={method!r}")
+    cfg = copy.deepcopy(src_qcfg)
+    for key in [k for k in UNCONVERTED if cfg.get(k)] or [DEFAULT_UNCONVERTED[method]]:
+        have = list(cfg.get(key) or [])
+        cfg[key] = have + [m for m in unquantized if m not in have]
+    if method == "compressed-tensors":
+        cfg["kv_cache_scheme"] = dict(CT_KV_FP8)
+    return cfg, None
+
+
+# the weights fold_layer rewrites (Llama names; Phi-3's fused qkv_proj holds q/k/v); q/k_proj stay where a key norm takes the factors
+FOLDED = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+
+
+def folded_by_export(key: str, names) -> bool:
+    """Whether the export's fold may change weight `key` (a stored name), given the layer's tensor `names`."""
+    parts = key.split(".")
+    if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3] != "self_attn" or parts[-1] != "weight" or parts[-2] not in FOLDED:
+        return False
+    key_norm = ".".join(parts[:4]) + ".k_norm.weight" in names
+    return not (key_norm and parts[-2] in ("q_proj", "k_proj"))
 
 
 def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
@@ -65,7 +124,7 @@ class HFWriter:
     Mixtral's fused experts back to block_sparse_moe.experts.{e}.w1/w2/w3), which vLLM and TensorRT-LLM read."""
 
     def __init__(self, meta_state: dict, hf_config, tokenizer, out_dir: Path, kv_scale: torch.Tensor, dtype: torch.dtype, shard_mb: float,
-                 model=None):
+                 model=None, fp8_source=None):
         from kvcompress.targets.st_writer import SafetensorsWriter, nbytes
 
         self.dir, self.hf_config, self.tokenizer, self.dtype, self.kv_scale = Path(out_dir), hf_config, tokenizer, dtype, kv_scale
@@ -77,6 +136,10 @@ class HFWriter:
         for i in range(len(kv_scale)):
             plan[f"model.layers.{i}.self_attn.k_proj.k_scale"] = (torch.float32, ())
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
+        # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
+        self.src, self.kept, self.unquantized = fp8_source, {}, set()
+        if fp8_source is not None:
+            self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
         for k in sorted(plan):
             nb = nbytes(*plan[k])
@@ -96,6 +159,59 @@ class HFWriter:
             for k in (f"model.layers.{i}.self_attn.k_proj.k_scale", f"model.layers.{i}.self_attn.v_proj.v_scale"):
                 self._w(k).write(k, torch.tensor(s, dtype=torch.float32))
 
+    def _plan_fp8(self, plan: dict) -> None:
+        """Plan the source's float8 weights: kept as stored with their scale tensors (self.kept: weight -> its other
+        tensors), or, where the fold changes them, written in export.dtype (self.unquantized: their modules)."""
+        src = self.src
+        fp8 = [k for k in src.entries if src.stored_dtype(k) in FLOAT8]
+        missing = [k for k in fp8 if k not in plan]
+        if missing:
+            raise UserError(f"export: the source's FP8 weight {missing[0]!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                            "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
+        others: dict[str, list[str]] = {}
+        for k in src.entries:
+            module, _, leaf = k.rpartition(".")
+            if leaf not in ("weight", "bias") and k not in plan:
+                others.setdefault(module, []).append(k)
+        for k in fp8:
+            module = k.rpartition(".")[0]
+            if folded_by_export(k, plan):
+                self.unquantized.add(module)
+                continue
+            if scale_name(src.entries, k) is None:
+                raise UserError(f"export: the source's FP8 weight {k!r} has no {k}_scale_inv or {k}_scale beside it")
+            self.kept[k] = sorted(others.get(module, []))
+            for t in (k, *self.kept[k]):
+                plan[t] = (src.stored_dtype(t), tuple(src.shape(t)))
+
+    def _write_kept(self, key: str, value: torch.Tensor, row: int) -> None:
+        """A kept FP8 weight (rows row.. of it): its stored bytes, after checking that they define exactly `value` (what the
+        validated model computed with); its scale tensors with the first rows."""
+        src = self.src
+        n = value.shape[0] if value.dim() else 1
+        raw = src.read_stored(key, row, row + n) if value.dim() > 1 else src.read_stored(key)
+        sk = scale_name(src.entries, key)
+        if not torch.equal(dequantize(raw, src.read_stored(sk), src.shape(key), row, src.block).to(value.dtype), value):
+            raise RuntimeError(f"hf_ckpt: the FP8 weight {key!r} was changed before writing; its stored bytes no longer define it")
+        self._w(key).write(key, raw, row=row)
+        if row == 0:
+            for t in self.kept[key]:
+                self._w(t).write(t, src.read_stored(t))
+
+    def weights_note(self) -> dict:
+        """The manifest's word on how the weights were written."""
+        if self.src is None:
+            return {"weights": str(self.dtype).removeprefix("torch."), "fp8_weights_kept": False}
+        return {"fp8_weights_kept": True, "weights": f"the source's FP8 weights kept as stored ({len(self.kept)} tensors with their scales, quantization_config quant_method "
+                           f"{self.src_method()!r}); the {len(self.unquantized)} attention projections the fold changes in "
+                           f"{str(self.dtype).removeprefix('torch.')}, listed as unquantized modules",
+                "bytes": self.total}
+
+    def src_method(self) -> str:
+        from kvcompress.models.quantized import quantization_config
+
+        return str((quantization_config(self.src.dir) or {}).get("quant_method", ""))
+
     def _stored(self, state: dict) -> dict:
         if self.model is None:
             return state
@@ -108,6 +224,9 @@ class HFWriter:
 
     def write(self, key: str, t: torch.Tensor, row: int = 0) -> None:
         if key not in self.where:  # lm_head of a tied model
+            return
+        if key in self.kept:
+            self._write_kept(key, t.detach(), row)
             return
         self._w(key).write(key, t.detach().to(self.dtype) if t.is_floating_point() else t, row=row)
 
@@ -123,13 +242,21 @@ class HFWriter:
             w.close()
         weight_map = {k: name for k, (name, _) in self.where.items()}
         atomic_write_json(self.dir / "model.safetensors.index.json", {"metadata": {"total_size": self.total}, "weight_map": weight_map})
-        hq = quant_config()
         cfg = hf_config_dict(self.hf_config, self.dtype)
         if not cfg.get("architectures") and self.model is not None:  # a model built from a GGUF or in code: servers pick the class by this
             cfg["architectures"] = [type(self.model).__name__]
-        cfg["quantization_config"] = config_quantization(hq)
+        if self.src is None:
+            hq = quant_config()
+            cfg["quantization_config"] = config_quantization(hq)
+        else:
+            from kvcompress.models.quantized import quantization_config
+
+            hqp = self.src.dir / "hf_quant_config.json"
+            cfg["quantization_config"], hq = fp8_weight_configs(quantization_config(self.src.dir), json.loads(hqp.read_text()) if hqp.is_file() else None,
+                                                                sorted(self.unquantized))
         atomic_write_json(self.dir / "config.json", cfg)
-        atomic_write_json(self.dir / "hf_quant_config.json", hq)
+        if hq is not None:
+            atomic_write_json(self.dir / "hf_quant_config.json", hq)
         if hasattr(self.tokenizer, "tok"):
             self.tokenizer.tok.save_pretrained(str(self.dir))
         return self.dir
