@@ -286,7 +286,7 @@ HF_ONLY_TYPES = {"GemmaForCausalLM": "gemma", "Cohere2ForCausalLM": "cohere2", "
                  "OlmoeForCausalLM": "olmoe", "GraniteForCausalLM": "granite", "GraniteMoeForCausalLM": "granitemoe", "GlmForCausalLM": "glm",
                  "Glm4ForCausalLM": "glm4", "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                  "Ernie4_5ForCausalLM": "ernie4_5", "ApertusForCausalLM": "apertus", "ArceeForCausalLM": "arcee",
-                 "MinistralForCausalLM": "ministral", "HeliumForCausalLM": "helium"}
+                 "MinistralForCausalLM": "ministral", "HeliumForCausalLM": "helium", "GptOssForCausalLM": "gpt_oss"}
 
 
 def _folded_logit_error(arch: str) -> float:

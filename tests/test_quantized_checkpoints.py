@@ -197,12 +197,9 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8), (e + 127).to(torch.uint8), values
 
 
-def test_gpt_oss_mxfp4_experts_load_dequantized_in_memory(tmp_path):
-    """GPT-OSS ships its experts in MXFP4: kvcompress loads them in memory, transformers dequantizing them (before: a
-    traceback or a GPU requirement); the experts' weights are the values the codes define; a run validates;
-    model.streaming=true is one line."""
-    from kvcompress.config import ModelConfig
-    from kvcompress.models import load_model
+def _gpt_oss_dir(tmp_path: Path) -> tuple[Path, dict]:
+    """A tiny GPT-OSS saved as OpenAI ships it: experts in MXFP4 (written here by _mxfp4), the rest unquantized; returns the
+    directory and the expert weights the codes define."""
     from kvcompress.models.synthetic import byte_tokenizer
     from test_architectures import tiny
 
@@ -222,18 +219,42 @@ def test_gpt_oss_mxfp4_experts_load_dequantized_in_memory(tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                                                        "model.embed_tokens", "lm_head"]}
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt, expect
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_streamed_and_in_memory(tmp_path):
+    """GPT-OSS ships its experts in MXFP4: kvcompress reads them layer by layer, dequantized by its reader (model.streaming=auto or
+    true), or loads them in memory, transformers dequantizing them (model.streaming=false; before: a traceback or a GPU
+    requirement); either way the experts' weights are the values the codes define (computed by the test), and a streamed run
+    validates with the in-memory run's perplexity; model.device=auto with streaming is one line."""
+    from kvcompress.config import ModelConfig
+    from kvcompress.models import load_model
+
+    ckpt, expect = _gpt_oss_dir(tmp_path)
     assert weight_quantization(ckpt) == "mxfp4"
-    lm = load_model(ModelConfig(name="gpt_oss", source="hf_dir", path=str(ckpt), device="cpu", dtype="float32"), tmp_path / "cache")
+    lm = load_model(ModelConfig(name="gpt_oss", source="hf_dir", path=str(ckpt), device="cpu", dtype="float32", streaming=False), tmp_path / "cache")
+    assert lm.streamer is None
     params = dict(lm.model.named_parameters())
     assert len(expect) == 2 * lm.model.config.num_hidden_layers
+    c = Checkpoint(ckpt)
     for k, w in expect.items():
         torch.testing.assert_close(params[k], w, atol=0, rtol=0)
-    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",
-                "export=none", "eval.tasks.names=[]", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "calib=smoke", "eval=smoke", "export=none", "model.streaming=true", "model.device=cpu",
-                f"hydra.run.dir={tmp_path / 'r2'}", cache_dir=tmp_path / "cache")
-    assert p.returncode != 0 and "stores MXFP4 weights" in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "r2").exists()
+        torch.testing.assert_close(c.read(k), w, atol=0, rtol=0)  # the streaming reader
+        torch.testing.assert_close(c.read(k, 1, 3), w[1:3], atol=0, rtol=0)  # experts 1..2 alone
+        assert c.shape(k) == list(w.shape) and k in c
+
+    def run(name, *extra):
+        p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",
+                    "export=none", "eval.tasks.names=[]", *extra, f"hydra.run.dir={tmp_path / name}", cache_dir=tmp_path / "cache")
+        return p, tmp_path / name
+
+    (p, r), (p2, r2) = run("streamed"), run("memory", "model.streaming=false")
+    assert p.returncode == 0 and p2.returncode == 0, (p.stderr + p2.stderr)[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
+    assert a["model"].get("streamed") and not b["model"].get("streamed")
+    assert a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-5)
+    p3, r3 = run("spread", "model.device=auto")
+    assert p3.returncode != 0 and "stores MXFP4 experts" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
 
 
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
@@ -348,3 +369,32 @@ def test_a_kept_fp8_weight_is_checked_against_what_was_validated(tmp_path):
     names = {"model.layers.3.self_attn.k_norm.weight"}
     assert not folded_by_export("model.layers.3.self_attn.q_proj.weight", names) and folded_by_export("model.layers.3.self_attn.o_proj.weight", names)
     assert folded_by_export("model.layers.3.self_attn.k_proj.weight", set()) and not folded_by_export("model.layers.3.mlp.down_proj.weight", set())
+
+
+def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
+    """GPT-OSS (sinks, biases: the fold is exact) exports as the FP8-KV HF checkpoint with its MXFP4 experts copied as stored (blocks
+    and scales byte for byte, the source's quantization_config), the folded attention in bfloat16; re-measured as validated;
+    transformers' own MXFP4 loader reads the export as kvcompress's reader does. In bfloat16 the self-check fails (transformers'
+    GPT-OSS attention takes its softmax in bfloat16): one line that points at model.dtype=float32."""
+    from kvcompress.config import ModelConfig
+    from kvcompress.models import load_model
+
+    ckpt, _ = _gpt_oss_dir(tmp_path)
+    out = _export(tmp_path, ckpt, "run", "model.dtype=float32")
+    hf = out / "hf_ckpt"
+    src, got = load_file(str(ckpt / "model.safetensors")), _tensors(hf)
+    packed = [k for k in src if k.endswith(("_blocks", "_scales"))]
+    assert len(packed) == 4 * 3 and all(torch.equal(got[k], src[k]) for k in packed)
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in got)
+    assert got["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16 and "model.layers.0.self_attn.sinks" in got
+    assert json.loads((hf / "config.json").read_text())["quantization_config"] == json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] and "6 MXFP4" in m["artifacts"]["hf_ckpt"]["weights"]
+    assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
+    mem = load_model(ModelConfig(name="x", source="hf_dir", path=str(hf), device="cpu", dtype="float32", streaming=False), tmp_path / "cache")
+    ours = Checkpoint(hf)
+    for k, v in mem.model.named_parameters():
+        torch.testing.assert_close(v.detach(), ours.read(k).float(), atol=0, rtol=0)
+    p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=bfloat16", "calib=smoke", "eval=smoke",
+                "export=none", "eval.tasks.names=[]", f"hydra.run.dir={tmp_path / 'bf16'}", cache_dir=tmp_path / "cache")
+    assert p.returncode != 0 and "try model.dtype=float32" in p.stderr and "Traceback" not in p.stderr

@@ -4,8 +4,9 @@ kvcompress calibrates and validates the model's K/V at full weight precision as 
 common form of large open models: DeepSeek-style block-scaled `fp8`, Meta's `fbgemm_fp8` (per output row), NVIDIA Model
 Optimizer `FP8`, compressed-tensors 8-bit float) are read through the streaming reader, which dequantizes each float8 weight with its stored scale
 (`<name>_scale_inv`: block-scaled; `<name>_scale`: per tensor or per output channel) into the compute dtype, so every
-stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. GPT-OSS's MXFP4 experts are loaded in memory by
-transformers, which dequantizes them (its Mxfp4Config(dequantize=True), on any device). Any other weight format (AWQ,
+stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. GPT-OSS's MXFP4 experts are read the same way,
+dequantized by the streaming reader (mxfp4_weights), or with model.streaming=false loaded in memory by transformers, which
+dequantizes them (its Mxfp4Config(dequantize=True), on any device). Any other weight format (AWQ,
 GPTQ, bitsandbytes, NVFP4, integer compressed-tensors, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
 quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
@@ -37,7 +38,7 @@ def weight_block_size(model_dir: Path) -> list[int] | None:
 
 def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
-    float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (loaded in
+    float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
     memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); any other weight format: one-line UserError."""
     q = quantization_config(model_dir)
     if q is None:

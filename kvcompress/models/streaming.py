@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
+from kvcompress.models import mxfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.quantized import weight_block_size, weight_quantization
 
@@ -77,6 +78,9 @@ class Checkpoint:
         self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
         self._model = None
         self.block = weight_block_size(self.dir)  # FP8 weights (models.quantized): config.json's block size, if it states one
+        # MXFP4 weights (GPT-OSS's experts): the weight's name -> its stored (blocks, scales), read dequantized (mxfp4_weights)
+        self.mxfp4 = {k.removesuffix("_blocks"): pair for k in self.entries if k.endswith("_blocks")
+                      and (pair := mxfp4_weights.blocks_name(self.entries, k.removesuffix("_blocks")))}
 
     def for_model(self, model) -> "Checkpoint":
         """Read tensors under `model`'s own parameter names where transformers converts the stored ones on loading
@@ -109,9 +113,11 @@ class Checkpoint:
         return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries or key in self.converted
+        return key in self.entries or key in self.converted or key in self.mxfp4
 
     def shape(self, key: str) -> list[int]:
+        if key in self.mxfp4 and key not in self.entries:
+            return mxfp4_weights.shape(list(self.entries[self.mxfp4[key][0]][1]["shape"]))
         return list(self.entries[key][1]["shape"])
 
     def stored_dtype(self, key: str) -> torch.dtype:
@@ -119,7 +125,14 @@ class Checkpoint:
 
     def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor `key` (or its rows lo:hi): as stored, exactly its bytes read; a float8 weight dequantized with its stored
-        scale into float32 (models.quantized), or refused in one line when it has none."""
+        scale into float32 (models.quantized), or refused in one line when it has none; an MXFP4 weight (stored as
+        `<key>_blocks` and `<key>_scales`; rows: experts) dequantized into float32."""
+        if key in self.mxfp4 and key not in self.entries:
+            b, s = self.mxfp4[key]
+            try:
+                return mxfp4_weights.dequantize(self.read_stored(b, lo, hi), self.read_stored(s, lo, hi))
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         t = self.read_stored(key, lo, hi)
         if t.dtype in FLOAT8:
             sk = scale_name(self.entries, key)
@@ -540,22 +553,20 @@ def load_streamed(model_dir: Path, cfg, tokenizer, identity: dict):
 def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
     """Resolve model.streaming (auto|true|false) for a checkpoint directory (text_decoder: its text decoder's weights).
     FP8 weights are always streamed: the streaming reader dequantizes them with their stored scales (models.quantized);
-    model.streaming=false is then a one-line error. MXFP4 weights are never streamed (transformers dequantizes them on
-    loading); model.streaming=true is then a one-line error."""
+    model.streaming=false is then a one-line error. MXFP4 experts (GPT-OSS) are streamed too (auto, true), dequantized
+    by the reader (mxfp4_weights), or with model.streaming=false loaded in memory, transformers dequantizing them."""
     from kvcompress.models.base import DTYPES
 
     wq = weight_quantization(model_dir)
-    if wq == "mxfp4":
-        if cfg.streaming is True:
-            raise UserError(f"model.streaming=true: model.path={str(model_dir)!r} stores MXFP4 weights, which kvcompress loads in memory "
-                            "(transformers dequantizes them); allowed for it: model.streaming=auto or false")
-        return False
+    if wq == "mxfp4" and (cfg.streaming is False or cfg.streaming == "false"):
+        return False  # in memory: transformers dequantizes the experts (hf_dir)
     if wq:
+        what = "FP8 weights, which kvcompress reads layer by layer" if wq == "fp8" else "MXFP4 experts, which kvcompress reads layer by layer"
         if cfg.device == "auto":
-            raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer on one "
-                            "device, dequantized with their stored scales; allowed for it: model.device=cpu or cuda:N")
+            raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores {what} on one device, dequantized with their stored "
+                            "scales; allowed for it: model.device=cpu or cuda:N" + (" (or model.streaming=false: in memory)" if wq == "mxfp4" else ""))
         if cfg.streaming is False or cfg.streaming == "false":
-            raise UserError(f"model.streaming=false: model.path={str(model_dir)!r} stores FP8 weights, which kvcompress reads layer by layer, "
+            raise UserError(f"model.streaming=false: model.path={str(model_dir)!r} stores {what}, "
                             "dequantized with their stored scales; allowed for it: model.streaming=auto or true")
         return True
     if cfg.streaming == "auto":

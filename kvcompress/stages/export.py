@@ -56,13 +56,13 @@ EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that
 # Beyond Gemma 3, the families whose fold (key factors, pair rotations, value factors) is exact in transformers' modeling code
 # (tests/test_architectures.py folds a fitted native_fp8 ScaleBook into each and compares logits) and whose folded checkpoint
 # exports and re-measures; not here because the fold is not exact: Llama 4 (a weightless norm of q and k after RoPE),
-# HunYuan (q/k layernorms after RoPE), BitNet (weights re-quantized in the forward); GPT-OSS (its released checkpoints are
-# MXFP4, which this writer would not keep)
+# HunYuan (q/k layernorms after RoPE), BitNet (weights re-quantized in the forward). GPT-OSS: its MXFP4 experts are copied as
+# stored (targets.hf_ckpt, export.fp8_weights=keep), its bfloat16 attention folded (sinks and biases: the fold is exact)
 HF_ONLY_ARCH = ("Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Cohere2ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "SmolLM3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
-                "HeliumForCausalLM")
-BF16_ARCH = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
+                "HeliumForCausalLM", "GptOssForCausalLM")
+BF16_ARCH = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
 
 
@@ -465,7 +465,8 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
     trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
                                                     lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
-    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) == "fp8" else None
+    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4") \
+        else None
     hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model,
                   fp8_source=keep)
     writers = [*trt, hf]

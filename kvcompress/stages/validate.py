@@ -85,6 +85,9 @@ def self_check(lm, ids: torch.Tensor, name: str) -> dict:
             f"validate: on model {name} the evaluation path with nothing compressed differs from the model's own forward "
             f"(KL {kl:.2e} > {SELF_CHECK_MAX_KL:.0e}); likely cause: an attention feature kvcompress does not simulate "
             "(custom masks, soft-capping, alibi, non-standard attention) or an output head it does not reproduce (final_logits)"
+            + ("" if lm.dtype == torch.float32 else f"; or, in {str(lm.dtype).removeprefix('torch.')}, the model's own attention rounds where the "
+               "evaluation's float32 attention does not (GPT-OSS's eager softmax): try model.dtype=float32 (a streamed model holds one layer "
+               "at a time)")
         )
     return out
 

@@ -56,7 +56,8 @@ def config_quantization(hf_quant: dict) -> dict:
 # The list of modules a weight format leaves unquantized, by quant_method (transformers, vLLM and TensorRT-LLM read these):
 # fp8 / fbgemm_fp8 `modules_to_not_convert` (vLLM also `ignored_layers`), compressed-tensors `ignore`.
 UNCONVERTED = ("modules_to_not_convert", "ignored_layers", "ignore")
-DEFAULT_UNCONVERTED = {"fp8": "modules_to_not_convert", "fbgemm_fp8": "modules_to_not_convert", "compressed-tensors": "ignore"}
+DEFAULT_UNCONVERTED = {"fp8": "modules_to_not_convert", "fbgemm_fp8": "modules_to_not_convert", "mxfp4": "modules_to_not_convert",
+                       "compressed-tensors": "ignore"}
 # compressed-tensors' static FP8 KV cache (one scale per layer for K and one for V: k_scale / v_scale), as llm-compressor writes it
 CT_KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
@@ -65,8 +66,8 @@ def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: l
     """(config.json's quantization_config, hf_quant_config.json or None) of a folded checkpoint that keeps an FP8 source's
     weights except the `unquantized` modules (written in export.dtype): the source's own format with those modules added
     to its list of unconverted modules, and the FP8 KV cache declared where the format has a field for it (ModelOpt:
-    kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fp8 / fbgemm_fp8 have no such field: the server's
-    --kv-cache-dtype fp8 reads the stored k_scale / v_scale."""
+    kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fp8 / fbgemm_fp8 / mxfp4 (GPT-OSS) have no such field:
+    the server is told by --kv-cache-dtype fp8."""
     method = str(src_qcfg.get("quant_method", "")).lower()
     if method == "modelopt":
         q = (src_hf_quant or {}).get("quantization") or {}
@@ -137,7 +138,7 @@ class HFWriter:
             plan[f"model.layers.{i}.self_attn.k_proj.k_scale"] = (torch.float32, ())
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
         # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
-        self.src, self.kept, self.unquantized = fp8_source, {}, set()
+        self.src, self.kept, self.kept_mx, self.unquantized = fp8_source, {}, {}, set()
         if fp8_source is not None:
             self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
@@ -173,6 +174,14 @@ class HFWriter:
             module, _, leaf = k.rpartition(".")
             if leaf not in ("weight", "bias") and k not in plan:
                 others.setdefault(module, []).append(k)
+        for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
+            if k not in plan:
+                raise UserError(f"export: the source's MXFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                                "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
+            del plan[k]
+            self.kept_mx[k] = stored
+            for t in stored:
+                plan[t] = (src.stored_dtype(t), tuple(src.shape(t)))
         for k in fp8:
             module = k.rpartition(".")[0]
             if folded_by_export(k, plan):
@@ -202,9 +211,11 @@ class HFWriter:
         """The manifest's word on how the weights were written."""
         if self.src is None:
             return {"weights": str(self.dtype).removeprefix("torch."), "fp8_weights_kept": False}
-        return {"fp8_weights_kept": True, "weights": f"the source's FP8 weights kept as stored ({len(self.kept)} tensors with their scales, quantization_config quant_method "
-                           f"{self.src_method()!r}); the {len(self.unquantized)} attention projections the fold changes in "
-                           f"{str(self.dtype).removeprefix('torch.')}, listed as unquantized modules",
+        dt = str(self.dtype).removeprefix("torch.")
+        listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
+        return {"fp8_weights_kept": True, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and {len(self.kept_mx)} MXFP4 "
+                                                     f"tensors with their scales, quantization_config quant_method {self.src_method()!r}); the "
+                                                     f"attention projections the fold changes in {dt}{listed}",
                 "bytes": self.total}
 
     def src_method(self) -> str:
@@ -223,6 +234,15 @@ class HFWriter:
         return self.writers[self.where[key][1]]
 
     def write(self, key: str, t: torch.Tensor, row: int = 0) -> None:
+        if key in self.kept_mx:  # an MXFP4 weight: its stored blocks and scales, if they define exactly what the validated model used
+            from kvcompress.models.mxfp4_weights import dequantize as dequantize_mxfp4
+
+            raw = [self.src.read_stored(n) for n in self.kept_mx[key]]
+            if row != 0 or not torch.equal(dequantize_mxfp4(*raw).to(t.dtype), t.detach()):
+                raise RuntimeError(f"hf_ckpt: the MXFP4 weight {key!r} was changed before writing; its stored bytes no longer define it")
+            for n, r in zip(self.kept_mx[key], raw):
+                self._w(n).write(n, r)
+            return
         if key not in self.where:  # lm_head of a tied model
             return
         if key in self.kept:
