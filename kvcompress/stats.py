@@ -29,7 +29,7 @@ from kvcompress.errors import ArtifactError, UserError
 from kvcompress.reference import pair_halves, rope_pairs
 from kvcompress.spec import GROUP_RANGE_TOKENS
 
-FORMAT_VERSION = 7  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq; 6: rope_pairs; 7: k_arcmin/k_arcmax
+FORMAT_VERSION = 8  # 2: q_gram replaces the per-query-head sample_q; 3: k_pairmax (RoPE-pair norm bound); 4: sample_pos; 5: k_grange_sq; 6: rope_pairs; 7: k_arcmin/k_arcmax; 8: fold_obstacles (header)
 KIND = "kv_stats"
 # Fixed histogram of |x|: log2-spaced edges 2^-12 .. 2^12 in quarter octaves; bin i counts
 # values in [edge[i-1], edge[i]); bin 0 is below the first edge, the last bin above the last.

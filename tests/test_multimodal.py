@@ -154,3 +154,35 @@ def test_mistral3s_text_decoder_exports_every_tier(tmp_path):
     assert all(c["status"] == "passed" for c in ms["checks"] if "network graph" not in c["check"]), ms["checks"]
     assert ms["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"] == m["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"]
 
+
+
+def test_a_multimodal_llama4_validates_and_exports_its_text_decoder(tmp_path):
+    """Llama 4 ships as Llama4ForConditionalGeneration (decoder under language_model.model.*): its text decoder (chunked and
+    global layers, a q/k norm after RoPE, so fit folds only the values) validates and exports as a text-only FP8 HF checkpoint,
+    re-measured within tolerance; the ScaleBook says why the keys are not folded."""
+    from safetensors.torch import load_file
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4TextConfig, Llama4VisionConfig
+
+    from kvcompress.models.synthetic import byte_tokenizer
+    from test_export import _dir_run
+
+    text = Llama4TextConfig(vocab_size=300, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_local_experts=2, attention_chunk_size=16, max_position_embeddings=4096,
+                            pad_token_id=0, rope_scaling=None)
+    vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                                vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    cfg = Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    d = tmp_path / "llama4_mm"
+    Llama4ForConditionalGeneration(cfg).save_pretrained(str(d))
+    byte_tokenizer().save_pretrained(str(d))
+    p, run = _dir_run(tmp_path, d, "run", "kv=native_fp8", "export.dtype=bfloat16", "model.dtype=float32")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads((run / "export" / "manifest.json").read_text())
+    assert "Llama4ForConditionalGeneration" in m["text_decoder_only"] and all(c["status"] == "passed" for c in m["checks"]), m["checks"]
+    assert json.loads((run / "export" / "hf_ckpt" / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]
+    w = load_file(str(next((run / "export" / "hf_ckpt").glob("*.safetensors"))))
+    assert "model.layers.0.self_attn.k_proj.k_scale" in w and not any("vision" in n or "language_model" in n for n in w)
+    fold = m["artifacts"]["hf_ckpt"]["fold"]
+    assert "qk_norm" in fold["fold_keys_off"] and fold["fold_values_off"] is None and set(fold["fold_strength_keys"]) == {0.0}

@@ -55,13 +55,15 @@ EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that
 # graph implement the Llama layer), so kv=native_fp8 only
 # Beyond Gemma 3, the families whose fold (key factors, pair rotations, value factors) is exact in transformers' modeling code
 # (tests/test_architectures.py folds a fitted native_fp8 ScaleBook into each and compares logits) and whose folded checkpoint
-# exports and re-measures; not here because the fold is not exact: Llama 4 (a weightless norm of q and k after RoPE),
-# HunYuan (q/k layernorms after RoPE), BitNet (weights re-quantized in the forward). GPT-OSS: its MXFP4 experts are copied as
-# stored (targets.hf_ckpt, export.fp8_weights=keep), its bfloat16 attention folded (sinks and biases: the fold is exact)
+# exports and re-measures. Llama 4 (a weightless norm of q and k after RoPE) and HunYuan (q/k layernorms after RoPE) fold their
+# values only (profile.fold_obstacles: fit leaves their keys unfolded); not here: BitNet (its value fold is blocked by the
+# attention output's norm, and its servers re-quantize the weights to ternary, which folded rows would not survive). GPT-OSS:
+# its MXFP4 experts are copied as stored (targets.hf_ckpt, export.fp8_weights=keep), its bfloat16 attention folded (sinks and
+# biases: the fold is exact)
 HF_ONLY_ARCH = ("Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Cohere2ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "SmolLM3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
-                "HeliumForCausalLM", "GptOssForCausalLM")
+                "HeliumForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM", "HunYuanDenseV1ForCausalLM")
 BF16_ARCH = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
 
@@ -641,7 +643,8 @@ def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, 
     return {
         "tier": "native", "what": what, **weights,
         "paths": ["hf_ckpt"], "validated_as": hf_book.spec.name, "verdict": v_hf["verdict"],
-        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs", "key_norm")},
+        "fold": {k: hf_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs", "key_norm", "fold_keys_off",
+                                                       "fold_values_off")},
         "fold_guard": guard, "remeasured": c_hf,
     }
 

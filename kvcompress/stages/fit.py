@@ -56,6 +56,11 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     values), among "no fold" and the allowed strengths. Folding never raises the shared amax, so
     the per-layer scale is the same for every candidate.
     """
+    blocked = stats.header.get("fold_obstacles") or {}  # profile.fold_obstacles: a side the model's attention cannot take folded
+    for side, flag in (("keys", spec.fold_keys), ("values", spec.fold_values), ("pairs", spec.fold_pairs)):
+        why = blocked.get("keys" if side == "pairs" else side)
+        if why and flag is True:
+            raise UserError(f"kv.fold_{side}=true: {why}; allowed for this model: kv.fold_{side}=auto or false")
     L, H, D = stats["k_absmax"].shape
     k_abs, v_abs = stats["k_absmax"], stats["v_absmax"]
     target = torch.maximum(k_abs.amax(dim=(1, 2)), v_abs.amax(dim=(1, 2)))  # [L] the shared K/V amax
@@ -70,8 +75,10 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     sk, sv = torch.ones(L, H, D), torch.ones(L, H, D)
     info = {"fold_strength_keys": [], "fold_strength_values": [], "fold_error_keys": [], "fold_error_values": [],
             "fold_measured_on": f"{n} sampled calibration rows (q.k score MSE over the calibration queries' second moment for keys, reconstruction MSE for values)"}
+    info |= {f"fold_{side}_off": why for side, why in blocked.items()}
+    fold_keys, fold_values = (False if "keys" in blocked else spec.fold_keys), (False if "values" in blocked else spec.fold_values)
     for layer in range(L):
-        for w, abs_, flag, tie, out in (("k", k_abs, spec.fold_keys, True, sk), ("v", v_abs, spec.fold_values, False, sv)):
+        for w, abs_, flag, tie, out in (("k", k_abs, fold_keys, True, sk), ("v", v_abs, fold_values, False, sv)):
             cands = _strengths(flag, spec.fold_strength)
             facts = {a: fold_factors(abs_[layer : layer + 1], target[layer : layer + 1], a, tie_pairs=tie, pairs=pairs,
                                      floor=k_floor if w == "k" else FLOOR)[0] for a in cands}
@@ -103,7 +110,9 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
                             + (" (one per channel, shared by every head)" if knorm == "shared" else "")
                             + (f"; the norms multiply by (w + {offset:g}), so the factors scale that and stay >= {OFFSET_FLOOR}" if offset else "")
                             + "; no RoPE-pair rotation can fold there")
-    if spec.pairs_folded and n and knorm == "none" and half_split:
+    if "keys" in blocked and spec.pairs_folded:
+        info["fold_pairs"] = f"off: {blocked['keys']}"
+    if spec.pairs_folded and n and knorm == "none" and half_split and "keys" not in blocked:
         per_layer = []
         inv = stats.tensors.get("rope_inv_freq")
         context = spec.pair_context

@@ -55,6 +55,7 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
         "geometry": g.to_dict(),
         "key_norm": key_norm(lm.model, g),
         "key_norm_offset": key_norm_offset(lm.model),
+        "fold_obstacles": fold_obstacles(lm.model),
         "provenance": {
             **base_provenance(),
             "model": lm.identity,
@@ -96,6 +97,29 @@ def key_norm(model, g) -> str:
         return "none"
     w = getattr(norm, "weight", None)
     return "per_head" if w is not None and w.numel() == g.n_kv_heads * g.head_dim and g.n_kv_heads > 1 else "shared"
+
+
+# the per-head q/k norms the key fold knows (before RoPE: fold.key_norm_weights folds into their weights)
+PRE_ROPE_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+# a norm on the attention output before o_proj (BitNet's attn_sub_norm): undoes the value factors folded into W_v / W_o
+OUTPUT_NORMS = ("attn_sub_norm", "sub_norm", "o_norm")
+
+
+def fold_obstacles(model) -> dict[str, str]:
+    """Which of the native fold's two halves the model's attention cannot take exactly, with why: {"keys": ..., "values": ...}
+    (a side absent: its fold is exact). Any other norm inside the attention module sits where the fold cannot follow it: a
+    norm of q and k after RoPE (Llama 4's weightless qk_norm, HunYuan's query/key_layernorm) renormalises the scaled keys;
+    a norm of the attention output (BitNet's attn_sub_norm) renormalises the scaled values. fit then folds only the other side
+    (tests/test_architectures.py: the logits move by > 1e-2 with the blocked side folded, stay with the rest)."""
+    attn = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("self_attn", "attention", "attn") and hasattr(m, "k_proj")), None)
+    out: dict[str, str] = {}
+    for name, m in (attn.named_children() if attn is not None else ()):
+        if "norm" not in type(m).__name__.lower() or name in PRE_ROPE_NORMS:
+            continue
+        side = "values" if name in OUTPUT_NORMS else "keys"
+        where = "the attention output before o_proj" if side == "values" else "the queries and keys after RoPE"
+        out.setdefault(side, f"{type(attn).__name__}.{name} ({type(m).__name__}) normalises {where}, which undoes folded {side[:-1]} factors")
+    return out
 
 
 def _key_norm_module(model):
