@@ -55,7 +55,7 @@ def ids(n: int = T, seed: int = 0) -> torch.Tensor:
 SURVEY = dict(gemma={}, gemma3_text=dict(sliding_window=16), olmo2={}, olmo3=dict(sliding_window=16), olmoe=dict(num_experts=4, num_experts_per_tok=2),
               starcoder2={}, granite={}, granitemoe=dict(num_local_experts=4, num_experts_per_tok=2), glm={}, glm4={}, smollm3={},
               exaone4=dict(sliding_window=16), seed_oss={}, ernie4_5={}, apertus={}, arcee={}, bitnet={}, phi={}, ministral=dict(sliding_window=16),
-              hunyuan_v1_dense={}, helium={})
+              hunyuan_v1_dense={}, hunyuan_v1_moe=dict(num_experts=4, moe_topk=2), helium={})
 
 
 @pytest.mark.parametrize("arch", list(SURVEY))
@@ -287,9 +287,9 @@ HF_ONLY_TYPES = {"GemmaForCausalLM": "gemma", "Cohere2ForCausalLM": "cohere2", "
                  "Glm4ForCausalLM": "glm4", "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                  "Ernie4_5ForCausalLM": "ernie4_5", "ApertusForCausalLM": "apertus", "ArceeForCausalLM": "arcee",
                  "MinistralForCausalLM": "ministral", "HeliumForCausalLM": "helium", "GptOssForCausalLM": "gpt_oss",
-                 "Llama4ForCausalLM": "llama4_text", "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense"}
+                 "Llama4ForCausalLM": "llama4_text", "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe"}
 # the families where one half of the fold is blocked (profile.fold_obstacles), and which half
-BLOCKED = {"llama4_text": "keys", "hunyuan_v1_dense": "keys", "bitnet": "values"}
+BLOCKED = {"llama4_text": "keys", "hunyuan_v1_dense": "keys", "hunyuan_v1_moe": "keys", "bitnet": "values"}
 
 
 def _folded_logit_error(arch: str, ignore_obstacles: bool = False) -> float:

@@ -63,7 +63,8 @@ EVERY_LAYER_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # configs that
 HF_ONLY_ARCH = ("Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Cohere2ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "SmolLM3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
-                "HeliumForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM", "HunYuanDenseV1ForCausalLM")
+                "HeliumForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM", "HunYuanDenseV1ForCausalLM",
+                "HunYuanMoEV1ForCausalLM")
 BF16_ARCH = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
 
