@@ -398,3 +398,42 @@ def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
     p = run_cli("model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=bfloat16", "calib=smoke", "eval=smoke",
                 "export=none", "eval.tasks.names=[]", f"hydra.run.dir={tmp_path / 'bf16'}", cache_dir=tmp_path / "cache")
     assert p.returncode != 0 and "try model.dtype=float32" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_block_fp8_qwen3_moe_keeps_its_experts_and_its_qk_projections(tmp_path):
+    """Qwen3-MoE FP8 (per-expert block-scaled weights, which transformers fuses into one tensor per layer on loading; q/k norms
+    before RoPE): the export writes the experts back under their stored names as stored, and q/k_proj stay FP8 too (the key
+    factors live in the norms), only v/o_proj in export.dtype; the re-measurement passed."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcompress.models.synthetic import byte_tokenizer
+    from kvcompress.models.tiny import tiny_hf_config
+
+    cfg = tiny_hf_config("qwen3_moe", 2, 64, 4, 2, 32, 4096)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    ckpt = tmp_path / "qwen3_moe"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(ckpt))
+    byte_tokenizer().save_pretrained(str(ckpt))
+    sd, new = load_file(str(ckpt / "model.safetensors")), {}
+    for k, v in sd.items():
+        if k.endswith("proj.weight") and v.dim() == 2:
+            s = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32).abs().amax((1, 3)) / 448.0
+            new[k], new[k + "_scale_inv"] = (v / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn), s
+        else:
+            new[k] = v
+    save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    c = json.loads((ckpt / "config.json").read_text())
+    c["quantization_config"] = BLOCK_FP8 | {"weight_block_size": [32, 32]}
+    (ckpt / "config.json").write_text(json.dumps(c))
+    out = _export(tmp_path, ckpt, "run")
+    got = _tensors(out / "hf_ckpt")
+    fp8 = {k for k, v in new.items() if v.dtype == torch.float8_e4m3fn}
+    kept = {k for k in fp8 if not k.endswith(("v_proj.weight", "o_proj.weight"))}
+    assert any(".experts.3.down_proj" in k for k in kept) and "model.layers.1.self_attn.k_proj.weight" in kept
+    assert all(torch.equal(got[k].view(torch.uint8), new[k].view(torch.uint8)) and torch.equal(got[k + "_scale_inv"], new[k + "_scale_inv"]) for k in kept)
+    assert all(got[k].dtype == torch.bfloat16 and k + "_scale_inv" not in got for k in fp8 - kept)
+    listed = json.loads((out / "hf_ckpt" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert sorted(listed) == sorted(k.removesuffix(".weight") for k in fp8 - kept)
+    m = json.loads((out / "manifest.json").read_text())
+    assert all(c["status"] == "passed" for c in m["checks"]), m["checks"]
