@@ -186,3 +186,4 @@ def test_a_multimodal_llama4_validates_and_exports_its_text_decoder(tmp_path):
     assert "model.layers.0.self_attn.k_proj.k_scale" in w and not any("vision" in n or "language_model" in n for n in w)
     fold = m["artifacts"]["hf_ckpt"]["fold"]
     assert "qk_norm" in fold["fold_keys_off"] and fold["fold_values_off"] is None and set(fold["fold_strength_keys"]) == {0.0}
+    assert "- hf_ckpt: keys not folded (Llama4TextAttention.qk_norm" in (run / "report.md").read_text()

@@ -318,6 +318,7 @@ def test_an_fp8_source_exports_its_fp8_weights_as_stored(tmp_path, qcfg, block, 
         assert cfg["kv_cache_scheme"]["type"] == "float" and cfg["kv_cache_scheme"]["num_bits"] == 8 and not cfg["kv_cache_scheme"]["dynamic"]
     m = json.loads((out / "manifest.json").read_text())
     assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] is True
+    assert "- hf_ckpt weights: the source's quantized weights kept as stored (6 FP8" in (out.parent / "report.md").read_text()
     assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
     w = Checkpoint(hf)
     for k in src:  # what the written checkpoint defines == the validated model's weights (the source's, folded where listed)

@@ -119,6 +119,9 @@ def render_md(r: Report) -> str:
         out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
                 f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
         out += [f"- {k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()}): {v['what']}" for k, v in r.export["artifacts"].items()]
+        arts = r.export["artifacts"].items()
+        out += [f"- {k} weights: {v['weights']}" for k, v in arts if v.get("fp8_weights_kept")]
+        out += [f"- {k}: {side} not folded ({why})" for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
         out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
         out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
         out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
