@@ -438,3 +438,32 @@ def test_a_block_fp8_qwen3_moe_keeps_its_experts_and_its_qk_projections(tmp_path
     assert sorted(listed) == sorted(k.removesuffix(".weight") for k in fp8 - kept)
     m = json.loads((out / "manifest.json").read_text())
     assert all(c["status"] == "passed" for c in m["checks"]), m["checks"]
+
+
+def test_a_multimodal_fp8_source_lists_its_unconverted_modules_under_the_text_names(tmp_path):
+    """An FP8 Gemma3ForConditionalGeneration (decoder under a wrapper's prefix, one MLP left unquantized and named in
+    modules_to_not_convert as the wrapper names it): the text-only export keeps the FP8 weights and names that module as
+    the text model does, so a server does not expect FP8 where bfloat16 is stored; the re-measurement passed."""
+    from test_multimodal import gemma3_dir
+
+    d = gemma3_dir(tmp_path)
+    f = next(d.glob("*.safetensors"))
+    sd, new = load_file(str(f)), {}
+    prefix = next(p for p in ("model.language_model.", "language_model.model.") if any(k.startswith(p) for k in sd))  # as transformers saves it
+    plain = prefix + "layers.0.mlp.down_proj"
+    for k, v in sd.items():
+        if k.startswith(prefix) and k.endswith("proj.weight") and not k.startswith(plain):
+            s = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32).abs().amax((1, 3)) / 448.0
+            new[k], new[k + "_scale_inv"] = (v / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn), s
+        else:
+            new[k] = v
+    save_file(new, str(f), metadata={"format": "pt"})
+    c = json.loads((d / "config.json").read_text())
+    c["quantization_config"] = BLOCK_FP8 | {"weight_block_size": [32, 32], "modules_to_not_convert": [plain, "re:.*vision_tower.*"]}
+    (d / "config.json").write_text(json.dumps(c))
+    out = _export(tmp_path, d, "run")
+    got = _tensors(out / "hf_ckpt")
+    assert got["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn and got["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    listed = json.loads((out / "hf_ckpt" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.mlp.down_proj" in listed and "model.layers.0.self_attn.v_proj" in listed and "model.layers.0.self_attn.k_proj" not in listed
+    assert all(c["status"] == "passed" for c in json.loads((out / "manifest.json").read_text())["checks"])

@@ -71,6 +71,7 @@ class Checkpoint:
         for f in files:
             header, start = read_header(f)
             self.entries.update({k: (f, e, start) for k, e in header.items()})
+        self.text_decoder = text_decoder
         if text_decoder:
             from kvcompress.models.multimodal import decoder_name
 

@@ -86,6 +86,20 @@ def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: l
     return cfg, None
 
 
+def _text_decoder_lists(q: dict) -> dict:
+    """A multimodal source's quantization config with each module list (unconverted modules, exclude_modules) given also
+    under the text model's names (`language_model.model.layers.3.mlp.down_proj` -> `model.layers.3.mlp.down_proj`), the
+    names the text-only export writes; patterns and the vision tower's names are kept as they are (harmless)."""
+    from kvcompress.models.multimodal import decoder_name
+
+    out = dict(q)
+    for key in (*UNCONVERTED, "exclude_modules"):
+        if isinstance(q.get(key), list):
+            mapped = [n.removesuffix(".") for e in q[key] if isinstance(e, str) and (n := decoder_name(e + ".")) is not None]
+            out[key] = list(q[key]) + [m for m in mapped if m not in q[key]]
+    return out
+
+
 # the weights fold_layer rewrites (Llama names; Phi-3's fused qkv_proj holds q/k/v); q/k_proj stay where a key norm takes the factors
 FOLDED = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
@@ -272,8 +286,10 @@ class HFWriter:
             from kvcompress.models.quantized import quantization_config
 
             hqp = self.src.dir / "hf_quant_config.json"
-            cfg["quantization_config"], hq = fp8_weight_configs(quantization_config(self.src.dir), json.loads(hqp.read_text()) if hqp.is_file() else None,
-                                                                sorted(self.unquantized))
+            src_q, src_hq = quantization_config(self.src.dir), json.loads(hqp.read_text()) if hqp.is_file() else None
+            if self.src.text_decoder:  # a multimodal source written as its text decoder: its module lists under the text model's names
+                src_q, src_hq = _text_decoder_lists(src_q), src_hq and {**src_hq, "quantization": _text_decoder_lists(src_hq.get("quantization") or {})}
+            cfg["quantization_config"], hq = fp8_weight_configs(src_q, src_hq, sorted(self.unquantized))
         atomic_write_json(self.dir / "config.json", cfg)
         if hq is not None:
             atomic_write_json(self.dir / "hf_quant_config.json", hq)
