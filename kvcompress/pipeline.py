@@ -227,6 +227,8 @@ def finish(r: Run, times: dict[str, float]) -> None:
             if ex.get("text_decoder_only"):
                 lines.append(f"  text decoder only: {ex['text_decoder_only']}")
             lines.append(f"on a GPU host: {ex.get('next_step_on_gpu_host')}")
+            if ex.get("check_on_gpu_host"):
+                lines.append(f"serve-path check on a GPU host: {ex['check_on_gpu_host']}")
             lines.append(f"operator fallback (fp16 KV, same weights): {ex.get('fallback_fp16_kv')}")
         lines.append(f"report: {r.dir / 'report.html'}")
     lines.append("=" * 78)

@@ -67,6 +67,8 @@ HF_ONLY_ARCH = ("Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "C
                 "HunYuanMoEV1ForCausalLM")
 BF16_ARCH = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")  # trained and served in bfloat16: export.dtype=float16 is refused
 FORMAT_VERSION = 2
+HF_SERVE_CHECK = ("python export/check_hf_ckpt.py   (vLLM serves hf_ckpt/ on validate's held-out windows, KV unquantized and FP8: its perplexities "
+                  "against validate's; not run here)")
 
 
 def hf_only(model) -> bool:
@@ -584,6 +586,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         **({"next_step_custom_tier_on_gpu_host": "cd export/plugin_bundle && python acceptance/<variant>/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so; "
             "python build_engine.py --tier custom --bundle . --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom; "
             "python build_engine.py --tier custom --run engine_custom --prompt 'Hello'   (tensorrt_llm==1.2.1; not run here)"} if "plugin_bundle" in artifacts else {}),
+        "check_on_gpu_host": HF_SERVE_CHECK,
         "fallback_fp16_kv": f"python export/build_engine.py --ckpt {ckpt0} --out engine_fp16kv --kv-cache fp16"
         "   (the same folded weights with an unquantized KV cache: a rollback without re-exporting)",
         "not_verified_here": {
@@ -635,7 +638,23 @@ def _check_hf(run, out: Path, hf_book: ScaleBook, report: dict, checks: Checks, 
     checks.add(f"hf_ckpt re-measured (transformers reads config.json + shards{', layer by layer' if streamed else ''}, FP8 KV from k_scale/v_scale) "
                f"matches validated {hf_book.spec.name}", c_hf["passed"], c_hf)
     _refuse_failed("hf_ckpt", c_hf)
+    write_serve_check(out, base.windows, v_hf["quality"], hf_book.spec.name)
     return v_hf, c_hf
+
+
+def write_serve_check(out: Path, windows: torch.Tensor, quality: dict, fmt: str) -> None:
+    """export/check_hf_ckpt.py and what it reads (hf_ckpt_check/): the held-out windows validate measured and its numbers on
+    them, so a GPU host serves hf_ckpt/ with vLLM on the same tokens and compares (the script's doc)."""
+    from safetensors.torch import save_file
+
+    d = out / "hf_ckpt_check"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({"ids": windows.to(torch.int32).contiguous()}, str(d / "windows.safetensors"))
+    atomic_write_json(d / "expected.json", {"format": fmt, "windows": list(windows.shape), "ppl_baseline": quality["ppl_baseline"],
+                                            "ppl_fp8_kv": quality["ppl_compressed"], "ppl_delta_rel": quality["ppl_delta_rel"],
+                                            "semantics": "validate's perplexity over every token after the first of each window: float32 model, "
+                                                         "KV unquantized (ppl_baseline) and with the checkpoint's FP8 KV cache simulated"})
+    shutil.copy(ROOT / "export" / "check_hf_ckpt.py", out / "check_hf_ckpt.py")
 
 
 def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, weights: dict) -> dict:
@@ -676,6 +695,7 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
         "engine_reason": "no TensorRT-LLM checkpoint for this model (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
         "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; the quantization config carries the "
                                  "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
+        "check_on_gpu_host": HF_SERVE_CHECK,
         "fallback_fp16_kv": ("serve export/hf_ckpt with --kv-cache-dtype auto after removing the KV entries of its quantization config (kv_cache_quant_algo "
                              "in hf_quant_config.json, kv_cache_scheme in config.json), keeping the weight format: the same folded weights with an "
                              "unquantized KV cache") if weights["fp8_weights_kept"] else

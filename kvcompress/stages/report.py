@@ -118,6 +118,7 @@ def render_md(r: Report) -> str:
     if r.export:
         out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
                 f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
+        out += [f"- serve-path check on a GPU host: `{r.export['check_on_gpu_host']}`"] if r.export.get("check_on_gpu_host") else []
         out += [f"- {k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()}): {v['what']}" for k, v in r.export["artifacts"].items()]
         arts = r.export["artifacts"].items()
         out += [f"- {k} weights: {v['weights']}" for k, v in arts if v.get("fp8_weights_kept")]
