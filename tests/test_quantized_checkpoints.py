@@ -401,6 +401,12 @@ def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
     assert p.returncode != 0 and "try model.dtype=float32" in p.stderr and "Traceback" not in p.stderr
 
 
+def _block_fp8(v: torch.Tensor, b: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight whose sides are multiples of b as block-scaled float8 e4m3: (codes, scale_inv [rows / b, cols / b])."""
+    s = v.reshape(v.shape[0] // b, b, v.shape[1] // b, b).abs().amax((1, 3)) / 448.0
+    return (v / s.repeat_interleave(b, 0).repeat_interleave(b, 1)).to(torch.float8_e4m3fn), s
+
+
 def test_a_block_fp8_qwen3_moe_keeps_its_experts_and_its_qk_projections(tmp_path):
     """Qwen3-MoE FP8 (per-expert block-scaled weights, which transformers fuses into one tensor per layer on loading; q/k norms
     before RoPE): the export writes the experts back under their stored names as stored, and q/k_proj stay FP8 too (the key
@@ -419,8 +425,7 @@ def test_a_block_fp8_qwen3_moe_keeps_its_experts_and_its_qk_projections(tmp_path
     sd, new = load_file(str(ckpt / "model.safetensors")), {}
     for k, v in sd.items():
         if k.endswith("proj.weight") and v.dim() == 2:
-            s = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32).abs().amax((1, 3)) / 448.0
-            new[k], new[k + "_scale_inv"] = (v / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn), s
+            new[k], new[k + "_scale_inv"] = _block_fp8(v)
         else:
             new[k] = v
     save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
@@ -453,8 +458,7 @@ def test_a_multimodal_fp8_source_lists_its_unconverted_modules_under_the_text_na
     plain = prefix + "layers.0.mlp.down_proj"
     for k, v in sd.items():
         if k.startswith(prefix) and k.endswith("proj.weight") and not k.startswith(plain):
-            s = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32).abs().amax((1, 3)) / 448.0
-            new[k], new[k + "_scale_inv"] = (v / s.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn), s
+            new[k], new[k + "_scale_inv"] = _block_fp8(v)
         else:
             new[k] = v
     save_file(new, str(f), metadata={"format": "pt"})
