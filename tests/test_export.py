@@ -568,10 +568,10 @@ def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, 
 
     real = export_stage.TrtllmWriter.__init__
 
-    def perturbed(self, meta, geom, out_dir, tp, dtype, algo, scales, hf_config):
+    def perturbed(self, meta, geom, out_dir, tp, dtype, algo, scales, hf_config, **kw):
         bad = scales.clone()
         bad[0] /= 8.0
-        real(self, meta, geom, out_dir, tp, dtype, algo, bad, hf_config)
+        real(self, meta, geom, out_dir, tp, dtype, algo, bad, hf_config, **kw)
 
     monkeypatch.setattr(export_stage.TrtllmWriter, "__init__", perturbed)
     from omegaconf import OmegaConf

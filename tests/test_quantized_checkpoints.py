@@ -391,6 +391,7 @@ def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
     assert json.loads((hf / "config.json").read_text())["quantization_config"] == json.loads((ckpt / "config.json").read_text())["quantization_config"]
     m = json.loads((out / "manifest.json").read_text())
     assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] and "6 MXFP4" in m["artifacts"]["hf_ckpt"]["weights"]
+    assert "the source's MXFP4 weights kept" in m["artifacts"]["hf_ckpt"]["what"]
     assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
     mem = load_model(ModelConfig(name="x", source="hf_dir", path=str(hf), device="cpu", dtype="float32", streaming=False), tmp_path / "cache")
     ours = Checkpoint(hf)
@@ -471,3 +472,117 @@ def test_a_multimodal_fp8_source_lists_its_unconverted_modules_under_the_text_na
     listed = json.loads((out / "hf_ckpt" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "model.layers.0.mlp.down_proj" in listed and "model.layers.0.self_attn.v_proj" in listed and "model.layers.0.self_attn.k_proj" not in listed
     assert all(c["status"] == "passed" for c in json.loads((out / "manifest.json").read_text())["checks"])
+
+
+MLP_TRT = (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1))
+
+
+def _modelopt_fp8_layout(ckpt: Path, out: Path, preset: str) -> tuple[dict, dict]:
+    """Model Optimizer's own TensorRT-LLM export of the same model (its `preset` FP8 weight config, KV FP8), with the attention
+    projections left unquantized (what kvcompress's fold needs): its quantization block and {name: (dtype if float8 or fp32,
+    shape)} of rank0."""
+    import copy
+
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+    del cfg.quantization_config
+    model = LlamaForCausalLM(cfg).eval()
+    c = Checkpoint(ckpt)
+    model.load_state_dict({k: c.read(k).float() for k in c.entries if not k.endswith(("_scale", "_scale_inv"))}, strict=False)
+    qc = copy.deepcopy(getattr(mtq, preset))
+    qc["quant_cfg"] = list(qc["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"]) + [{"quantizer_name": "*self_attn.*_proj*", "enable": False}]
+    g = torch.Generator().manual_seed(0)
+    model = mtq.quantize(model, qc, forward_loop=lambda m: m(torch.randint(0, cfg.vocab_size, (2, 16), generator=g)))
+    export_tensorrt_llm_checkpoint(model, "llama", torch.float16, str(out), inference_tensor_parallel=1)
+    t = load_file(str(out / "rank0.safetensors"))
+    return json.loads((out / "config.json").read_text())["quantization"], {k: (_kind(v), tuple(v.shape)) for k, v in t.items()}
+
+
+def _kind(v: torch.Tensor) -> str:
+    return str(v.dtype) if v.dtype in (torch.float8_e4m3fn, torch.float32) else "export dtype"
+
+
+@pytest.mark.parametrize("qcfg,block,input_scale,algo,preset", [
+    (MODELOPT, None, True, "FP8", "FP8_DEFAULT_CFG"),  # one weight scale per tensor, static input scales
+    (CT_FP8, "row", False, "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),  # llm-compressor FP8-dynamic: per row, per token
+    (FBGEMM, "row", False, "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),  # Meta's Llama 3.1 405B FP8
+])
+def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path, qcfg, block, input_scale, algo, preset):
+    """trtllm_ckpt/ holds the source's float8 MLP weights byte for byte at tp 1 and split at tp 2; per-tensor scales with static
+    input scales become weights_scaling_factor / activation_scaling_factor (quant_algo FP8), per-row scales per_channel_scale
+    (FP8_PER_CHANNEL_PER_TOKEN); the folded attention is in exclude_modules: the layout Model Optimizer's own exporter writes for
+    the same model (names, float8/fp32 dtypes, shapes, quantization block). The re-measurement (the reader dequantizing them) passed."""
+    from kvcompress.targets.trtllm_reader import TrtllmAsHF
+
+    ckpt, _ = _quantized_dir(tmp_path, qcfg, block, scale_suffix="_scale", input_scale=input_scale)
+    src = load_file(str(ckpt / "model.safetensors"))
+    out = _export(tmp_path, ckpt, "run", "export.tp_sizes=[1,2]")
+    r1 = load_file(str(out / "trtllm_ckpt" / "tp1" / "rank0.safetensors"))
+    r2 = [load_file(str(out / "trtllm_ckpt" / "tp2" / f"rank{r}.safetensors")) for r in range(2)]
+    for i in range(2):
+        for hf, t, dim in MLP_TRT:
+            k, n = f"model.layers.{i}.mlp.{hf}.", f"transformer.layers.{i}.mlp.{t}."
+            assert r1[n + "weight"].dtype == torch.float8_e4m3fn and torch.equal(r1[n + "weight"].view(torch.uint8), src[k + "weight"].view(torch.uint8))
+            both = torch.cat([r[n + "weight"].view(torch.uint8) for r in r2], dim=dim)
+            assert torch.equal(both, src[k + "weight"].view(torch.uint8))
+            if algo == "FP8":
+                for r in (r1, *r2):
+                    assert torch.equal(r[n + "weights_scaling_factor"], src[k + "weight_scale"].float().reshape(1))
+                    assert torch.equal(r[n + "activation_scaling_factor"], src[k + "input_scale"].float().reshape(1))
+            else:
+                assert torch.equal(r1[n + "per_channel_scale"], src[k + "weight_scale"].float().reshape(-1))
+                parts = [r[n + "per_channel_scale"] for r in r2]
+                assert torch.equal(torch.cat(parts) if dim == 0 else parts[0], r1[n + "per_channel_scale"]) and (dim == 0 or torch.equal(*parts))
+        assert r1[f"transformer.layers.{i}.attention.qkv.weight"].dtype == torch.bfloat16
+        keys = [f"model.layers.{i}.mlp.{hf}.weight" for hf, _, _ in MLP_TRT]
+        for tp in (1, 2):  # the re-measurement's reader: the values the source's bytes and scales define, at either tp
+            got = TrtllmAsHF(out / "trtllm_ckpt" / f"tp{tp}").load(keys, torch.float32, "cpu")
+            assert all(torch.equal(got[k], Checkpoint(ckpt).read(k)) for k in keys)
+    q = json.loads((out / "trtllm_ckpt" / "tp1" / "config.json").read_text())["quantization"]
+    assert q["quant_algo"] == algo and q["exclude_modules"] == ["transformer.layers.0.attention*", "transformer.layers.1.attention*", "lm_head"]
+    mo_q, mo = _modelopt_fp8_layout(ckpt, tmp_path / "modelopt", preset)
+    ours = {k: (_kind(v), tuple(v.shape)) for k, v in r1.items()}
+    extra = {k for k in mo if k.endswith((".k_cache_scaling_factor", ".v_cache_scaling_factor"))}  # ModelOpt's per-K/V copies of the KV scale
+    assert ours == {k: v for k, v in mo.items() if k not in extra}
+    assert (mo_q["quant_algo"], sorted(mo_q["exclude_modules"])) == (q["quant_algo"], sorted(q["exclude_modules"]))
+    m = json.loads((out / "manifest.json").read_text())
+    art = m["artifacts"]["trtllm_ckpt"]
+    assert art["fp8_weights_kept"] is True and f"quant_algo {algo}: 6 float8 e4m3 weights" in art["weights"]
+    assert [c["status"] for c in m["checks"] if c["check"].startswith("trtllm_ckpt/tp1 re-measured")] == ["passed"]
+    assert [c["status"] for c in m["checks"] if c["check"].startswith("trtllm_ckpt/tp2 shards merge")] == ["passed"]
+    assert "- trtllm_ckpt weights: the source's FP8 MLP weights kept as stored" in (out.parent / "report.md").read_text()
+
+
+def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_why(tmp_path):
+    """Block scales (DeepSeek / Qwen3 FP8): trtllm_ckpt/ holds export.dtype weights and the manifest and report say why; per-tensor
+    scales without input scales go per token; the writer copies a kept weight only if it still defines the validated value."""
+    from transformers import AutoConfig
+
+    from kvcompress.models.base import Geometry
+    from kvcompress.targets.trtllm_ckpt import TrtllmWriter, fp8_mlp
+
+    ckpt, _ = _quantized_dir(tmp_path, BLOCK_FP8 | {"weight_block_size": [32, 32]}, (32, 32))
+    out = _export(tmp_path, ckpt, "run")
+    r1 = load_file(str(out / "trtllm_ckpt" / "tp1" / "rank0.safetensors"))
+    assert not any(v.dtype == torch.float8_e4m3fn for v in r1.values())
+    art = json.loads((out / "manifest.json").read_text())["artifacts"]["trtllm_ckpt"]
+    assert art["fp8_weights_kept"] is False and "block scales" in art["fp8_dequantized_why"]
+    assert "- trtllm_ckpt weights: bfloat16: the source's FP8 weights dequantized, because" in (out.parent / "report.md").read_text()
+    pt, _ = _quantized_dir(tmp_path, MODELOPT, None, name="pt", scale_suffix="_scale")  # per tensor, no input scales
+    hf_cfg = AutoConfig.from_pretrained(str(pt))
+    assert fp8_mlp(Checkpoint(pt), Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8_PER_CHANNEL_PER_TOKEN", "")
+    ok, _ = _quantized_dir(tmp_path, MODELOPT, None, name="ok", scale_suffix="_scale", input_scale=True)
+    c = Checkpoint(ok)
+    state = {k: c.read(k) for k in c.entries if not k.endswith(("_scale", "input_scale"))}
+    assert fp8_mlp(c, Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8", "")
+    w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, Geometry.from_hf_config(hf_cfg), tmp_path / "w", 1,
+                     "bfloat16", "FP8", torch.ones(2), hf_cfg, fp8_source=c)
+    w.write_layer(state, 0)  # unchanged: copied
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
+    with pytest.raises(RuntimeError, match="changed before writing"):
+        w.write_layer(state, 1)
+    w.abort()
+    assert not list((tmp_path / "w").glob("*.safetensors*"))

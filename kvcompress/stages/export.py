@@ -440,6 +440,7 @@ class FoldedLayers:
         self.sigma = book.tensors["fold_k"].clone()
         self.guard = {"raised": 0, "layers": []}
         self.bad: list[str] = []
+        self.weights: dict = {}  # the writer's word on how the weights were written (write_native_checkpoints)
 
     def __call__(self, layer: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         self.sigma[i], n = guard_layer(layer, self.geom, i, self.book.tensors["fold_k"][i], self.dtype, norm_offset=self.norm_offset)
@@ -468,10 +469,11 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     offset = key_norm_offset(lm.model)
     trt_fold = None if trt_book is None else FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt", offset)
     hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
-    trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
-                                                    lm.model.config) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
     keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4") \
         else None
+    trt_keep = keep if keep is not None and weight_quantization(keep.dir) == "fp8" else None
+    trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
+                                                    lm.model.config, fp8_source=trt_keep) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
     hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model,
                   fp8_source=keep)
     writers = [*trt, hf]
@@ -498,6 +500,8 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
             w.abort()
         raise
     hf_fold.weights = hf.weights_note()
+    if trt_fold is not None:
+        trt_fold.weights = trt[0].weights_note()
     return trt_fold, hf_fold
 
 
@@ -552,7 +556,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     m_trt = recheck.remeasure_trtllm_streamed(tp_dirs[0], lm.model.config, g, base, lm.device) if streamed \
         else recheck.remeasure_trtllm(tp_dirs[0], base)
     c_trt = recheck.compare(v_trt["quality"], m_trt, *tol)
-    checks.add(f"trtllm_ckpt/tp{ecfg.tp_sizes[0]} re-measured ({how}, {ecfg.dtype} weights, {algo} KV from its stored scales) matches validated {trt_book.spec.name}", c_trt["passed"], c_trt)
+    wdesc = f"the source's FP8 MLP weights and {ecfg.dtype}" if trt_fold.weights["fp8_weights_kept"] else ecfg.dtype
+    checks.add(f"trtllm_ckpt/tp{ecfg.tp_sizes[0]} re-measured ({how}, {wdesc} weights, {algo} KV from its stored scales) matches validated {trt_book.spec.name}", c_trt["passed"], c_trt)
     for tp, d in list(zip(ecfg.tp_sizes, tp_dirs))[1:]:
         same = recheck.same_trtllm_tensors(tp_dirs[0], d, geom.n_layers)
         checks.add(f"trtllm_ckpt/tp{tp} shards merge to exactly the tensors of tp{ecfg.tp_sizes[0]}", same, None)
@@ -560,7 +565,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     v_hf, c_hf = _check_hf(run, out, hf_book, report, checks, base, g)
 
     artifacts["trtllm_ckpt"] = {
-        "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {ecfg.dtype} weights with the fold of {trt_book.spec.name}",
+        "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {wdesc} weights with the fold of {trt_book.spec.name}",
+        **trt_fold.weights,
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
         "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": trt_guard, "remeasured": c_trt,
         "architecture": {"source": type(lm.model).__name__, "written": trtllm_architecture(lm.model.config)},
@@ -658,7 +664,8 @@ def write_serve_check(out: Path, windows: torch.Tensor, quality: dict, fmt: str)
 
 
 def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, weights: dict) -> dict:
-    what = (f"Hugging Face checkpoint (sharded) with FP8 KV scales, the source's FP8 weights kept, fold of {hf_book.spec.name}" if weights["fp8_weights_kept"] else
+    what = (f"Hugging Face checkpoint (sharded) with FP8 KV scales, the source's {weights['kept_formats']} weights kept, fold of {hf_book.spec.name}"
+            if weights["fp8_weights_kept"] else
             f"Hugging Face checkpoint ({ecfg.dtype}, sharded) with FP8 KV scales, ModelOpt unified format, fold of {hf_book.spec.name}")
     return {
         "tier": "native", "what": what, **weights,

@@ -131,6 +131,14 @@ def hf_config_dict(hf_config, dtype: torch.dtype) -> dict:
     return cfg
 
 
+def check_stored_fp8(src, key: str, raw: torch.Tensor, value: torch.Tensor, row: int, target: str) -> None:
+    """Raise unless the source's stored float8 rows `raw` (from row `row` of weight `key`) with its stored scale define exactly
+    `value`, what the validated model computed with: a kept FP8 weight is copied only if nothing changed it."""
+    sk = scale_name(src.entries, key)
+    if not torch.equal(dequantize(raw, src.read_stored(sk), src.shape(key), row, src.block).to(value.dtype), value):
+        raise RuntimeError(f"{target}: the FP8 weight {key!r} was changed before writing; its stored bytes no longer define it")
+
+
 class HFWriter:
     """Writes the sharded checkpoint tensor by tensor (kvcompress.targets.st_writer): shards are
     planned from the model's meta tensors (sorted names, at most `shard_mb` each, as before); layers
@@ -213,9 +221,7 @@ class HFWriter:
         src = self.src
         n = value.shape[0] if value.dim() else 1
         raw = src.read_stored(key, row, row + n) if value.dim() > 1 else src.read_stored(key)
-        sk = scale_name(src.entries, key)
-        if not torch.equal(dequantize(raw, src.read_stored(sk), src.shape(key), row, src.block).to(value.dtype), value):
-            raise RuntimeError(f"hf_ckpt: the FP8 weight {key!r} was changed before writing; its stored bytes no longer define it")
+        check_stored_fp8(src, key, raw, value, row, "hf_ckpt")
         self._w(key).write(key, raw, row=row)
         if row == 0:
             for t in self.kept[key]:
@@ -227,7 +233,8 @@ class HFWriter:
             return {"weights": str(self.dtype).removeprefix("torch."), "fp8_weights_kept": False}
         dt = str(self.dtype).removeprefix("torch.")
         listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
-        return {"fp8_weights_kept": True, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and {len(self.kept_mx)} MXFP4 "
+        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx))) if n) or "quantized"
+        return {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and {len(self.kept_mx)} MXFP4 "
                                                      f"tensors with their scales, quantization_config quant_method {self.src_method()!r}); the "
                                                      f"attention projections the fold changes in {dt}{listed}",
                 "bytes": self.total}

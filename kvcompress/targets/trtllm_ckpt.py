@@ -31,10 +31,22 @@ half) * first half):
     transformer.layers.{i}.mlp.shared_expert.fc.weight   <- up | gate of HF shared_expert   [2*shared/tp, hidden]  per rank
     transformer.layers.{i}.mlp.shared_expert.proj.weight <- HF shared_expert.down_proj      [hidden, shared/tp]
     transformer.layers.{i}.mlp.shared_expert_gate.weight <- HF shared_expert_gate           [1, hidden]   replicated
+FP8-weight sources (fp8_mlp): a dense model whose MLP weights are stored float8 e4m3 with one scale per tensor or per output
+row keeps them as stored, in the layouts Model Optimizer's own TensorRT-LLM exporter writes for FP8 and for
+FP8_PER_CHANNEL_PER_TOKEN with the attention left unquantized (checked in the tests):
+    transformer.layers.{i}.mlp.{fc,gate,proj}.weight                     float8 e4m3, split as above
+  quant_algo FP8 (per-tensor weight scales and static input scales everywhere: Model Optimizer's FP8, static per-tensor FP8):
+    transformer.layers.{i}.mlp.{fc,gate,proj}.weights_scaling_factor     [1] fp32 <- HF {gate,up,down}_proj.weight_scale
+    transformer.layers.{i}.mlp.{fc,gate,proj}.activation_scaling_factor  [1] fp32 <- HF {gate,up,down}_proj.input_scale
+  quant_algo FP8_PER_CHANNEL_PER_TOKEN (otherwise: per-row scales, or activations quantized at run time; fbgemm_fp8,
+  FP8-dynamic):
+    transformer.layers.{i}.mlp.{fc,gate,proj}.per_channel_scale          [rows/tp] fp32 (fc, gate) / [hidden] (proj) <- weight_scale
+  both: exclude_modules [transformer.layers.{i}.attention* (the fold's, in `dtype`), lm_head]
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -111,7 +123,7 @@ def trtllm_architecture(hf_cfg) -> str:
     return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
-def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dict:
+def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_algo: str | None = None) -> dict:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     # unset fields (None) are left out: TensorRT-LLM then takes its defaults, as transformers does for None
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type") and v is not None} if rope.get("rope_type", "default") != "default" else None
@@ -140,6 +152,8 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None) -> dic
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
     }
+    if fp8_algo:  # the source's FP8 MLP weights kept (fp8_mlp); TensorRT-LLM's quantize_layers skips what exclude_modules matches
+        cfg["quantization"] |= {"quant_algo": fp8_algo, "exclude_modules": [f"transformer.layers.{i}.attention*" for i in range(geom.n_layers)] + ["lm_head"]}
     if num_experts(hf_cfg):  # LLaMAConfig/QWenConfig.from_hugging_face: explicit gated activation; the routing as the model routes
         cfg |= {"hidden_act": "swiglu", "moe": moe_block(hf_cfg)}
         cfg["mapping"] |= {"moe_tp_size": tp, "moe_ep_size": 1}
@@ -214,23 +228,114 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
     return out
 
 
+MLP_NAMES = (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1))  # HF -> TensorRT-LLM (fc is gate_proj), split dim
+
+
+def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str]:
+    """(TensorRT-LLM quant_algo, '') when trtllm_ckpt/ can hold the FP8 source `src` (a streaming Checkpoint)'s MLP weights as
+    stored, else (None, why not: the manifest's word). "FP8": float8 e4m3 with one scale per tensor and a static input scale
+    everywhere; "FP8_PER_CHANNEL_PER_TOKEN": one scale per output row (or per tensor, spread over the rows) with activations
+    quantized per token at run time (the source's dynamic activations)."""
+    from kvcompress.models.fp8_weights import scale_name
+
+    if num_experts(hf_cfg):
+        return None, "a mixture of experts: kvcompress writes no FP8 expert layout for TensorRT-LLM"
+    static = True
+    for i in range(geom.n_layers):
+        for hf, _, _ in MLP_NAMES:
+            k = f"model.layers.{i}.mlp.{hf}.weight"
+            if k not in src.entries or src.stored_dtype(k) != torch.float8_e4m3fn:
+                return None, f"{k} is not stored as float8 e4m3 under that name"
+            sk = scale_name(src.entries, k)
+            n = math.prod(src.shape(sk)) if sk else 0
+            if n not in (1, src.shape(k)[0]):
+                return None, ("its FP8 weights have block scales; TensorRT-LLM's FP8 checkpoints take one scale per tensor (quant_algo FP8) "
+                              "or per output row (FP8_PER_CHANNEL_PER_TOKEN)")
+            si = k.removesuffix("weight") + "input_scale"
+            static = static and n == 1 and si in src.entries and math.prod(src.shape(si)) == 1
+    return ("FP8" if static else "FP8_PER_CHANNEL_PER_TOKEN"), ""
+
+
 class TrtllmWriter:
     """Writes the rank files of one tp size tensor by tensor (kvcompress.targets.st_writer): the
     plan comes from the model's meta tensors; layers arrive one at a time, the embedding and
     lm_head in row blocks. Nothing larger than one layer is held."""
 
     def __init__(self, meta_state: dict[str, torch.Tensor], geom, out_dir: Path, tp: int, dtype: str, kv_algo: str | None,
-                 kv_scales: torch.Tensor | None, hf_config):
+                 kv_scales: torch.Tensor | None, hf_config, fp8_source=None):
         from kvcompress.targets.st_writer import SafetensorsWriter
 
         check_tp(geom, tp, hf_config)
         self.geom, self.dir, self.tp, self.dtype_name, self.dtype = geom, Path(out_dir), tp, dtype, DTYPES[dtype]
         self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
         self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
+        # fp8_source (the FP8 source's streaming Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
+        self.fp8_algo, self.fp8_why = (None, None) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config)
+        self.src = fp8_source if self.fp8_algo else None
         self.writers = []
         for r in range(tp):
             plan = {k: (v.dtype, tuple(v.shape)) for k, v in rank_weights(meta_state, geom, tp, r, kv_scales, self.dtype).items()}
+            if self.src is not None:
+                plan |= {k: (v.dtype, tuple(v.shape)) for i in range(geom.n_layers) for k, v in self._fp8_layer(None, i, r).items()}
             self.writers.append(SafetensorsWriter(self.dir / f"rank{r}.safetensors", plan, {"format": "pt"}))
+
+    def _fp8_read(self, state: dict[str, torch.Tensor], i: int) -> dict[str, tuple]:
+        """Layer i's FP8 MLP weights as stored in the source, each checked first to define exactly the validated model's
+        (state's) value: {HF name: (float8 weight, its scales as written)}, read once for every rank. quant_algo FP8: the
+        weight scale [1] and the static activation scale [1]; FP8_PER_CHANNEL_PER_TOKEN: one scale per output row [rows]."""
+        from kvcompress.models.fp8_weights import scale_name
+        from kvcompress.targets.hf_ckpt import check_stored_fp8
+
+        src, out = self.src, {}
+        for hf, _, _ in MLP_NAMES:
+            k = f"model.layers.{i}.mlp.{hf}.weight"
+            raw = src.read_stored(k)
+            check_stored_fp8(src, k, raw, state[k], 0, "trtllm_ckpt")
+            ws = src.read_stored(scale_name(src.entries, k)).float().reshape(-1)
+            if self.fp8_algo == "FP8":
+                out[k] = (raw, ws, src.read_stored(k.removesuffix("weight") + "input_scale").float().reshape(1))
+            else:
+                out[k] = (raw, ws.expand(raw.shape[0]).contiguous())
+        return out
+
+    def _fp8_layer(self, stored: dict[str, tuple] | None, i: int, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s FP8 MLP tensors of layer i from _fp8_read's (None: meta tensors, for the plan). Per-row scales follow
+        their weight's rows: split with fc and gate, whole with proj (split on its columns)."""
+        out = {}
+        for hf, t, dim in MLP_NAMES:
+            k, n = f"model.layers.{i}.mlp.{hf}.weight", f"transformer.layers.{i}.mlp.{t}."
+            if stored is None:
+                shape = self.src.shape(k)
+                rows = shape[0]
+                shape[dim] //= self.tp
+                meta = torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta")
+                stored_k = (meta, torch.empty(1, device="meta"), torch.empty(1, device="meta")) if self.fp8_algo == "FP8" else \
+                    (meta, torch.empty(rows // self.tp if dim == 0 else rows, device="meta"))
+                out |= self._fp8_names(n, stored_k)
+                continue
+            raw, *scales = stored[k]
+            if self.fp8_algo != "FP8" and dim == 0:
+                scales = [_split(scales[0], self.tp, rank, 0)]
+            out |= self._fp8_names(n, (_split(raw, self.tp, rank, dim), *scales))
+        return out
+
+    def _fp8_names(self, n: str, t: tuple) -> dict[str, torch.Tensor]:
+        if self.fp8_algo == "FP8":
+            return {n + "weight": t[0], n + "weights_scaling_factor": t[1], n + "activation_scaling_factor": t[2]}
+        return {n + "weight": t[0], n + "per_channel_scale": t[1]}
+
+    def weights_note(self) -> dict:
+        """The manifest's word on how the weights were written."""
+        dt = self.dtype_name
+        if self.src is not None:
+            how = ("per-tensor weight and static activation scales" if self.fp8_algo == "FP8" else
+                   "weight scales per output row; activations quantized per token at run time")
+            return {"fp8_weights_kept": True, "weights": f"the source's FP8 MLP weights kept as stored (quant_algo {self.fp8_algo}: "
+                    f"{3 * self.geom.n_layers} float8 e4m3 weights with their {how}); attention (folded), embedding and lm_head in {dt}, "
+                    "listed in exclude_modules"}
+        if self.fp8_why:
+            return {"fp8_weights_kept": False, "fp8_dequantized_why": self.fp8_why, "weights": f"{dt}: the source's FP8 weights dequantized, because {self.fp8_why}"}
+        return {"fp8_weights_kept": False, "weights": dt}
 
     def write_rows(self, key: str, lo: int, rows: torch.Tensor) -> None:
         """Rows lo.. of model.embed_tokens.weight / lm_head.weight (HF names) / the final norm."""
@@ -253,14 +358,18 @@ class TrtllmWriter:
                     w.write("lm_head.weight", rows.new_zeros((r + 1) * per - self.vocab, rows.shape[1]), row=self.vocab - r * per)
 
     def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
+        stored = self._fp8_read(state, i) if self.src is not None else None
         for r, w in enumerate(self.writers):
-            for k, v in layer_rank_tensors(state, self.geom, i, self.tp, r, self.kv_scales, self.dtype).items():
+            out = layer_rank_tensors(state, self.geom, i, self.tp, r, self.kv_scales, self.dtype)
+            if stored is not None:
+                out |= self._fp8_layer(stored, i, r)
+            for k, v in out.items():
                 w.write(k, v)
 
     def close(self) -> Path:
         for w in self.writers:
             w.close()
-        atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo))
+        atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo, self.fp8_algo))
         return self.dir
 
     def abort(self) -> None:

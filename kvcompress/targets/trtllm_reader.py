@@ -3,7 +3,8 @@
 It merges the rank shards back (any tp size) and runs the Llama forward from TensorRT-LLM's
 names and layouts alone (fused q|k|v per rank, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
 before RoPE, GPT-NeoX RoPE, GQA, SiLU-gated MLP with fc = gate and gate = up, Mixtral's and Qwen2/3-MoE's experts with
-fc = up | gate and top-k routing, renormalised or not as the config's moe.normalization_mode says, Qwen2-MoE's gated shared expert), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
+fc = up | gate and top-k routing, renormalised or not as the config's moe.normalization_mode says, Qwen2-MoE's gated shared expert; FP8 weights
+times their per-tensor or per-row scales), optionally with TensorRT-LLM's per-tensor KV quantization. Tests
 compare its logits with the Hugging Face model's.
 """
 from __future__ import annotations
@@ -29,8 +30,29 @@ def merge_shards(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, merged
 
 
+SCALES = ("weights_scaling_factor", "activation_scaling_factor", "per_channel_scale")  # an FP8 linear's (quant_algo FP8 / FP8_PER_CHANNEL_PER_TOKEN)
+
+
+def dequantized(rank: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One rank's tensors with FP8 weights (float8 e4m3 values times their per-tensor weights_scaling_factor, or their
+    per_channel_scale per output row) as float32 values, and the linears' scale tensors dropped. Activation scales are not
+    applied: the re-measurement runs the validated arithmetic, float activations on these weights."""
+    out = {}
+    for n, v in rank.items():
+        if n.endswith(SCALES):
+            continue
+        base = n.removesuffix("weight")
+        if n.endswith(".weight") and base + SCALES[0] in rank:
+            v = v.float() * rank[base + SCALES[0]].float().reshape(())
+        elif n.endswith(".weight") and base + SCALES[2] in rank:
+            v = v.float() * rank[base + SCALES[2]].float().reshape(-1, 1)
+        out[n] = v
+    return out
+
+
 def merge_rank_tensors(cfg: dict, ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The same-named tensors of every rank merged back into one (float32), q|k|v un-fused."""
+    """The same-named tensors of every rank merged back into one (float32; FP8 weights dequantized), q|k|v un-fused."""
+    ranks = [dequantized(r) for r in ranks]
     tp = cfg["mapping"]["tp_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]
     kv_per_rank = max(1, nkv // tp)
@@ -98,7 +120,7 @@ class TrtllmAsHF:
     def layer_keys(self, i: int) -> list[str]:
         """The HF names of layer i's tensors in this checkpoint (biases included when written)."""
         t = f"transformer.layers.{i}."
-        names = [n[len(t):].replace("qkv", q) for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")
+        names = [n[len(t):].replace("qkv", q) for n in self.ranks[0].entries if n.startswith(t) and not n.endswith(("kv_cache_scaling_factor", *SCALES))
                  for q in (("q", "k", "v") if ".qkv." in n else ("qkv",))]
         return [f"model.layers.{i}.{h}" for n in names for h in (SHARED_FC[1] if n == SHARED_FC[0] else (self._hf_name(n),))]
 
@@ -116,7 +138,7 @@ class TrtllmAsHF:
         for i in layers:
             t = f"transformer.layers.{i}."
             names = [n for n in self.ranks[0].entries if n.startswith(t) and not n.endswith("kv_cache_scaling_factor")]
-            merged = merge_rank_tensors(self.cfg, [{n: r.read(n) for n in names} for r in self.ranks])
+            merged = merge_rank_tensors(self.cfg, [{n: r.read_stored(n) for n in names} for r in self.ranks])  # FP8: values and scales as stored
             if t + "mlp.router.weight" in merged:  # experts: fc rows up | gate -> transformers' gate_up_proj rows gate | up
                 up, gate = merged[t + "mlp.fc.weight"].chunk(2, dim=1)
                 merged[t + "mlp.fc.weight"] = torch.cat([gate, up], dim=1)
