@@ -586,3 +586,41 @@ def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_
         w.write_layer(state, 1)
     w.abort()
     assert not list((tmp_path / "w").glob("*.safetensors*"))
+
+
+def test_the_export_reads_each_stored_fp8_weight_once(tmp_path, monkeypatch):
+    """The export of an FP8 source to trtllm_ckpt/ at two tp sizes and hf_ckpt/ reads each stored tensor of a layer from disk
+    once (Checkpoint.remember): once for the folded state and for every copy (before: once per writer, plus once)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from kvcompress.config import to_run_config
+    from kvcompress.models import streaming
+    from kvcompress.pipeline import run
+    from kvcompress.stages import export as export_stage
+
+    ckpt, _ = _quantized_dir(tmp_path, MODELOPT, None, scale_suffix="_scale", input_scale=True)
+    reads: dict[str, int] = {}
+    real_read, real_write = streaming.Checkpoint._read_stored, export_stage.write_native_checkpoints
+
+    def counting(self, key, lo, hi):
+        reads[key] = reads.get(key, 0) + 1
+        return real_read(self, key, lo, hi)
+
+    def write(*a, **kw):  # count the export's reads only (profile and validate stream the layers many times)
+        monkeypatch.setattr(streaming.Checkpoint, "_read_stored", counting)
+        try:
+            return real_write(*a, **kw)
+        finally:
+            monkeypatch.setattr(streaming.Checkpoint, "_read_stored", real_read)
+
+    monkeypatch.setattr(export_stage, "write_native_checkpoints", write)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "calib=smoke", "eval=smoke",
+                                           "kv=native_fp8", "eval.tasks.names=[]", "export.dtype=bfloat16", "export.tp_sizes=[1,2]",
+                                           f"cache_dir={tmp_path / 'cache'}"])
+    run(to_run_config(OmegaConf.to_container(cfg, resolve=True)), tmp_path / "r", progress=False)
+    mlp = {k: n for k, n in reads.items() if ".mlp." in k}
+    assert len(mlp) == 2 * 3 * 3 and set(mlp.values()) == {1}, mlp  # 2 layers x gate/up/down x weight, weight_scale, input_scale
+    assert (tmp_path / "r" / "export" / "trtllm_ckpt" / "tp2" / "rank1.safetensors").is_file()

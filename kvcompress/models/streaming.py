@@ -78,6 +78,7 @@ class Checkpoint:
             self.entries = {n: e for k, e in self.entries.items() if (n := decoder_name(k)) is not None}
         self.converted: dict[str, tuple] = {}  # for_model: a module's tensor name -> (transformers' converter, [(pattern, stored name)])
         self._model = None
+        self._memo: dict | None = None  # remember(): stored tensors kept for reuse
         self.block = weight_block_size(self.dir)  # FP8 weights (models.quantized): config.json's block size, if it states one
         # MXFP4 weights (GPT-OSS's experts): the weight's name -> its stored (blocks, scales), read dequantized (mxfp4_weights)
         self.mxfp4 = {k.removesuffix("_blocks"): pair for k in self.entries if k.endswith("_blocks")
@@ -146,10 +147,24 @@ class Checkpoint:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         return t
 
+    def remember(self, on: bool) -> None:
+        """From now on (on) keep every tensor read_stored reads until the next remember() call, which forgets them: the export
+        reads a layer's FP8 weights for the folded state, then copies them as stored into each checkpoint, from one disk read."""
+        self._memo = {} if on else None
+
     def read_stored(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor `key` (or its rows lo:hi) as stored: exactly its bytes, nothing else read."""
         if key not in self.entries:
             raise UserError(f"checkpoint {str(self.dir)!r} lacks tensor {key!r}, which the model needs")
+        if self._memo is None:
+            return self._read_stored(key, lo, hi)
+        rows = list(self.entries[key][1]["shape"])[:1]
+        span = None if lo is None or (lo == 0 and [hi] == rows) else (lo, hi)
+        if (key, span) not in self._memo:
+            self._memo[key, span] = self._read_stored(key, *(span or (None, None)))
+        return self._memo[key, span]
+
+    def _read_stored(self, key: str, lo: int | None, hi: int | None) -> torch.Tensor:
         f, e, start = self.entries[key]
         dtype, shape = ST_DTYPES[e["dtype"]], list(e["shape"])
         b0, b1 = e["data_offsets"]

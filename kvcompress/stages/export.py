@@ -486,6 +486,8 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
                         w.write_rows(key, lo, block)
                     hf.write(key, block, row=lo)
         for i in tqdm(range(geom.n_layers), desc="export", unit="layer", disable=not progress):
+            if keep is not None:  # the layer's stored tensors, read once for its folded state and for each writer's copies
+                keep.remember(True)
             layer = src.layer(i)
             if trt:
                 t = trt_fold(layer, i)
@@ -493,12 +495,17 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
                     w.write_layer(t, i)
                 del t
             hf.write_layer(hf_fold(layer, i), i)
+        if keep is not None:
+            keep.remember(False)
         for w in writers:
             w.close()
     except BaseException:
         for w in writers:
             w.abort()
         raise
+    finally:
+        if keep is not None:
+            keep.remember(False)
     hf_fold.weights = hf.weights_note()
     if trt_fold is not None:
         trt_fold.weights = trt[0].weights_note()

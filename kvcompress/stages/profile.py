@@ -100,7 +100,8 @@ def key_norm(model, g) -> str:
 
 
 # the per-head q/k norms the key fold knows (before RoPE: fold.key_norm_weights folds into their weights)
-PRE_ROPE_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+KEY_NORMS = ("k_norm", "k_layernorm")  # per-head key norms before RoPE (Qwen3, Gemma 3; Cohere): the fold's key factors go into them
+PRE_ROPE_NORMS = ("q_norm", "q_layernorm", *KEY_NORMS)
 # a norm on the attention output before o_proj (BitNet's attn_sub_norm): undoes the value factors folded into W_v / W_o
 OUTPUT_NORMS = ("attn_sub_norm", "sub_norm", "o_norm")
 
@@ -124,7 +125,7 @@ def fold_obstacles(model) -> dict[str, str]:
 
 def _key_norm_module(model):
     """The model's first per-head key norm module (k_norm; Cohere's k_layernorm), or None."""
-    return next((m for n, m in model.named_modules() if n.split(".")[-1] in ("k_norm", "k_layernorm")), None)
+    return next((m for n, m in model.named_modules() if n.split(".")[-1] in KEY_NORMS), None)
 
 
 @torch.no_grad()
