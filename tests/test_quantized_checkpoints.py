@@ -290,6 +290,10 @@ def test_an_fp8_source_exports_its_fp8_weights_as_stored(tmp_path, qcfg, block, 
     projections the fold changes in export.dtype, listed as unquantized in the source's own format; the export's re-measurement
     (its own check) passed; smaller than the dequantized export."""
     ckpt, _ = _quantized_dir(tmp_path, qcfg, block, scale_suffix=suffix, input_scale=input_scale)
+    if qcfg is FBGEMM:  # a per-module tensor compressed-tensors has no place for (transformers' FbgemmFp8Linear's input_scale_ub)
+        sd = load_file(str(ckpt / "model.safetensors"))
+        save_file(sd | {k.removesuffix("weight") + "input_scale_ub": torch.tensor([1200.0]) for k in sd if k.endswith("mlp.up_proj.weight")},
+                  str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     src = load_file(str(ckpt / "model.safetensors"))
     out = _export(tmp_path, ckpt, "run")
     hf = out / "hf_ckpt"
@@ -311,6 +315,12 @@ def test_an_fp8_source_exports_its_fp8_weights_as_stored(tmp_path, qcfg, block, 
         assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8" and set(attn) <= set(hq["exclude_modules"])
         convert = pytest.importorskip("modelopt.torch.export.convert_hf_config").convert_hf_quant_config_format
         assert convert(json.loads((hf / "hf_quant_config.json").read_text())) == cfg  # ModelOpt's own converter gives config.json's
+    elif qcfg is FBGEMM:  # written as compressed-tensors (the same tensors), whose KV-cache scheme vLLM reads (its fbgemm_fp8 config has none)
+        from kvcompress.targets.hf_ckpt import CT_FROM_FBGEMM
+
+        assert {k: v for k, v in cfg.items() if k not in ("ignore", "kv_cache_scheme")} == CT_FROM_FBGEMM
+        assert cfg["kv_cache_scheme"]["strategy"] == "tensor" and not cfg["kv_cache_scheme"]["dynamic"]
+        assert not any(k.endswith("input_scale_ub") for k in got) and not (hf / "hf_quant_config.json").exists()
     else:
         assert cfg["quant_method"] == qcfg["quant_method"] and not (hf / "hf_quant_config.json").exists()
         assert all(cfg[k] == v for k, v in qcfg.items() if k not in ("modules_to_not_convert", "ignore"))
@@ -392,6 +402,8 @@ def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] and "6 MXFP4" in m["artifacts"]["hf_ckpt"]["weights"]
     assert "the source's MXFP4 weights kept" in m["artifacts"]["hf_ckpt"]["what"]
+    assert "reads no k_scale / v_scale" in m["artifacts"]["hf_ckpt"]["kv_scales_unread"] and "kv_scales_unread" in m["next_step_on_gpu_host"]
+    assert "- **hf_ckpt FP8 KV scales**: vLLM's mxfp4 config" in (out.parent / "report.md").read_text()
     assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
     mem = load_model(ModelConfig(name="x", source="hf_dir", path=str(hf), device="cpu", dtype="float32", streaming=False), tmp_path / "cache")
     ours = Checkpoint(hf)

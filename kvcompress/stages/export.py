@@ -707,7 +707,11 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
         "checks": checks.rows,
         "engine_built": False,
         "engine_reason": "no TensorRT-LLM checkpoint for this model (hf_ckpt/ is served by TensorRT-LLM's PyTorch backend, which builds no engine)",
-        "next_step_on_gpu_host": "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; the quantization config carries the "
+        "next_step_on_gpu_host": ("python export/check_hf_ckpt.py   (the stored k/v scales are not read by vLLM for this quantization method: "
+                                  "artifacts.hf_ckpt.kv_scales_unread; the check measures what --kv-cache-dtype fp8 serves before you rely on it; "
+                                  "vllm serve export/hf_ckpt --kv-cache-dtype auto serves the validated weights with an unquantized KV cache)")
+                                 if weights.get("kv_scales_unread") else
+                                 "trtllm-serve export/hf_ckpt --kv_cache_dtype fp8   (TensorRT-LLM's PyTorch backend; the quantization config carries the "
                                  "FP8 KV cache and its stored k_scale/v_scale; or: vllm serve export/hf_ckpt --kv-cache-dtype fp8; neither run here)",
         "check_on_gpu_host": HF_SERVE_CHECK,
         "fallback_fp16_kv": ("serve export/hf_ckpt with --kv-cache-dtype auto after removing the KV entries of its quantization config (kv_cache_quant_algo "

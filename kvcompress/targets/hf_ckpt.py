@@ -62,13 +62,29 @@ DEFAULT_UNCONVERTED = {"fp8": "modules_to_not_convert", "fbgemm_fp8": "modules_t
 CT_KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
+# fbgemm_fp8 (per-row weight scales, activations quantized per token at run time) as compressed-tensors describes the same
+# tensors (weight + weight_scale [rows, 1]): vLLM's fbgemm_fp8 config gives attention no KV-cache method, so it would not
+# read the stored k_scale / v_scale (FP8 KV at scale 1.0, not what validate measured); its compressed-tensors config does.
+CT_FROM_FBGEMM = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                  "config_groups": {"group_0": {"targets": ["Linear"],
+                                                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "dynamic": False, "symmetric": True},
+                                                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True,
+                                                                      "symmetric": True}}}}
+# the quantization methods whose configs give vLLM's attention no KV-cache method (read in its source): stored k/v scales unread
+KV_SCALES_UNREAD = {"mxfp4": "vLLM's mxfp4 config quantizes no attention layer, so it reads no k_scale / v_scale"}
+
+
 def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: list[str]) -> tuple[dict, dict | None]:
     """(config.json's quantization_config, hf_quant_config.json or None) of a folded checkpoint that keeps an FP8 source's
     weights except the `unquantized` modules (written in export.dtype): the source's own format with those modules added
     to its list of unconverted modules, and the FP8 KV cache declared where the format has a field for it (ModelOpt:
-    kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fp8 / fbgemm_fp8 / mxfp4 (GPT-OSS) have no such field:
-    the server is told by --kv-cache-dtype fp8."""
+    kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fbgemm_fp8 is written as compressed-tensors (CT_FROM_FBGEMM);
+    fp8 / mxfp4 (GPT-OSS) have no such field: the server is told by --kv-cache-dtype fp8."""
     method = str(src_qcfg.get("quant_method", "")).lower()
+    if method == "fbgemm_fp8":
+        have = [m for k in UNCONVERTED for m in (src_qcfg.get(k) or [])]
+        ignore = list(dict.fromkeys(have + list(unquantized)))
+        return copy.deepcopy(CT_FROM_FBGEMM) | {"ignore": ignore, "kv_cache_scheme": dict(CT_KV_FP8)}, None
     if method == "modelopt":
         q = (src_hf_quant or {}).get("quantization") or {}
         excl = list(q.get("exclude_modules") or src_qcfg.get("exclude_modules") or src_qcfg.get("ignore") or [])
@@ -192,9 +208,10 @@ class HFWriter:
             raise UserError(f"export: the source's FP8 weight {missing[0]!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
                             "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
         others: dict[str, list[str]] = {}
+        fbgemm = self.src_method() == "fbgemm_fp8"  # written as compressed-tensors (fp8_weight_configs): weight_scale only
         for k in src.entries:
             module, _, leaf = k.rpartition(".")
-            if leaf not in ("weight", "bias") and k not in plan:
+            if leaf not in ("weight", "bias") and k not in plan and (leaf == "weight_scale" or not fbgemm):
                 others.setdefault(module, []).append(k)
         for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
             if k not in plan:
@@ -234,10 +251,18 @@ class HFWriter:
         dt = str(self.dtype).removeprefix("torch.")
         listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
         kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx))) if n) or "quantized"
-        return {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and {len(self.kept_mx)} MXFP4 "
-                                                     f"tensors with their scales, quantization_config quant_method {self.src_method()!r}); the "
-                                                     f"attention projections the fold changes in {dt}{listed}",
-                "bytes": self.total}
+        method = self.src_method()
+        how = ("quantization_config rewritten from 'fbgemm_fp8' as 'compressed-tensors' (the same tensors), whose KV-cache scheme "
+               "servers read" if method == "fbgemm_fp8" else f"quantization_config quant_method {method!r}")
+        out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and "
+                                                                        f"{len(self.kept_mx)} MXFP4 tensors with their scales, {how}); the "
+                                                                        f"attention projections the fold changes in {dt}{listed}",
+               "bytes": self.total}
+        if method in KV_SCALES_UNREAD:
+            out["kv_scales_unread"] = (f"{KV_SCALES_UNREAD[method]}: served with --kv-cache-dtype fp8 it would run FP8 KV at scale 1.0, which validate "
+                                       "did not measure; serve this checkpoint with its KV cache unquantized (--kv-cache-dtype auto) or check it first "
+                                       "(check_hf_ckpt.py)")
+        return out
 
     def src_method(self) -> str:
         from kvcompress.models.quantized import quantization_config
