@@ -37,6 +37,15 @@ def fold_factors(absmax: torch.Tensor, target: torch.Tensor, strength: float, ti
     return f.clamp(min=floor, max=1.0)
 
 
+def absorb_kv_scale(sigma: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold factors [L, H, D] with each layer's per-tensor KV dequant scale `scale` [L] moved into them: keys and values are
+    divided by it too, so the cache holds x / (fold * s), what the per-tensor quantizer saw, and the stored scale becomes 1.0.
+    For servers that read no stored KV scale and quantize at 1.0 (targets.hf_ckpt.KV_SCALES_UNREAD); q.k and the attention
+    output are unchanged (the fold is exact for any factors), and FP8 at scale 1.0 rounds what FP8 at scale s rounded."""
+    s = scale.float().view(-1, 1, 1)
+    return sigma * s, tau * s
+
+
 @torch.no_grad()
 def apply_fold(model, sigma: torch.Tensor | None, tau: torch.Tensor | None, rot: torch.Tensor | None = None) -> None:
     """Fold factors [L, H_kv, D] (and key pair angles rot [L, H_kv, D/2]) into a Llama-family model's q/k/v/o projections, in place.

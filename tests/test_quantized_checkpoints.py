@@ -402,8 +402,11 @@ def test_gpt_oss_exports_with_its_mxfp4_experts_as_stored(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["artifacts"]["hf_ckpt"]["fp8_weights_kept"] and "6 MXFP4" in m["artifacts"]["hf_ckpt"]["weights"]
     assert "the source's MXFP4 weights kept" in m["artifacts"]["hf_ckpt"]["what"]
-    assert "reads no k_scale / v_scale" in m["artifacts"]["hf_ckpt"]["kv_scales_unread"] and "kv_scales_unread" in m["next_step_on_gpu_host"]
-    assert "- **hf_ckpt FP8 KV scales**: vLLM's mxfp4 config" in (out.parent / "report.md").read_text()
+    # vLLM's mxfp4 config reads no KV scales (it quantizes at 1.0): each layer's scale is folded into the weights, the stored ones are 1.0
+    art = m["artifacts"]["hf_ckpt"]
+    assert "reads no k_scale / v_scale" in art["kv_scale_absorbed"] and "kv_scales_unread" not in art
+    assert all(float(v) == 1.0 for k, v in got.items() if k.endswith(("k_scale", "v_scale")) and ".self_attn." in k)
+    assert "- hf_ckpt FP8 KV scales: vLLM's mxfp4 config" in (out.parent / "report.md").read_text()
     assert [c["status"] for c in m["checks"] if c["check"].startswith("hf_ckpt re-measured")] == ["passed"]
     mem = load_model(ModelConfig(name="x", source="hf_dir", path=str(hf), device="cpu", dtype="float32", streaming=False), tmp_path / "cache")
     ours = Checkpoint(hf)
@@ -636,3 +639,27 @@ def test_the_export_reads_each_stored_fp8_weight_once(tmp_path, monkeypatch):
     mlp = {k: n for k, n in reads.items() if ".mlp." in k}
     assert len(mlp) == 2 * 3 * 3 and set(mlp.values()) == {1}, mlp  # 2 layers x gate/up/down x weight, weight_scale, input_scale
     assert (tmp_path / "r" / "export" / "trtllm_ckpt" / "tp2" / "rank1.safetensors").is_file()
+
+
+def test_a_kv_scale_absorbed_into_the_fold_caches_what_scale_s_cached():
+    """fold.absorb_kv_scale: folding each layer's FP8 KV scale s into the fold factors and quantizing at 1.0 gives the values
+    the validated native_fp8 (fold, scale s) gives, to FP8's rounding of one float32 division in a million; scale 1.0
+    without the absorption does not (subnormals)."""
+    from kvcompress import reference as ref
+    from kvcompress.fold import absorb_kv_scale
+
+    g = torch.Generator().manual_seed(0)
+    L, H, T, D = 3, 2, 64, 32
+    x = torch.randn(L, H, T, D, generator=g) * torch.rand(1, H, 1, D, generator=g) * 0.01  # small: below FP8's normal range at scale 1.0
+    sigma, tau = 0.5 + 0.5 * torch.rand(L, H, D, generator=g), 0.5 + 0.5 * torch.rand(L, H, D, generator=g)
+    scale = x.abs().amax((1, 2, 3)) / sigma.amin((1, 2)) / 448.0
+    sk, sv = absorb_kv_scale(sigma, tau, scale)
+    for side, f, fa in (("keys", sigma, sk), ("values", tau, sv)):
+        for i in range(L):
+            want = ref.native_folded_quant(x[i], f[i].unsqueeze(-2), float(scale[i]), "native_fp8")
+            got = ref.native_folded_quant(x[i], fa[i].unsqueeze(-2), 1.0, "native_fp8")
+            flips = (got - want).abs() > 1e-5 * want.abs()  # else: the same FP8 code, products rounded in another order
+            assert flips.float().mean() < 1e-3, side
+            torch.testing.assert_close(got, want, rtol=0.07, atol=0)  # a flip moves one FP8 step (1/8 relative at most)
+            plain = ref.native_folded_quant(x[i], f[i].unsqueeze(-2), 1.0, "native_fp8")
+            assert (plain - x[i]).pow(2).mean() > 4 * (got - x[i]).pow(2).mean()

@@ -31,17 +31,17 @@ from tqdm.auto import tqdm
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
-from kvcompress.fold import check_range, fold_layer, guard_layer
+from kvcompress.fold import absorb_kv_scale, check_range, fold_layer, guard_layer
 from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES
 from kvcompress.models.fused import unfuse
-from kvcompress.models.quantized import weight_quantization
+from kvcompress.models.quantized import quantization_config, weight_quantization
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
 from kvcompress.models.streaming import HEAD_CHUNK_BYTES
-from kvcompress.targets.hf_ckpt import HFWriter
+from kvcompress.targets.hf_ckpt import KV_SCALES_UNREAD, HFWriter
 from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION, TrtllmWriter, check_tp, trtllm_architecture
 
 log = logging.getLogger("kvcompress")
@@ -467,10 +467,16 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     dtype = DTYPES[ecfg.dtype]
     src = ModelTensors(lm)
     offset = key_norm_offset(lm.model)
-    trt_fold = None if trt_book is None else FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt", offset)
-    hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
     keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4") \
         else None
+    unread = KV_SCALES_UNREAD.get(str((quantization_config(keep.dir) or {}).get("quant_method", "")).lower()) if keep is not None else None
+    absorbed = bool(unread) and not (hf_book.fit_info.get("fold_keys_off") or hf_book.fit_info.get("fold_values_off"))
+    if absorbed:  # the server reads no stored KV scale and quantizes at 1.0: the scale goes into the fold, the stored scales are 1.0
+        sk, sv = absorb_kv_scale(hf_book.tensors["fold_k"], hf_book.tensors["fold_v"], hf_book.tensors["native_scale"])
+        hf_book = dataclasses.replace(hf_book, tensors={**hf_book.tensors, "fold_k": sk, "fold_v": sv,
+                                                        "native_scale": torch.ones_like(hf_book.tensors["native_scale"])})
+    trt_fold = None if trt_book is None else FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt", offset)
+    hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
     trt_keep = keep if keep is not None and weight_quantization(keep.dir) == "fp8" else None
     trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
                                                     lm.model.config, fp8_source=trt_keep) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
@@ -507,6 +513,11 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
         if keep is not None:
             keep.remember(False)
     hf_fold.weights = hf.weights_note()
+    if absorbed:
+        del hf_fold.weights["kv_scales_unread"]
+        hf_fold.weights["kv_scale_absorbed"] = (f"{unread}: each layer's FP8 KV scale was folded into the attention weights (keys and values "
+                                                "divided by it) and the stored k_scale / v_scale are 1.0, the scale such a server quantizes "
+                                                "with, so --kv-cache-dtype fp8 caches what validate measured")
     if trt_fold is not None:
         trt_fold.weights = trt[0].weights_note()
     return trt_fold, hf_fold

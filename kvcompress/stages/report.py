@@ -123,6 +123,7 @@ def render_md(r: Report) -> str:
         arts = r.export["artifacts"].items()
         out += [f"- {k} weights: {v['weights']}" for k, v in arts if v.get("fp8_weights_kept") or v.get("fp8_dequantized_why")]
         out += [f"- **{k} FP8 KV scales**: {v['kv_scales_unread']}" for k, v in arts if v.get("kv_scales_unread")]
+        out += [f"- {k} FP8 KV scales: {v['kv_scale_absorbed']}" for k, v in arts if v.get("kv_scale_absorbed")]
         out += [f"- {k}: {side} not folded ({why})" for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
         out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
         out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
