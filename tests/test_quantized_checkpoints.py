@@ -663,3 +663,37 @@ def test_a_kv_scale_absorbed_into_the_fold_caches_what_scale_s_cached():
             torch.testing.assert_close(got, want, rtol=0.07, atol=0)  # a flip moves one FP8 step (1/8 relative at most)
             plain = ref.native_folded_quant(x[i], f[i].unsqueeze(-2), 1.0, "native_fp8")
             assert (plain - x[i]).pow(2).mean() > 4 * (got - x[i]).pow(2).mean()
+
+
+def test_kv_scales_a_server_would_not_read_are_flagged_where_a_fold_obstacle_keeps_them_out_of_the_fold(tmp_path, monkeypatch):
+    """GPT-OSS with a (pretended) fold obstacle on its keys: the KV scale cannot move into the fold, so the stored scales stay
+    the validated ones and the manifest, its next step and report.md say that vLLM's mxfp4 config would not read them."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from kvcompress.config import to_run_config
+    from kvcompress.pipeline import run
+    from kvcompress.stages import export as export_stage
+
+    ckpt, _ = _gpt_oss_dir(tmp_path)
+    real = export_stage.write_native_checkpoints
+
+    def blocked(lm, geom, trt_book, hf_book, *a, **kw):
+        import dataclasses
+
+        return real(lm, geom, trt_book, dataclasses.replace(hf_book, fit_info={**hf_book.fit_info, "fold_keys_off": "a test's obstacle"}), *a, **kw)
+
+    monkeypatch.setattr(export_stage, "write_native_checkpoints", blocked)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=llama3_8b", f"model.path={ckpt}", "model.name=q", "model.device=cpu", "model.dtype=float32",
+                                           "calib=smoke", "eval=smoke", "kv=native_fp8", "eval.tasks.names=[]", "export.dtype=bfloat16",
+                                           f"cache_dir={tmp_path / 'cache'}"])
+    run(to_run_config(OmegaConf.to_container(cfg, resolve=True)), tmp_path / "r", progress=False)
+    m = json.loads((tmp_path / "r" / "export" / "manifest.json").read_text())
+    art = m["artifacts"]["hf_ckpt"]
+    assert "reads no k_scale / v_scale" in art["kv_scales_unread"] and "kv_scale_absorbed" not in art
+    assert m["next_step_on_gpu_host"].startswith("python export/check_hf_ckpt.py")
+    assert "- **hf_ckpt FP8 KV scales**: vLLM's mxfp4 config" in (tmp_path / "r" / "report.md").read_text()
+    got = _tensors(tmp_path / "r" / "export" / "hf_ckpt")
+    assert any(float(v) != 1.0 for k, v in got.items() if k.endswith("k_proj.k_scale"))
