@@ -247,8 +247,9 @@ def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str]:
             if k not in src.entries or src.stored_dtype(k) != torch.float8_e4m3fn:
                 return None, f"{k} is not stored as float8 e4m3 under that name"
             sk = scale_name(src.entries, k)
-            n = math.prod(src.shape(sk)) if sk else 0
-            if n not in (1, src.shape(k)[0]):
+            shape = src.shape(sk) if sk else [0]
+            n, rows = math.prod(shape), src.shape(k)[0]
+            if n != 1 and shape not in ([rows], [rows, 1]):  # by shape: a block grid can hold as many scales as there are rows
                 return None, ("its FP8 weights have block scales; TensorRT-LLM's FP8 checkpoints take one scale per tensor (quant_algo FP8) "
                               "or per output row (FP8_PER_CHANNEL_PER_TOKEN)")
             si = k.removesuffix("weight") + "input_scale"
