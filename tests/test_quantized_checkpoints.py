@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -557,12 +558,15 @@ def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path
             got = TrtllmAsHF(out / "trtllm_ckpt" / f"tp{tp}").load(keys, torch.float32, "cpu")
             assert all(torch.equal(got[k], Checkpoint(ckpt).read(k)) for k in keys)
     q = json.loads((out / "trtllm_ckpt" / "tp1" / "config.json").read_text())["quantization"]
-    assert q["quant_algo"] == algo and q["exclude_modules"] == ["transformer.layers.0.attention*", "transformer.layers.1.attention*", "lm_head"]
+    # per token: TensorRT-LLM's fp8_rowwise_quantize turns every norm it does not exclude into a quantizing norm; the input norms feed the
+    # unquantized attention (its Meta recipe excludes '*input_layernorm' with '*attention')
+    norms = ["transformer.layers.0.input_layernorm", "transformer.layers.1.input_layernorm"] if algo != "FP8" else []
+    assert q["quant_algo"] == algo and q["exclude_modules"] == ["transformer.layers.0.attention*", "transformer.layers.1.attention*", *norms, "lm_head"]
     mo_q, mo = _modelopt_fp8_layout(ckpt, tmp_path / "modelopt", preset)
     ours = {k: (_kind(v), tuple(v.shape)) for k, v in r1.items()}
     extra = {k for k in mo if k.endswith((".k_cache_scaling_factor", ".v_cache_scaling_factor"))}  # ModelOpt's per-K/V copies of the KV scale
     assert ours == {k: v for k, v in mo.items() if k not in extra}
-    assert (mo_q["quant_algo"], sorted(mo_q["exclude_modules"])) == (q["quant_algo"], sorted(q["exclude_modules"]))
+    assert (mo_q["quant_algo"], sorted(mo_q["exclude_modules"] + norms)) == (q["quant_algo"], sorted(q["exclude_modules"]))
     m = json.loads((out / "manifest.json").read_text())
     art = m["artifacts"]["trtllm_ckpt"]
     assert art["fp8_weights_kept"] is True and f"quant_algo {algo}: 6 float8 e4m3 weights" in art["weights"]
@@ -588,11 +592,11 @@ def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_
     assert "- trtllm_ckpt weights: bfloat16: the source's FP8 weights dequantized, because" in (out.parent / "report.md").read_text()
     pt, _ = _quantized_dir(tmp_path, MODELOPT, None, name="pt", scale_suffix="_scale")  # per tensor, no input scales
     hf_cfg = AutoConfig.from_pretrained(str(pt))
-    assert fp8_mlp(Checkpoint(pt), Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8_PER_CHANNEL_PER_TOKEN", "")
+    assert fp8_mlp(Checkpoint(pt), Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8_PER_CHANNEL_PER_TOKEN", "", [0, 1])
     ok, _ = _quantized_dir(tmp_path, MODELOPT, None, name="ok", scale_suffix="_scale", input_scale=True)
     c = Checkpoint(ok)
     state = {k: c.read(k) for k in c.entries if not k.endswith(("_scale", "input_scale"))}
-    assert fp8_mlp(c, Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8", "")
+    assert fp8_mlp(c, Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8", "", [0, 1])
     w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, Geometry.from_hf_config(hf_cfg), tmp_path / "w", 1,
                      "bfloat16", "FP8", torch.ones(2), hf_cfg, fp8_source=c)
     w.write_layer(state, 0)  # unchanged: copied
@@ -697,3 +701,36 @@ def test_kv_scales_a_server_would_not_read_are_flagged_where_a_fold_obstacle_kee
     assert "- **hf_ckpt FP8 KV scales**: vLLM's mxfp4 config" in (tmp_path / "r" / "report.md").read_text()
     got = _tensors(tmp_path / "r" / "export" / "hf_ckpt")
     assert any(float(v) != 1.0 for k, v in got.items() if k.endswith("k_proj.k_scale"))
+
+
+def test_an_fp8_source_with_unquantized_mlps_keeps_the_others_fp8_in_the_tensorrt_llm_checkpoint(tmp_path):
+    """Meta's FP8 Llama 3.1 405B keeps the first and last layers' MLPs unquantized (modules_to_not_convert): trtllm_ckpt/ writes
+    those in export.dtype and excludes them (with the norm that feeds them, for FP8_PER_CHANNEL_PER_TOKEN), the other layers' MLPs
+    FP8 as stored; re-measured as validated, and the reader's values are the source's."""
+    from kvcompress.targets.trtllm_reader import TrtllmAsHF
+
+    ckpt, _ = _quantized_dir(tmp_path, FBGEMM | {"modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]}, "row", scale_suffix="_scale")
+    sd = load_file(str(ckpt / "model.safetensors"))
+    c = Checkpoint(ckpt)
+    for hf in ("gate_proj", "up_proj", "down_proj"):  # layer 0's MLP stored unquantized (bfloat16, no scale)
+        k = f"model.layers.0.mlp.{hf}.weight"
+        sd[k] = c.read(k).to(torch.bfloat16)
+        del sd[k + "_scale"]
+    save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    out = _export(tmp_path, ckpt, "run")
+    r1 = load_file(str(out / "trtllm_ckpt" / "tp1" / "rank0.safetensors"))
+    assert r1["transformer.layers.0.mlp.fc.weight"].dtype == torch.bfloat16 and "transformer.layers.0.mlp.fc.per_channel_scale" not in r1
+    assert r1["transformer.layers.1.mlp.fc.weight"].dtype == torch.float8_e4m3fn and "transformer.layers.1.mlp.fc.per_channel_scale" in r1
+    q = json.loads((out / "trtllm_ckpt" / "tp1" / "config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+    assert {"transformer.layers.0.mlp*", "transformer.layers.0.post_layernorm"} <= set(q["exclude_modules"])
+    assert not any(e.startswith(("transformer.layers.1.mlp", "transformer.layers.1.post")) for e in q["exclude_modules"])
+    keys = [f"model.layers.{i}.mlp.{hf}.weight" for i in (0, 1) for hf in ("gate_proj", "up_proj", "down_proj")]
+    got = TrtllmAsHF(out / "trtllm_ckpt" / "tp1").load(keys, torch.float32, "cpu")
+    assert all(torch.equal(got[k], Checkpoint(ckpt).read(k).float()) for k in keys)
+    ignore = json.loads((out / "hf_ckpt" / "config.json").read_text())["quantization_config"]["ignore"]
+    pat = next(e for e in ignore if e.startswith("re:") and "layers" in e)[3:]  # compressed-tensors matches exact names or "re:" patterns
+    assert re.match(pat, "model.layers.0.mlp.gate_proj") and not re.match(pat, "model.layers.1.mlp.gate_proj")
+    m = json.loads((out / "manifest.json").read_text())
+    assert "3 float8 e4m3 weights" in m["artifacts"]["trtllm_ckpt"]["weights"] and "the MLPs the source keeps unquantized" in m["artifacts"]["trtllm_ckpt"]["weights"]
+    assert all(c["status"] == "passed" for c in m["checks"]), m["checks"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -81,9 +82,10 @@ def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: l
     kv_cache_quant_algo; compressed-tensors: kv_cache_scheme). fbgemm_fp8 is written as compressed-tensors (CT_FROM_FBGEMM);
     fp8 / mxfp4 (GPT-OSS) have no such field: the server is told by --kv-cache-dtype fp8."""
     method = str(src_qcfg.get("quant_method", "")).lower()
-    if method == "fbgemm_fp8":
+    if method == "fbgemm_fp8":  # its servers skip a module whose name contains an entry; compressed-tensors matches names or "re:" patterns
         have = [m for k in UNCONVERTED for m in (src_qcfg.get(k) or [])]
-        ignore = list(dict.fromkeys(have + list(unquantized)))
+        below = [f"re:^(.*\\.)?{re.escape(m)}\\..*$" for m in have if isinstance(m, str) and not m.startswith("re:")]  # modules under the entry
+        ignore = list(dict.fromkeys(have + below + list(unquantized)))
         return copy.deepcopy(CT_FROM_FBGEMM) | {"ignore": ignore, "kv_cache_scheme": dict(CT_KV_FP8)}, None
     if method == "modelopt":
         q = (src_hf_quant or {}).get("quantization") or {}

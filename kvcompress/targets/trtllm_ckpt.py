@@ -41,7 +41,8 @@ FP8_PER_CHANNEL_PER_TOKEN with the attention left unquantized (checked in the te
   quant_algo FP8_PER_CHANNEL_PER_TOKEN (otherwise: per-row scales, or activations quantized at run time; fbgemm_fp8,
   FP8-dynamic):
     transformer.layers.{i}.mlp.{fc,gate,proj}.per_channel_scale          [rows/tp] fp32 (fc, gate) / [hidden] (proj) <- weight_scale
-  both: exclude_modules [transformer.layers.{i}.attention* (the fold's, in `dtype`), lm_head]
+  both: exclude_modules (fp8_excluded): every attention (the fold's, in `dtype`), lm_head, the MLP of a layer the source keeps
+  unquantized; FP8_PER_CHANNEL_PER_TOKEN also the norms feeding unquantized modules (TensorRT-LLM would make them quantize)
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def trtllm_architecture(hf_cfg) -> str:
     return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
-def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_algo: str | None = None) -> dict:
+def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_algo: str | None = None, fp8_layers: list[int] | None = None) -> dict:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     # unset fields (None) are left out: TensorRT-LLM then takes its defaults, as transformers does for None
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type") and v is not None} if rope.get("rope_type", "default") != "default" else None
@@ -152,8 +153,8 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_al
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
     }
-    if fp8_algo:  # the source's FP8 MLP weights kept (fp8_mlp); TensorRT-LLM's quantize_layers skips what exclude_modules matches
-        cfg["quantization"] |= {"quant_algo": fp8_algo, "exclude_modules": [f"transformer.layers.{i}.attention*" for i in range(geom.n_layers)] + ["lm_head"]}
+    if fp8_algo:  # the source's FP8 MLP weights kept (fp8_mlp); TensorRT-LLM's quantizers skip what exclude_modules matches (fnmatch)
+        cfg["quantization"] |= {"quant_algo": fp8_algo, "exclude_modules": fp8_excluded(geom, fp8_algo, fp8_layers)}
     if num_experts(hf_cfg):  # LLaMAConfig/QWenConfig.from_hugging_face: explicit gated activation; the routing as the model routes
         cfg |= {"hidden_act": "swiglu", "moe": moe_block(hf_cfg)}
         cfg["mapping"] |= {"moe_tp_size": tp, "moe_ep_size": 1}
@@ -231,30 +232,51 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
 MLP_NAMES = (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1))  # HF -> TensorRT-LLM (fc is gate_proj), split dim
 
 
-def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str]:
-    """(TensorRT-LLM quant_algo, '') when trtllm_ckpt/ can hold the FP8 source `src` (a streaming Checkpoint)'s MLP weights as
-    stored, else (None, why not: the manifest's word). "FP8": float8 e4m3 with one scale per tensor and a static input scale
-    everywhere; "FP8_PER_CHANNEL_PER_TOKEN": one scale per output row (or per tensor, spread over the rows) with activations
-    quantized per token at run time (the source's dynamic activations)."""
+def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str, list[int]]:
+    """(TensorRT-LLM quant_algo, '', the layers whose MLP is FP8) when trtllm_ckpt/ can hold the FP8 source `src` (a streaming
+    Checkpoint)'s MLP weights as stored, else (None, why not: the manifest's word, []). "FP8": float8 e4m3 with one scale per
+    tensor and a static input scale everywhere; "FP8_PER_CHANNEL_PER_TOKEN": one scale per output row (or per tensor, spread
+    over the rows) with activations quantized per token at run time (the source's dynamic activations). A layer whose MLP the
+    source keeps unquantized (Meta's FP8 Llama 3.1 405B: the first and the last) is written in `dtype` and excluded."""
     from kvcompress.models.fp8_weights import scale_name
 
     if num_experts(hf_cfg):
-        return None, "a mixture of experts: kvcompress writes no FP8 expert layout for TensorRT-LLM"
-    static = True
+        return None, "a mixture of experts: kvcompress writes no FP8 expert layout for TensorRT-LLM", []
+    static, layers = True, []
     for i in range(geom.n_layers):
-        for hf, _, _ in MLP_NAMES:
-            k = f"model.layers.{i}.mlp.{hf}.weight"
-            if k not in src.entries or src.stored_dtype(k) != torch.float8_e4m3fn:
-                return None, f"{k} is not stored as float8 e4m3 under that name"
+        names = [f"model.layers.{i}.mlp.{hf}.weight" for hf, _, _ in MLP_NAMES]
+        fp8 = [k in src.entries and src.stored_dtype(k) == torch.float8_e4m3fn for k in names]
+        if not any(fp8):
+            continue
+        if not all(fp8):
+            return None, f"layer {i}'s MLP is partly float8 e4m3 under these names ({', '.join(n for n, f in zip(names, fp8) if f)})", []
+        for k in names:
             sk = scale_name(src.entries, k)
             shape = src.shape(sk) if sk else [0]
-            n, rows = math.prod(shape), src.shape(k)[0]
-            if n != 1 and shape not in ([rows], [rows, 1]):  # by shape: a block grid can hold as many scales as there are rows
+            rows = src.shape(k)[0]
+            if math.prod(shape) != 1 and shape not in ([rows], [rows, 1]):  # by shape: a block grid can hold as many scales as rows
                 return None, ("its FP8 weights have block scales; TensorRT-LLM's FP8 checkpoints take one scale per tensor (quant_algo FP8) "
-                              "or per output row (FP8_PER_CHANNEL_PER_TOKEN)")
+                              "or per output row (FP8_PER_CHANNEL_PER_TOKEN)"), []
             si = k.removesuffix("weight") + "input_scale"
-            static = static and n == 1 and si in src.entries and math.prod(src.shape(si)) == 1
-    return ("FP8" if static else "FP8_PER_CHANNEL_PER_TOKEN"), ""
+            static = static and math.prod(shape) == 1 and si in src.entries and math.prod(src.shape(si)) == 1
+        layers.append(i)
+    if not layers:
+        return None, "no layer's MLP is stored as float8 e4m3 under Llama names", []
+    return ("FP8" if static else "FP8_PER_CHANNEL_PER_TOKEN"), "", layers
+
+
+def fp8_excluded(geom, algo: str, layers: list[int]) -> list[str]:
+    """quantization.exclude_modules of a checkpoint with FP8 MLPs in `layers`: every attention (folded, in `dtype`), the MLPs
+    of the other layers, lm_head; for FP8_PER_CHANNEL_PER_TOKEN also the norms that feed an unquantized module, which
+    TensorRT-LLM's fp8_rowwise_quantize would otherwise turn into per-token quantizing norms (its Meta recipe excludes
+    '*input_layernorm' with '*attention' for that reason)."""
+    out = [f"transformer.layers.{i}.attention*" for i in range(geom.n_layers)]
+    rest = [i for i in range(geom.n_layers) if i not in layers]
+    out += [f"transformer.layers.{i}.mlp*" for i in rest]
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        out += [f"transformer.layers.{i}.input_layernorm" for i in range(geom.n_layers)]
+        out += [f"transformer.layers.{i}.post_layernorm" for i in rest]
+    return out + ["lm_head"]
 
 
 class TrtllmWriter:
@@ -271,13 +293,13 @@ class TrtllmWriter:
         self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
         self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
         # fp8_source (the FP8 source's streaming Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
-        self.fp8_algo, self.fp8_why = (None, None) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config)
+        self.fp8_algo, self.fp8_why, self.fp8_layers = (None, None, []) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config)
         self.src = fp8_source if self.fp8_algo else None
         self.writers = []
         for r in range(tp):
             plan = {k: (v.dtype, tuple(v.shape)) for k, v in rank_weights(meta_state, geom, tp, r, kv_scales, self.dtype).items()}
             if self.src is not None:
-                plan |= {k: (v.dtype, tuple(v.shape)) for i in range(geom.n_layers) for k, v in self._fp8_layer(None, i, r).items()}
+                plan |= {k: (v.dtype, tuple(v.shape)) for i in self.fp8_layers for k, v in self._fp8_layer(None, i, r).items()}
             self.writers.append(SafetensorsWriter(self.dir / f"rank{r}.safetensors", plan, {"format": "pt"}))
 
     def _fp8_read(self, state: dict[str, torch.Tensor], i: int) -> dict[str, tuple]:
@@ -332,8 +354,9 @@ class TrtllmWriter:
             how = ("per-tensor weight and static activation scales" if self.fp8_algo == "FP8" else
                    "weight scales per output row; activations quantized per token at run time")
             return {"fp8_weights_kept": True, "weights": f"the source's FP8 MLP weights kept as stored (quant_algo {self.fp8_algo}: "
-                    f"{3 * self.geom.n_layers} float8 e4m3 weights with their {how}); attention (folded), embedding and lm_head in {dt}, "
-                    "listed in exclude_modules"}
+                    f"{3 * len(self.fp8_layers)} float8 e4m3 weights with their {how}); attention (folded), embedding, lm_head"
+                    f"{', the MLPs the source keeps unquantized' if len(self.fp8_layers) < self.geom.n_layers else ''} in {dt}, listed in "
+                    "exclude_modules"}
         if self.fp8_why:
             return {"fp8_weights_kept": False, "fp8_dequantized_why": self.fp8_why, "weights": f"{dt}: the source's FP8 weights dequantized, because {self.fp8_why}"}
         return {"fp8_weights_kept": False, "weights": dt}
@@ -359,7 +382,7 @@ class TrtllmWriter:
                     w.write("lm_head.weight", rows.new_zeros((r + 1) * per - self.vocab, rows.shape[1]), row=self.vocab - r * per)
 
     def write_layer(self, state: dict[str, torch.Tensor], i: int) -> None:
-        stored = self._fp8_read(state, i) if self.src is not None else None
+        stored = self._fp8_read(state, i) if self.src is not None and i in self.fp8_layers else None
         for r, w in enumerate(self.writers):
             out = layer_rank_tensors(state, self.geom, i, self.tp, r, self.kv_scales, self.dtype)
             if stored is not None:
@@ -370,7 +393,8 @@ class TrtllmWriter:
     def close(self) -> Path:
         for w in self.writers:
             w.close()
-        atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo, self.fp8_algo))
+        atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo, self.fp8_algo,
+                                                                   self.fp8_layers))
         return self.dir
 
     def abort(self) -> None:
