@@ -562,6 +562,8 @@ def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path
     # unquantized attention (its Meta recipe excludes '*input_layernorm' with '*attention')
     norms = ["transformer.layers.0.input_layernorm", "transformer.layers.1.input_layernorm"] if algo != "FP8" else []
     assert q["quant_algo"] == algo and q["exclude_modules"] == ["transformer.layers.0.attention*", "transformer.layers.1.attention*", *norms, "lm_head"]
+    # Meta's activation_scale_ub as TensorRT-LLM's clamp_val (its Llama converter's update_quant_config_from_hf does the same)
+    assert q.get("clamp_val") == ([-1200.0, 1200.0] if qcfg is FBGEMM else None)
     mo_q, mo = _modelopt_fp8_layout(ckpt, tmp_path / "modelopt", preset)
     ours = {k: (_kind(v), tuple(v.shape)) for k, v in r1.items()}
     extra = {k for k in mo if k.endswith((".k_cache_scaling_factor", ".v_cache_scaling_factor"))}  # ModelOpt's per-K/V copies of the KV scale

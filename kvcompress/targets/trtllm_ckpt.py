@@ -124,7 +124,8 @@ def trtllm_architecture(hf_cfg) -> str:
     return OWN_ARCH.get(getattr(hf_cfg, "model_type", None), "LlamaForCausalLM")
 
 
-def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_algo: str | None = None, fp8_layers: list[int] | None = None) -> dict:
+def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_algo: str | None = None, fp8_layers: list[int] | None = None,
+                  clamp_val: list[float] | None = None) -> dict:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     # unset fields (None) are left out: TensorRT-LLM then takes its defaults, as transformers does for None
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type") and v is not None} if rope.get("rope_type", "default") != "default" else None
@@ -155,6 +156,8 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_al
     }
     if fp8_algo:  # the source's FP8 MLP weights kept (fp8_mlp); TensorRT-LLM's quantizers skip what exclude_modules matches (fnmatch)
         cfg["quantization"] |= {"quant_algo": fp8_algo, "exclude_modules": fp8_excluded(geom, fp8_algo, fp8_layers)}
+        if clamp_val:  # fbgemm_fp8's activation_scale_ub: the per-token quantizers clamp activations to it (QuantConfig.clamp_val)
+            cfg["quantization"]["clamp_val"] = clamp_val
     if num_experts(hf_cfg):  # LLaMAConfig/QWenConfig.from_hugging_face: explicit gated activation; the routing as the model routes
         cfg |= {"hidden_act": "swiglu", "moe": moe_block(hf_cfg)}
         cfg["mapping"] |= {"moe_tp_size": tp, "moe_ep_size": 1}
@@ -295,6 +298,13 @@ class TrtllmWriter:
         # fp8_source (the FP8 source's streaming Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
         self.fp8_algo, self.fp8_why, self.fp8_layers = (None, None, []) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config)
         self.src = fp8_source if self.fp8_algo else None
+        self.clamp_val = None  # Meta's fbgemm_fp8 bounds activations before quantizing them per token, as TensorRT-LLM's converter carries it
+        if self.src is not None and self.fp8_algo == "FP8_PER_CHANNEL_PER_TOKEN":
+            from kvcompress.models.quantized import quantization_config
+
+            q = quantization_config(self.src.dir) or {}
+            if q.get("quant_method") == "fbgemm_fp8" and q.get("activation_scale_ub"):
+                self.clamp_val = [-float(q["activation_scale_ub"]), float(q["activation_scale_ub"])]
         self.writers = []
         for r in range(tp):
             plan = {k: (v.dtype, tuple(v.shape)) for k, v in rank_weights(meta_state, geom, tp, r, kv_scales, self.dtype).items()}
@@ -394,7 +404,7 @@ class TrtllmWriter:
         for w in self.writers:
             w.close()
         atomic_write_json(self.dir / "config.json", trtllm_config(self.hf_config, self.geom, self.tp, self.dtype_name, self.kv_algo, self.fp8_algo,
-                                                                   self.fp8_layers))
+                                                                   self.fp8_layers, self.clamp_val))
         return self.dir
 
     def abort(self) -> None:
