@@ -501,8 +501,6 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
                     w.write_layer(t, i)
                 del t
             hf.write_layer(hf_fold(layer, i), i)
-        if keep is not None:
-            keep.remember(False)
         for w in writers:
             w.close()
     except BaseException:

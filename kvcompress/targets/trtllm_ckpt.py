@@ -364,9 +364,9 @@ class TrtllmWriter:
             how = ("per-tensor weight and static activation scales" if self.fp8_algo == "FP8" else
                    "weight scales per output row; activations quantized per token at run time")
             return {"fp8_weights_kept": True, "weights": f"the source's FP8 MLP weights kept as stored (quant_algo {self.fp8_algo}: "
-                    f"{3 * len(self.fp8_layers)} float8 e4m3 weights with their {how}); attention (folded), embedding, lm_head"
-                    f"{', the MLPs the source keeps unquantized' if len(self.fp8_layers) < self.geom.n_layers else ''} in {dt}, listed in "
-                    "exclude_modules"}
+                    f"{3 * len(self.fp8_layers)} float8 e4m3 weights with their {how}); embedding and, listed in exclude_modules, "
+                    f"attention (folded), lm_head{', the MLPs the source keeps unquantized' if len(self.fp8_layers) < self.geom.n_layers else ''}"
+                    f" in {dt}"}
         if self.fp8_why:
             return {"fp8_weights_kept": False, "fp8_dequantized_why": self.fp8_why, "weights": f"{dt}: the source's FP8 weights dequantized, because {self.fp8_why}"}
         return {"fp8_weights_kept": False, "weights": dt}

@@ -37,16 +37,14 @@ def dequantized(rank: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One rank's tensors with FP8 weights (float8 e4m3 values times their per-tensor weights_scaling_factor, or their
     per_channel_scale per output row) as float32 values, and the linears' scale tensors dropped. Activation scales are not
     applied: the re-measurement runs the validated arithmetic, float activations on these weights."""
+    from kvcompress.models.fp8_weights import dequantize
+
     out = {}
     for n, v in rank.items():
         if n.endswith(SCALES):
             continue
-        base = n.removesuffix("weight")
-        if n.endswith(".weight") and base + SCALES[0] in rank:
-            v = v.float() * rank[base + SCALES[0]].float().reshape(())
-        elif n.endswith(".weight") and base + SCALES[2] in rank:
-            v = v.float() * rank[base + SCALES[2]].float().reshape(-1, 1)
-        out[n] = v
+        scale = next((rank[s] for s in (n.removesuffix("weight") + SCALES[0], n.removesuffix("weight") + SCALES[2]) if s in rank), None)
+        out[n] = dequantize(v, scale, list(v.shape)) if n.endswith(".weight") and scale is not None else v
     return out
 
 
