@@ -36,6 +36,20 @@ from pathlib import Path
 PINNED = "1.2.1"
 
 
+# --gemm_plugin auto (the model dtype) for every native checkpoint, FP8 MLPs included. Read in TensorRT-LLM's sources, not run:
+# FP8Linear / FP8RowLinear (quant_algo FP8) call the GEMM plugin only when gemm_plugin is 'fp8', else they quantize and
+# dequantize around a plain matmul that TensorRT fuses into FP8 GEMMs; FP8_PER_CHANNEL_PER_TOKEN layers call the
+# Fp8RowwiseGemm plugin, which the builder enables by itself (set_fp8_rowwise_quant_plugins). 'fp8' (its docs: experimental,
+# for batch <= 4) would also route the folded fp16 attention and lm_head through the plugin; not offered, not verified.
+GEMM_PLUGIN = "auto"
+
+
+def native_cmd(exe: str, ckpt: Path, out: str, max_seq_len: int, max_batch_size: int) -> list[str]:
+    """The trtllm-build command line of the native tier."""
+    return [exe, "--checkpoint_dir", str(ckpt), "--output_dir", out, "--gemm_plugin", GEMM_PLUGIN, "--kv_cache_type", "paged",
+            "--max_seq_len", str(max_seq_len), "--max_batch_size", str(max_batch_size)]
+
+
 def fp16_kv_view(ckpt: Path) -> Path:
     """A checkpoint directory that is `ckpt` with kv_cache_quant_algo = null (rank files symlinked)."""
     view = Path(tempfile.mkdtemp(prefix="kvc_fp16kv_"))
@@ -151,8 +165,7 @@ def main() -> int:
     if exe is None:
         print("error: trtllm-build not found (TensorRT engine backend removed after the 1.2 line)", file=sys.stderr)
         return 2
-    cmd = [exe, "--checkpoint_dir", str(ckpt), "--output_dir", a.out, "--gemm_plugin", "auto", "--kv_cache_type", "paged",
-           "--max_seq_len", str(a.max_seq_len or 8192), "--max_batch_size", str(a.max_batch_size)]
+    cmd = native_cmd(exe, ckpt, a.out, a.max_seq_len or 8192, a.max_batch_size)
     print(" ".join(cmd))
     return subprocess.run(cmd).returncode
 

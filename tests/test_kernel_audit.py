@@ -277,6 +277,8 @@ def test_audit_cli_rejects_bad_input():
     assert p.returncode == 2 and "--variant=nope" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--aot", "/nonexistent"], capture_output=True, text=True, env=_env())
     assert p.returncode == 2 and "--aot=/nonexistent has no kernels.json" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variants", "nope"], capture_output=True, text=True, env=_env())
+    assert p.returncode == 2 and "--variants=nope is unknown; allowed: default, per_token, grouped, all" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_audit_cli_one_variant(tmp_path):
@@ -286,6 +288,17 @@ def test_audit_cli_one_variant(tmp_path):
     assert "payload (KP 2x128b; VP 1x128b) via >= 128-bit loads" in p.stdout
     assert [k["name"] for k in json.loads((tmp_path / "a.json").read_text())["kernels"]] == [
         "kv_append_d64_g3_int8k_int4v", "decode_split_d64_g3_int8k_int4v", "decode_reduce_d64_g3_int8k_int4v"]
+
+
+def test_audit_cli_audits_a_variant_outside_the_default_set(tmp_path):
+    """--variant takes any set's variant (here the grouped family's wf5 at head dim 64), so every kernel the custom tier can
+    ship is audited by the same command."""
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variant", "d64_g3_wf5", "--out", str(tmp_path / "a.json")],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-1500:]
+    kernels = json.loads((tmp_path / "a.json").read_text())["kernels"]
+    assert [k["name"] for k in kernels] == ["kv_append_grp_d64_g3_wf5", "decode_split_grp_d64_g3_wf5", "decode_reduce_d64_g3_wf5"]
+    assert "main loop" in p.stdout.splitlines()[1] and not any(k["spills"] for k in kernels)
 
 
 def test_readme_kernel_figures_are_the_audit(audit_sm90):

@@ -1,6 +1,6 @@
 """SASS audit of the AOT-compiled kernels: what the compiled code really does, on a CPU machine.
 
-    python -m kvcompress.kernels.audit --arch sm_90 [--variant NAME ...] [--aot DIR] [--out audit.json]
+    python -m kvcompress.kernels.audit --arch sm_90 [--variants default|per_token|grouped|all] [--variant NAME ...] [--aot DIR] [--out audit.json]
 
 Compiles the variants (or reads an AOT output directory), disassembles each cubin with the
 cuobjdump Triton ships, and reports per kernel: registers per thread, spills (local memory /
@@ -230,14 +230,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", required=True, help=f"one of {', '.join(ARCHS)}")
-    ap.add_argument("--variant", action="append", default=None, help="variant name(s) of the default set (default: all)")
+    ap.add_argument("--variant", action="append", default=None, help="variant name(s), of any set (default: every variant of --variants)")
+    ap.add_argument("--variants", default="default", help=f"the set to audit: one of {', '.join([*VARIANTS, 'all'])} (default: default)")
     ap.add_argument("--aot", type=Path, default=None, help="an existing AOT output directory (default: compile now)")
     ap.add_argument("--out", type=Path, default=None, help="also write the audit JSON here")
     a = ap.parse_args(argv)
     if a.arch not in ARCHS:
         print(f"kvcompress: error: --arch={a.arch} is not supported; allowed: {', '.join(ARCHS)}", file=sys.stderr)
         return 2
-    known = {v.name: v for v in VARIANTS["default"]}
+    if a.variants != "all" and a.variants not in VARIANTS:
+        print(f"kvcompress: error: --variants={a.variants} is unknown; allowed: {', '.join([*VARIANTS, 'all'])}", file=sys.stderr)
+        return 2
+    known = {v.name: v for vs in VARIANTS.values() for v in vs}
     bad = [n for n in (a.variant or []) if n not in known]
     if bad:
         print(f"kvcompress: error: --variant={bad[0]} is unknown; allowed: {', '.join(known)}", file=sys.stderr)
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         kdir = a.aot or Path(tmp)
         if a.aot is None:
-            compile_all(a.arch, kdir, [known[n] for n in a.variant] if a.variant else VARIANTS["default"])
+            chosen = list(known.values()) if a.variants == "all" else VARIANTS[a.variants]
+            compile_all(a.arch, kdir, [known[n] for n in a.variant] if a.variant else chosen)
         res = audit_dir(kdir)
     if a.out:
         a.out.write_text(json.dumps(res, indent=2))
