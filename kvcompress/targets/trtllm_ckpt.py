@@ -258,8 +258,9 @@ def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str, list[int]]:
             shape = src.shape(sk) if sk else [0]
             rows = src.shape(k)[0]
             if math.prod(shape) != 1 and shape not in ([rows], [rows, 1]):  # by shape: a block grid can hold as many scales as rows
-                return None, ("its FP8 weights have block scales; TensorRT-LLM's FP8 checkpoints take one scale per tensor (quant_algo FP8) "
-                              "or per output row (FP8_PER_CHANNEL_PER_TOKEN)"), []
+                return None, ("its FP8 weights have block scales; trtllm-build's FP8 layers take one scale per tensor (quant_algo FP8) "
+                              "or per output row (FP8_PER_CHANNEL_PER_TOKEN), and FP8_BLOCK_SCALES is a PyTorch-backend format "
+                              "(hf_ckpt/ keeps them)"), []
             si = k.removesuffix("weight") + "input_scale"
             static = static and math.prod(shape) == 1 and si in src.entries and math.prod(src.shape(si)) == 1
         layers.append(i)
