@@ -58,6 +58,7 @@ class Variant:
     # the grouped family (kv.key.group_tokens, e.g. kv=wf4): kv_append_grp / decode_split_grp; key_bits is the mean width
     # (the per-channel widths are a runtime table, so one build serves every water-filled allocation)
     key_group_tokens: int = 0
+    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped) (None -> no cap)
 
     @property
     def per_token(self) -> bool:
@@ -72,6 +73,8 @@ class Variant:
             object.__setattr__(self, "decode_warps", plan.decode_warps(self.head_dim, self.per_token or self.grouped))
         if not self.block_t:
             object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps, self.key_group_tokens))
+        if not self.decode_maxnreg:
+            object.__setattr__(self, "decode_maxnreg", plan.decode_maxnreg(self.head_dim, self.grouped) or 0)
         if self.grouped:  # a decode tile lies in one key group
             object.__setattr__(self, "block_t", min(self.block_t, self.key_group_tokens))
 
@@ -206,7 +209,10 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
         for kname, fn, sig, consts, warps in _specs(v):
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
-            ck = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
+            opts = {"num_warps": warps, "num_stages": 2}
+            if kname.startswith("decode_split") and v.decode_maxnreg:
+                opts["maxnreg"] = v.decode_maxnreg
+            ck = triton.compile(src, target=target, options=opts)
             name = f"{kname}_{v.name}"
             (out / f"{name}.ptx").write_text(ck.asm["ptx"])
             (out / f"{name}.cubin").write_bytes(ck.asm["cubin"])
@@ -218,6 +224,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
                 "signature": sig,
                 "constexprs": consts,
                 "num_warps": warps,
+                "maxnreg": opts.get("maxnreg"),
                 "shared": ck.metadata.shared,
                 "smem_limit": SMEM_LIMIT[arch],
                 **resource_usage(out / f"{name}.cubin"),

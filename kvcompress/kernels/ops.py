@@ -60,10 +60,11 @@ def grouped_constants(D: int, group_tokens: int, key_bits: int, value_bits: int,
 
 
 def grouped_decode_words(consts: dict) -> dict:
-    """decode_split_grp_kernel's NW_PAD: a key row's KROW // 4 words rounded up to a power of two (tl.arange's
-    length); the words past the row are masked off. Mean widths 5, 6, 7 give 10, 12, 14 words at head dim 64 and
-    20, 24, 28 at 128."""
-    return {"NW_PAD": _pad(consts["KROW"] // 4)}
+    """decode_split_grp_kernel's NW_PAD: the words of a tile row, the power of two (tl.arange's length) above the key
+    row's NW = KROW // 4 (mean widths 4..7: 8, 10, 12, 14 words at head dim 64, 16, 20, 24, 28 at 128): a code in the
+    row's last word finds a masked-off 0 as its second word. The words past the row are masked off (never read). At
+    head dim 128 this also halves the registers of a 16-word row read as 16 (SASS audit: ~240 -> ~178 per thread)."""
+    return {"NW_PAD": _pad(consts["KROW"] // 4 + 1)}
 
 
 def _grouped_tables(kv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +140,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
             **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
+            **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True)) else {}),
         )
         return _reduce(mo, lo, ao, splits)
     if kv.per_token:

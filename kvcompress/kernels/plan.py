@@ -36,6 +36,14 @@ def decode_warps(head_dim: int, per_token: bool = False) -> int:
 
 
 GROUPED_BLOCK_T_D128 = 16  # the grouped family at head dim >= 128 (see block_t)
+GROUPED_MAXNREG_D128 = 168  # see decode_maxnreg
+
+
+def decode_maxnreg(head_dim: int, grouped: bool = False) -> int | None:
+    """The register cap of a decode kernel (Triton's maxnreg; None: ptxas's choice). The grouped family at head dim
+    >= 128: 168 per thread, so 3 CTAs of 4 warps fit an SM's 65536 registers (65536 / (128 x 168) = 3.05); left to
+    itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS audit checks both, tests/test_kernel_audit.py)."""
+    return GROUPED_MAXNREG_D128 if grouped and head_dim >= 128 else None
 
 
 def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:
