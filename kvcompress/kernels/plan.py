@@ -42,7 +42,9 @@ GROUPED_MAXNREG_D128 = 168  # see decode_maxnreg
 def decode_maxnreg(head_dim: int, grouped: bool = False) -> int | None:
     """The register cap of a decode kernel (Triton's maxnreg; None: ptxas's choice). The grouped family at head dim
     >= 128: 168 per thread, so 3 CTAs of 4 warps fit an SM's 65536 registers (65536 / (128 x 168) = 3.05); left to
-    itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS audit checks both, tests/test_kernel_audit.py)."""
+    itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS audit checks both, tests/test_kernel_audit.py).
+    8 warps capped at 128 would also fit without spills (2 CTAs, 16 warps), but a 16-token tile then gives each thread 4
+    bytes of values (32-bit loads) and an SM holds 2 tiles in flight instead of 3; 32-token tiles spill at that cap."""
     return GROUPED_MAXNREG_D128 if grouped and head_dim >= 128 else None
 
 
