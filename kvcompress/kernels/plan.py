@@ -50,8 +50,8 @@ def decode_maxnreg(head_dim: int, grouped: bool = False) -> int | None:
 
 def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:
     """Tokens per main-loop iteration (see the module docstring). The grouped family (group_tokens > 0):
-    a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens: its [BLOCK_T, D] code
-    gathers from the 32-bit key words need a stack frame at 32 (ptxas, sm_90: 255 registers), none at 16."""
+    a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens: at 32 the decode kernel needs ~226
+    registers (2 CTAs of 4 warps per SM) or spills under decode_maxnreg's 168, at 16 it fits 168 without spills."""
     threads = 32 * (warps or decode_warps(head_dim))
     row = head_dim * value_bits // 8
     t = PAYLOAD_LOAD_BYTES * threads // max(row, 1)
