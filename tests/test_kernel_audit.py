@@ -106,6 +106,23 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
             assert ml["bytes_per_cache_element"] <= 2.0 * pad * ml["format_bytes_per_cache_element"], (k["name"], ml)
 
 
+def test_grouped_decode_cap_applies_only_where_it_does_not_spill(tmp_path):
+    """plan.decode_maxnreg caps the grouped decode kernel at head dim 128 with up to 16 query heads per kv head (a 16-row
+    query tile); with 32 query heads per kv head the tile is 32 rows and 168 registers would spill (as at head dim 256),
+    so that build is uncapped and spills nothing (a geometry the export may meet: its no-spill check would fail under the cap)."""
+    from kvcompress.kernels.aot import Variant
+
+    fields = dict(head_dim=128, key_bits=4, value_bits=4, group=128, n_sink=4, window=128, n_out=0, value_symmetric=True, value_rotate=True,
+                  key_group_tokens=128)
+    assert Variant("d128_g32_wf4", gqa=32, **fields).decode_maxnreg == 0 and Variant("d128_g16_wf4", gqa=16, **fields).decode_maxnreg == 168
+    assert Variant("d256_g8_wf4", gqa=8, **(fields | {"head_dim": 256})).decode_maxnreg == 0  # 168 spills there too (320 B of stack)
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(tmp_path),
+                        "--variant-json", json.dumps({"name": "d128_g32_wf4", "gqa": 32, **fields})], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    k = next(k for k in json.loads((tmp_path / "kernels.json").read_text())["kernels"] if k["kernel"] == "decode_split_grp")
+    assert k["maxnreg"] is None and not k["spills"] and k["stack"] == 0, k
+
+
 def _decode(audit, name):
     return next(k for k in audit["kernels"] if k["name"] == f"decode_split_{name}")
 

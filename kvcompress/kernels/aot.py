@@ -58,7 +58,7 @@ class Variant:
     # the grouped family (kv.key.group_tokens, e.g. kv=wf4): kv_append_grp / decode_split_grp; key_bits is the mean width
     # (the per-channel widths are a runtime table, so one build serves every water-filled allocation)
     key_group_tokens: int = 0
-    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped) (None -> no cap)
+    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped, gqa) (None -> no cap)
 
     @property
     def per_token(self) -> bool:
@@ -74,7 +74,7 @@ class Variant:
         if not self.block_t:
             object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps, self.key_group_tokens))
         if not self.decode_maxnreg:
-            object.__setattr__(self, "decode_maxnreg", plan.decode_maxnreg(self.head_dim, self.grouped) or 0)
+            object.__setattr__(self, "decode_maxnreg", plan.decode_maxnreg(self.head_dim, self.grouped, self.gqa) or 0)
         if self.grouped:  # a decode tile lies in one key group
             object.__setattr__(self, "block_t", min(self.block_t, self.key_group_tokens))
 

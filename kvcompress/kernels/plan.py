@@ -39,19 +39,21 @@ GROUPED_BLOCK_T_D128 = 16  # the grouped family at head dim >= 128 (see block_t)
 GROUPED_MAXNREG_D128 = 168  # see decode_maxnreg
 
 
-def decode_maxnreg(head_dim: int, grouped: bool = False) -> int | None:
+def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1) -> int | None:
     """The register cap of a decode kernel (Triton's maxnreg; None: ptxas's choice). The grouped family at head dim
-    >= 128: 168 per thread, so 3 CTAs of 4 warps fit an SM's 65536 registers (65536 / (128 x 168) = 3.05); left to
-    itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS audit checks both, tests/test_kernel_audit.py).
+    128 with at most 16 query heads per kv head: 168 per thread, so 3 CTAs of 4 warps fit an SM's 65536 registers
+    (65536 / (128 x 168) = 3.05); left to itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS
+    audit checks both, tests/test_kernel_audit.py). Above 16 query heads (a 32-row query tile) or at head dim 256 it would
+    spill: no cap there.
     8 warps capped at 128 would also fit without spills (2 CTAs, 16 warps), but a 16-token tile then gives each thread 4
     bytes of values (32-bit loads) and an SM holds 2 tiles in flight instead of 3; 32-token tiles spill at that cap."""
-    return GROUPED_MAXNREG_D128 if grouped and head_dim >= 128 else None
+    return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 else None
 
 
 def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:
     """Tokens per main-loop iteration (see the module docstring). The grouped family (group_tokens > 0):
-    a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens: at 32 the decode kernel needs ~226
-    registers (2 CTAs of 4 warps per SM) or spills under decode_maxnreg's 168, at 16 it fits 168 without spills."""
+    a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens (at head dim 128 a 32-token tile needs ~226
+    registers, 2 CTAs of 4 warps per SM, or spills under decode_maxnreg's 168; a 16-token tile fits 168 without spills)."""
     threads = 32 * (warps or decode_warps(head_dim))
     row = head_dim * value_bits // 8
     t = PAYLOAD_LOAD_BYTES * threads // max(row, 1)
