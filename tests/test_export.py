@@ -864,6 +864,24 @@ def test_a_variant_whose_decode_kernel_needs_a_stack_frame_is_recompiled_with_a_
     row = next(c for c in checks.rows if c["check"].startswith("AOT kernels sm_90: no spills"))
     assert row["status"] == "passed", row
     assert seen == [64]
-    tiles = row["detail"]["token tile halved after a stack frame (variant: tiles tried)"]
-    assert tiles == {"d64_g3_k4g64": [64, 32]} and info["variant"]["block_t"] == 32
+    tiles = row["detail"]["recompiled after a stack frame (variant: builds tried)"]
+    assert tiles == {"d64_g3_k4g64": ["block_t 64", "block_t 32"]} and info["variant"]["block_t"] == 32
     assert "#define KVC_BLOCK_T 32" in (tmp_path / "b" / "kernels" / "sm_90" / "kvc_variant_d64_g3_k4g64.h").read_text()
+
+
+def test_a_spilling_capped_decode_kernel_is_rebuilt_uncapped_before_its_tile_shrinks():
+    """export.retile: a variant under plan.decode_maxnreg's cap whose decode kernel spilled is first rebuilt without the cap
+    (the cap is a residency choice, not a need), then, still spilling, with half the token tile down to 16; others unchanged."""
+    from kvcompress.kernels.aot import Variant
+    from kvcompress.stages.export import retile
+
+    grp = Variant("d128_g8_wf4", 128, 8, 4, 4, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128)
+    static = Variant("d128_g8_int8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0)
+    assert grp.decode_maxnreg == 168 and grp.block_t == 16 and static.decode_maxnreg == 0 and static.block_t == 64
+    log = {}
+    vs, changed = retile([grp, static], {grp.name}, log)
+    assert changed and vs[0].decode_maxnreg == -1 and vs[0].block_t == 16 and vs[1] == static
+    vs, changed = retile(vs, {grp.name}, log)  # uncapped at the smallest tile: nothing left to try
+    assert not changed and log == {grp.name: ["block_t 16, maxnreg 168", "block_t 16, no register cap"]}
+    vs, changed = retile(vs, {static.name}, log)
+    assert changed and vs[1].block_t == 32 and log[static.name] == ["block_t 64", "block_t 32"]

@@ -58,7 +58,7 @@ class Variant:
     # the grouped family (kv.key.group_tokens, e.g. kv=wf4): kv_append_grp / decode_split_grp; key_bits is the mean width
     # (the per-channel widths are a runtime table, so one build serves every water-filled allocation)
     key_group_tokens: int = 0
-    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped, gqa) (None -> no cap)
+    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped, gqa) (None: 0 after init, no cap); -1: no cap
 
     @property
     def per_token(self) -> bool:
@@ -210,7 +210,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
             opts = {"num_warps": warps, "num_stages": 2}
-            if kname.startswith("decode_split") and v.decode_maxnreg:
+            if kname.startswith("decode_split") and v.decode_maxnreg > 0:
                 opts["maxnreg"] = v.decode_maxnreg
             ck = triton.compile(src, target=target, options=opts)
             name = f"{kname}_{v.name}"

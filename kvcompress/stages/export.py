@@ -251,6 +251,22 @@ def _aot_compile(out: Path, archs: list[str], variants: list[Variant]) -> None:
             raise RuntimeError(f"AOT compile for {arch} failed: {errs[arch].strip()[-600:]}")
 
 
+def retile(variants: list, spilled: set[str], log: dict) -> tuple[list, bool]:
+    """The next compile of the variants whose decode kernel needs a stack frame on some arch (a ptxas choice): first
+    without plan.decode_maxnreg's register cap, if it had one, then with half the token tile (down to 16), the same on
+    every arch (the plugin and kit read it). `log` collects, per variant, what was tried. (variants, anything changed)."""
+    out, changed = [], False
+    for v in variants:
+        if v.name in spilled and v.decode_maxnreg > 0:
+            log.setdefault(v.name, [f"block_t {v.block_t}, maxnreg {v.decode_maxnreg}"]).append(f"block_t {v.block_t}, no register cap")
+            v, changed = dataclasses.replace(v, decode_maxnreg=-1), True
+        elif v.name in spilled and v.block_t > 16:
+            log.setdefault(v.name, [f"block_t {v.block_t}"]).append(f"block_t {v.block_t // 2}")
+            v, changed = dataclasses.replace(v, block_t=v.block_t // 2), True
+        out.append(v)
+    return out, changed
+
+
 def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Checks, stats_path: Path | None = None) -> dict:
     """ScaleBook + spec, AOT kernels for each arch (compiled in parallel) with their SASS audit and C
     launchers, the plugin sources (and the plugin library when TensorRT's headers are given), and the
@@ -264,18 +280,13 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
     atomic_write_json(out / "kv_spec.json", {"spec": book.spec.model_dump(), "geometry": book.geometry, "layout": "kvcompress.kernels.layout"})
     variants, per_layer = bundle_variants(book, geom)
     retiled = {}
-    for _ in range(3):
+    for _ in range(4):
         _aot_compile(out, archs, variants)
-        # a variant whose decode kernel needs a stack frame on some arch (a ptxas choice for that tile):
-        # compile it again with half the token tile, the same tile on every arch (the plugin and kit read it)
         spilled = {k["variant"]["name"] for arch in archs for k in json.loads((out / "kernels" / arch / "kernels.json").read_text())["kernels"]
                    if k["spills"] and k["kernel"].startswith("decode_split")}
-        redo = [v for v in variants if v.name in spilled and v.block_t > 16]
-        if not redo:
+        variants, changed = retile(variants, spilled, retiled)
+        if not changed:
             break
-        for v in redo:
-            retiled.setdefault(v.name, [v.block_t]).append(v.block_t // 2)
-        variants = [dataclasses.replace(v, block_t=v.block_t // 2) if v in redo else v for v in variants]
     kernels = {}
     for arch in archs:
         kdir = out / "kernels" / arch
@@ -284,7 +295,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
         kernels[arch] = [k["name"] for k in meta]
         checks.add(f"AOT kernels {arch}: no spills (cuobjdump)", not any(k["spills"] for k in meta),
                    {k["name"]: {"registers": k["registers"], "local": k["local"], "stack": k["stack"], "block_t": k["constexprs"].get("BLOCK_T")} for k in meta}
-                   | ({"token tile halved after a stack frame (variant: tiles tried)": retiled} if retiled else {}))
+                   | ({"recompiled after a stack frame (variant: builds tried)": retiled} if retiled else {}))
         audit = json.loads((kdir / "audit.json").read_text())["kernels"]  # written by the AOT build (kvcompress.kernels.audit)
         loops = {k["name"]: k["main_loop"]["narrowest_payload_bits"] for k in audit if "main_loop" in k}
         checks.add(f"AOT kernels {arch}: decode payload read by >= 64-bit loads (SASS audit, audit.json)", all(b >= 64 for b in loops.values()),
