@@ -66,7 +66,9 @@ def predict(audits: dict) -> list[dict]:
                 for name, fmt in FORMATS.items():
                     a = audits[(name, hq // h)]
                     n_comp = max(0, ctx - fmt.n_sink - fmt.window)
-                    splits = plan.choose_splits(1, h, n_comp, hq // h, d, fmt.token_bytes(d), a["block_t"], plan.SM_COUNT[gpu], a["ctas_per_sm"])
+                    # the split count the shipped launch uses (ops.decode_attention, the export's network.json, the bench):
+                    # the plan's fill of CTAS_PER_SM per SM; ctas_per_sm (the audit's residency) is reported beside it
+                    splits = plan.choose_splits(1, h, n_comp, hq // h, d, fmt.token_bytes(d), a["block_t"], plan.SM_COUNT[gpu])
                     kvc = layers * sum(decode_bytes(shape, fmt, splits).values())
                     rows.append({"model": model, "gpu": gpu, "context": ctx, "batch": 1, "format": name, "splits": splits,
                                  "kvc_us": kvc / bw * 1e6, "fp16_us": fp16 / bw * 1e6, "speedup": fp16 / kvc,
