@@ -104,6 +104,13 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
             words = D * b // 32
             pad = grouped_decode_words({"KROW": 4 * words})["NW_PAD"] / words
             assert ml["bytes_per_cache_element"] <= 2.0 * pad * ml["format_bytes_per_cache_element"], (k["name"], ml)
+    # the README's figures for this family are this audit's
+    dec = [k for k in kernels.values() if k["kernel"] == "decode_split_grp"]
+    lo, hi = min(k["registers"] for k in dec), max(k["registers"] for k in dec)
+    warps = {k["occupancy"]["sm_90"]["warps_per_sm"] for k in dec}
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert warps == {12} and f"compiles without spills at {lo}-{hi} registers" in text and "12 warps per SM on sm_90 (3 CTAs;" in text
+    assert f"(audited: {lo}-{hi} registers, 12 warps per SM," in text
 
 
 def test_grouped_decode_cap_applies_only_where_it_does_not_spill(tmp_path):

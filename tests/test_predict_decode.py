@@ -40,3 +40,12 @@ def test_readme_table_is_the_rendered_prediction():
     text = open(os.path.join(ROOT, "README.md")).read()
     block = text[text.index(README_BEGIN) + len(README_BEGIN): text.index(README_END)]
     assert table(_rows()) in block and "not measured" in block
+
+
+def test_readme_grouped_ratio_sentence_is_the_prediction():
+    """The wf5/wf6 paragraph's predicted ratios to int8k_int4v (Llama-3.1-70B, 128K, H200) are the table's."""
+    r = {(x["model"], x["gpu"], x["context"], x["format"]): x["kvc_us"] for x in _rows()}
+    base = r[("llama3.1-70b", "H200", 131072, "int8k_int4v")]
+    wf6, wf5 = (r[("llama3.1-70b", "H200", 131072, f)] / base for f in ("wf6", "wf5"))
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"The decode is predicted at {wf6:.2f}x (wf6) and {wf5:.2f}x (wf5) int8k_int4v's time per step at 128K on Llama-3.1-70B" in text
