@@ -11,6 +11,12 @@
    kvcompress decode attention (split + reduce kernels, the plan's tiles and split count) vs torch
    SDPA over an fp16 cache, times the layer count; same columns, so the prediction and the
    measurement compare line by line.
+3. The launch's fill, side by side: the shipped split count fills plan.CTAS_PER_SM (2) CTAs per SM for every
+   family, while the per-token and grouped kernels could hold 3 or 4 (the SASS audit). Each row is timed again
+   with the split count that fills the compiled split kernel's own residency on this device (its registers, warps
+   and shared memory against the device's per-SM limits): columns resident_ctas, splits_at_residency,
+   kvc_us_at_residency and their ratio fill_gain (plan fill time / residency fill time; > 1: filling helps).
+   Whether plan.CTAS_PER_SM should follow the residency is decided from these columns, on a GPU.
 """
 from __future__ import annotations
 
@@ -104,11 +110,41 @@ def timeit(fn, device: str, reps: int) -> float:
     return time.perf_counter() - t0
 
 
+SMOKE_RESIDENCY = 3  # --smoke: the interpreter compiles nothing, so the residency columns use this stand-in (logic only)
+FILL_COLUMNS = ("resident_ctas", "splits_at_residency", "kvc_us_at_residency", "fill_gain")
+
+
+def device_limits() -> dict:
+    """The current GPU's per-SM limits in audit.ARCH_LIMITS' form: the published sm_80 / sm_90 table, overridden by
+    what the device reports (registers, threads and shared memory per SM) where torch exposes it."""
+    from kvcompress.kernels.audit import ARCH_LIMITS
+
+    props = torch.cuda.get_device_properties(0)
+    lim = dict(ARCH_LIMITS["sm_90" if props.major >= 9 else "sm_80"])
+    for key, attr, f in (("regs_per_sm", "regs_per_multiprocessor", 1), ("max_warps_per_sm", "max_threads_per_multi_processor", 1 / 32),
+                         ("smem_per_sm", "shared_memory_per_multiprocessor", 1)):
+        if getattr(props, attr, 0):
+            lim[key] = int(getattr(props, attr) * f)
+    return lim
+
+
+def resident_ctas(handle, limits: dict | None) -> int:
+    """CTAs of the launched split kernel one SM holds (audit.occupancy of its registers, warps and shared memory);
+    SMOKE_RESIDENCY when nothing was compiled (the interpreter's launches return no kernel)."""
+    if handle is None or limits is None:
+        return SMOKE_RESIDENCY
+    from kvcompress.kernels.audit import occupancy
+
+    return occupancy(int(handle.n_regs), 32 * int(handle.metadata.num_warps), int(handle.metadata.shared), limits)["ctas_per_sm"]
+
+
 def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
     """The rows of scripts/predict_decode.py, measured: one layer's decode attention at batch 1
-    (kvcompress split + reduce kernels vs torch SDPA over an fp16 cache), times the layer count."""
+    (kvcompress split + reduce kernels vs torch SDPA over an fp16 cache), times the layer count; each
+    row again with the split count filling the compiled kernel's residency (FILL_COLUMNS, docstring step 3)."""
     rows = []
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    limits = device_limits() if device == "cuda" else None
     for model, (layers, hq, h, d) in models.items():
         for T in contexts:
             q = torch.randn(1, hq, d, device=device, dtype=torch.float16)
@@ -123,12 +159,24 @@ def bench(device: str, models: dict, contexts, reps: int) -> list[dict]:
                 prep = ops.kernel_key_params(p, device)
                 block = fmt.block_t(d)
                 sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
-                splits = plan.choose_splits(1, h, max(0, T - fmt.n_sink - fmt.window), hq // h, d, fmt.token_bytes(d), block, sms)
-                t_kvc = timeit(lambda q=q, d=d, kv=kv, p=p, prep=prep, splits=splits: ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep), device, reps)
+                n_comp = max(0, T - fmt.n_sink - fmt.window)
+                splits = plan.choose_splits(1, h, n_comp, hq // h, d, fmt.token_bytes(d), block, sms)
+
+                def run(splits, launched=None, q=q, d=d, kv=kv, p=p, prep=prep):
+                    return ops.decode_attention(q, kv, p, d**-0.5, splits=splits, prepared=prep, launched=launched)
+
+                t_kvc = timeit(lambda s=splits: run(s), device, reps)
+                launched = []
+                run(splits, launched)
+                res = resident_ctas(launched[0], limits)
+                res_splits = plan.choose_splits(1, h, n_comp, hq // h, d, fmt.token_bytes(d), block, sms, ctas_per_sm=res)
+                t_res = timeit(lambda s=res_splits: run(s), device, reps) if res_splits != splits else t_kvc
                 kv = None
                 rows.append({"model": model, "gpu": gpu, "context": T, "batch": 1, "format": name, "splits": splits,
-                             "kvc_us": layers * t_kvc * 1e6, "fp16_us": layers * t_fp16 * 1e6, "speedup": t_fp16 / t_kvc})
-                print(" ".join(f"{rows[-1][c]:>12.2f}" if isinstance(rows[-1][c], float) else f"{rows[-1][c]:>12}" for c in ROW_COLUMNS), flush=True)
+                             "kvc_us": layers * t_kvc * 1e6, "fp16_us": layers * t_fp16 * 1e6, "speedup": t_fp16 / t_kvc,
+                             "resident_ctas": res, "splits_at_residency": res_splits, "kvc_us_at_residency": layers * t_res * 1e6,
+                             "fill_gain": t_kvc / t_res})
+                print(" ".join(f"{rows[-1][c]:>12.2f}" if isinstance(rows[-1][c], float) else f"{rows[-1][c]:>12}" for c in ROW_COLUMNS + FILL_COLUMNS), flush=True)
     return rows
 
 
@@ -150,13 +198,13 @@ def main() -> int:
     if a.smoke:
         result["correctness"] = {"skipped": "smoke mode (tests/test_kernels.py covers correctness on CPU)"}
         print("MEASURED (smoke: tiny shapes on the CPU interpreter; times meaningless)")
-        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS))
+        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS + FILL_COLUMNS))
         result["rows"] = bench(device, {"tiny": (2, 16, 2, 128)}, [300], a.reps)
     else:
         result["correctness"] = check_correctness(device)
         print("correctness:", result["correctness"], flush=True)
         print("MEASURED on", result["device"], "(the rows of scripts/predict_decode.py: one layer timed, times the layer count; batch 1)")
-        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS))
+        print(" ".join(f"{c:>12}" for c in ROW_COLUMNS + FILL_COLUMNS))
         result["rows"] = bench(device, MODELS, CONTEXTS, a.reps)
     result["wall_s"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=2))

@@ -340,3 +340,35 @@ def test_bench_script_smoke_runs_on_cpu(tmp_path):
 
     assert [r["format"] for r in rows] == list(FORMATS) and all(set(ROW_COLUMNS) <= set(r) for r in rows)
     assert all(r["kvc_us"] > 0 and r["fp16_us"] > 0 and r["splits"] >= 1 for r in rows)
+    # the fill columns: the interpreter compiles nothing, so the residency is the script's stand-in, and the split count
+    # is the plan's for that residency (the same here: the smoke context is short)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_decode_attention as bench
+
+    for r in rows:
+        assert r["resident_ctas"] == bench.SMOKE_RESIDENCY and r["splits_at_residency"] >= r["splits"]
+        assert r["kvc_us_at_residency"] > 0 and r["fill_gain"] == pytest.approx(r["kvc_us"] / r["kvc_us_at_residency"])
+
+
+def test_bench_fill_uses_the_launched_kernels_residency():
+    """bench_decode_attention's step 3: the residency comes from the compiled split kernel (registers, warps, shared memory)
+    against the device's limits, and at long context it fills more splits than the shipped plan."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_decode_attention as bench
+
+    from kvcompress.kernels import plan
+    from kvcompress.kernels.audit import ARCH_LIMITS
+
+    def handle(regs, warps, shared=0):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=warps, shared=shared))
+
+    lim = ARCH_LIMITS["sm_90"]
+    assert bench.resident_ctas(handle(168, 4), lim) == 3  # the grouped kernel at head dim 128 (65536 / (128 x 168))
+    assert bench.resident_ctas(handle(127, 4), lim) == 4  # the per-token kernel
+    assert bench.resident_ctas(handle(100, 8, 120_000), lim) == 1  # shared memory limits
+    assert bench.resident_ctas(handle(32, 4), lim | {"max_warps_per_sm": 48}) == 12  # the device's own limits (sm_89: 48 warps)
+    assert bench.resident_ctas(None, lim) == bench.SMOKE_RESIDENCY
+    base = plan.choose_splits(1, 8, 131072 - 132, 8, 128, 110, 64)
+    assert plan.choose_splits(1, 8, 131072 - 132, 8, 128, 110, 64, ctas_per_sm=4) > base == 33

@@ -151,9 +151,10 @@ def ptx_loop_loads(ptx: str, signature: dict[str, str]) -> list[tuple[int, tuple
     return out
 
 
-def occupancy(regs: int, threads: int, smem: int, arch: str) -> dict:
-    """Resident CTAs and warps per SM (the occupancy calculator's three limits)."""
-    lim = ARCH_LIMITS[arch]
+def occupancy(regs: int, threads: int, smem: int, arch: str | dict) -> dict:
+    """Resident CTAs and warps per SM (the occupancy calculator's three limits); arch: an ARCH_LIMITS key, or a dict
+    of the same limits (a device's own, scripts/bench_decode_attention.py)."""
+    lim = ARCH_LIMITS[arch] if isinstance(arch, str) else arch
     warps = -(-threads // 32)
     regs_per_warp = -(-max(regs, 1) * 32 // lim["reg_alloc_unit"]) * lim["reg_alloc_unit"]
     by_regs = lim["regs_per_sm"] // (regs_per_warp * warps)

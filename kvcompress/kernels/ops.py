@@ -113,11 +113,13 @@ def decode_launch_params(G: int, n_sink: int, n_out: int, block_t: int, per_toke
 
 
 def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: float, splits: int | None = None, block_t: int | None = None,
-                     prepared=None, num_warps: int | None = None) -> torch.Tensor:
+                     prepared=None, num_warps: int | None = None, launched: list | None = None) -> torch.Tensor:
     """q: [B, HQ, D] one query per sequence -> [B, HQ, D] float32, over sinks + compressed + window.
 
     Tile sizes and the split count default to kvcompress.kernels.plan's choice for this shape.
     `prepared` = kernel_key_params(p, device), to keep that host work out of a timed loop.
+    `launched`: a list the split kernel's launch handle is appended to (Triton's compiled kernel on a GPU, with its
+    registers and shared memory: the benchmark's residency; None under the interpreter).
     """
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
@@ -136,35 +138,37 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     lo = torch.empty_like(mo)
     ao = torch.empty(B, HQ, splits, D, dtype=torch.float32, device=q.device)
     if kv.grouped:
-        decode_split_grp_kernel[(B, H, splits)](
+        handle = decode_split_grp_kernel[(B, H, splits)](
             q.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
             **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
             **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H)) else {}),
         )
-        return _reduce(mo, lo, ao, splits)
+        return _reduce(mo, lo, ao, splits, handle, launched)
     if kv.per_token:
         qr = ref.rotate(q, kv.key_how).contiguous()  # the query in the keys' basis, once per step
-        decode_split_rot_kernel[(B, H, splits)](
+        handle = decode_split_rot_kernel[(B, H, splits)](
             q.contiguous(), qr, kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
             mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
             num_warps=warps,
         )
-        return _reduce(mo, lo, ao, splits)
+        return _reduce(mo, lo, ao, splits, handle, launched)
     scale, _, zm, idx = prepared or kernel_key_params(p, q.device)
-    decode_split_kernel[(B, H, splits)](
+    handle = decode_split_kernel[(B, H, splits)](
         q.contiguous(), scale, zm, idx,
         kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
         mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
         D=D, NS=kv.n_sink, W=kv.window, N_OUT=idx.shape[-1], KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
         **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], block_t), num_warps=warps,
     )
-    return _reduce(mo, lo, ao, splits)
+    return _reduce(mo, lo, ao, splits, handle, launched)
 
 
-def _reduce(mo: torch.Tensor, lo: torch.Tensor, ao: torch.Tensor, splits: int) -> torch.Tensor:
+def _reduce(mo: torch.Tensor, lo: torch.Tensor, ao: torch.Tensor, splits: int, handle=None, launched: list | None = None) -> torch.Tensor:
+    if launched is not None:
+        launched.append(handle)
     B, HQ, _, D = ao.shape
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=ao.device)
     decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, splits, D=D)
