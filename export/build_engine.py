@@ -74,6 +74,15 @@ def _network_module():
     return trtllm_network
 
 
+def gpu_bytes() -> int | None:
+    """The first CUDA device's memory, or None where torch or a GPU is missing (the check is then skipped)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def custom_tier(a) -> int:
     tn = _network_module()
     if a.run:
@@ -115,6 +124,13 @@ def custom_tier(a) -> int:
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
+    mem = tn.engine_memory(spec, hf_dir, a.max_batch_size, a.max_seq_len)
+    total = gpu_bytes()
+    if total is not None and mem["weights_bytes"] + mem["cache_bytes"] > total:
+        print(f"error: the custom-tier engine needs {tn.memory_line(mem)}, more than this GPU's {tn.size(total)} (the network has "
+              f"no tensor parallelism): lower --max-batch-size / --max-seq-len, or serve the native tier (trtllm_ckpt/tp<N>)", file=sys.stderr)
+        return 2
+    print(f"custom-tier engine: {tn.memory_line(mem)}" + (f" of {tn.size(total)}" if total else "") + ", before TensorRT's activations and workspace")
     try:
         out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits)
     except tn.WeightsMismatch as e:  # a --hf-dir that is not the model the bundle was exported for

@@ -302,10 +302,18 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     """kv=int8k_int4v kv.value.rotate=hadamard exports (no longer a comparison format): network.json carries the
     rotation, the manifest says where it lives, and the custom-tier graph with the folded W_v/W_o decodes like
     the validated cache (an HF directory in memory, so the check runs)."""
-    p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama"), "run", "kv.value.rotate=hadamard")
+    from safetensors.torch import load_file as load_torch
+
+    ckpt = _hf_dir(tmp_path, "llama")
+    p, run = _dir_run(tmp_path, ckpt, "run", "kv.value.rotate=hadamard", "export.gpu_memory_gb=1e-6")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     assert "folded into W_v and W_o" in manifest["artifacts"]["plugin_bundle"]["value_rotation"]
+    # the one-GPU engine's memory, said at export: every weight as fp16, and a warning past export.gpu_memory_gb
+    mem = manifest["artifacts"]["plugin_bundle"]["network"]["engine_memory"]
+    assert mem["weights_bytes"] == 2 * sum(t.numel() for f in ckpt.glob("*.safetensors") for t in load_torch(str(f)).values())
+    assert mem["gpus"] == 1 and mem["cache_bytes"] > 0 and not mem["fits"]
+    assert "the custom-tier engine needs fp16 weights" in p.stdout + p.stderr and "more than a 1e-06 GB GPU holds" in p.stdout + p.stderr
     assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["value_rotation"] == "hadamard"
     net = next(c for c in manifest["checks"] if "network graph" in c["check"])
     assert net["status"] == "passed" and net["detail"]["crossed_into_store"], net
@@ -320,6 +328,7 @@ def test_asymmetric_arc_keys_ship_in_the_custom_tier(tmp_path):
     p, run = _dir_run(tmp_path, _hf_dir(tmp_path, "llama"), "run", "kv=int8k_asym_rotv")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert manifest["artifacts"]["plugin_bundle"]["network"]["engine_memory"]["fits"] and "the custom-tier engine needs" not in p.stdout + p.stderr
     assert all(c["status"] == "passed" for c in manifest["checks"]), manifest["checks"]
     assert any("network graph" in c["check"] for c in manifest["checks"]) and any("acceptance kit" in c["check"] for c in manifest["checks"])
     params = load_torch(str(run / "export" / "plugin_bundle" / "plugin_params.safetensors"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -596,3 +597,50 @@ def test_network_graph_of_qwen2_moe_adds_its_gated_shared_expert(tmp_path, monke
     assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
     with pytest.raises(ValueError, match="network.json has no shared expert but layer 0 has a mlp.shared_expert_gate"):
         tn.load_hf_weights(hf, {**spec, "arch": {**spec["arch"], "moe": {k: v for k, v in spec["arch"]["moe"].items() if k != "shared_expert"}}})
+
+
+def test_engine_memory_counts_the_graphs_fp16_weights_and_its_cache_buffers(tmp_path):
+    """engine_memory (read from the safetensors headers, no tensor loaded) equals the fp16 constants load_hf_weights
+    gives the graph (a tied head once) and the past buffers empty_past allocates for the batch."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    W = tn.load_hf_weights(hf, spec)
+    mem = tn.engine_memory(spec, hf, 3, 40)
+    assert mem["weights_bytes"] == sum(a.nbytes for a in {id(a): a for a in W.values()}.values()) > 0
+    past = no.empty_past(spec, 3, tn.store_capacity(spec, 40))
+    assert mem["cache_bytes"] == sum(t.numel() * t.element_size() for layer in past for t in layer) + 3 * 2 * 4  # + input_ids, lens
+    assert tn.engine_memory(spec, hf, 6, 40)["cache_bytes"] == 2 * mem["cache_bytes"]
+    assert "on one GPU" in tn.memory_line(mem)
+
+
+def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom states the engine's weights and cache, and stops with one line and exit 2 when they exceed
+    the GPU's memory (the network is one GPU); within it, it goes on to the build (faked here: TensorRT-LLM is not installable)."""
+    import importlib.util as iu
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec_ = iu.spec_from_file_location("build_engine_under_test_mem", ROOT / "export" / "build_engine.py")
+    be = iu.module_from_spec(spec_)
+    spec_.loader.exec_module(be)
+    real_find = be.importlib.util.find_spec
+    monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    built = []
+    monkeypatch.setattr(tn, "build_engine", lambda *a: built.append(a) or Path(a[3]))
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["build_engine.py", "--tier", "custom", "--bundle", str(bundle), "--hf-dir", str(hf),
+                                      "--plugin-lib", str(lib), "--out", str(tmp_path / "e"), "--max-batch-size", "2", "--max-seq-len", "64"])
+    mem = tn.engine_memory(tn.load_spec(bundle), hf, 2, 64)
+    need = mem["weights_bytes"] + mem["cache_bytes"]
+    capsys.readouterr()
+    monkeypatch.setattr(be, "gpu_bytes", lambda: need - 1)
+    assert be.main() == 2 and not built
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the custom-tier engine needs fp16 weights") and "no tensor parallelism" in err, err
+    monkeypatch.setattr(be, "gpu_bytes", lambda: need)
+    assert be.main() == 0 and len(built) == 1
+    assert "custom-tier engine: fp16 weights" in capsys.readouterr().out

@@ -354,6 +354,15 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                    f"path, not TensorRT-LLM's MoE plugin (its native-tier checkpoint routes sparsely)"}
         log.warning("export: the custom-tier network runs all %d experts on every token (%gx the routed work of top-%d routing); "
                     "the native-tier checkpoint routes sparsely (manifest: plugin_bundle.network.moe_mlp)", E, E / k, k)
+    if hf_dir and any(Path(hf_dir).glob("*.safetensors")):  # what one GPU must hold: the engine has no tensor parallelism
+        mem = tn.engine_memory(spec, Path(hf_dir), 1, min(g.max_position, 8192))
+        gpu = cfg.export.gpu_memory_gb * 1e9
+        fits = mem["weights_bytes"] + mem["cache_bytes"] <= gpu
+        info["engine_memory"] = mem | {"gpus": 1, "gpu_memory_gb": cfg.export.gpu_memory_gb, "fits": fits,
+                                       "note": "build_engine.py refuses an engine larger than its GPU; TensorRT's activations and workspace come on top"}
+        if not fits:
+            log.warning("export: the custom-tier engine needs %s, more than a %g GB GPU holds (export.gpu_memory_gb; the network has no "
+                        "tensor parallelism, the native tier's trtllm_ckpt/tp<N> is split across GPUs)", tn.memory_line(mem), cfg.export.gpu_memory_gb)
     if lm.streamer is not None or not hf_dir or not any(Path(hf_dir).glob("*.safetensors")):
         why = "streamed model: the CPU oracle would hold every layer" if lm.streamer is not None else "no HF weights directory (model built in code)"
         checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)

@@ -123,6 +123,41 @@ def store_capacity(spec: dict, max_seq_len: int) -> int:
     return -(-n // gt) * gt  # the grouped family stores whole key groups
 
 
+FP8_METADATA = ("_scale_inv", "_scale")  # an FP8 checkpoint's scale tensors: read to dequantize the weights, not constants of the network
+
+
+def _safetensors_header(path: Path) -> dict:
+    """A .safetensors file's JSON header (each tensor's dtype, shape and offsets), without reading a tensor."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
+def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int) -> dict:
+    """Device bytes the custom-tier engine needs at least on its one GPU (this network has no tensor parallelism):
+    weights: every text-decoder tensor of the HF directory as an fp16 constant (2 bytes per element whatever its stored
+    dtype: load_hf_weights casts bf16 and dequantizes FP8 to fp16; FP8 scale tensors are not constants; a tied head
+    counted once), read from the safetensors headers; cache: the past buffers of max_batch sequences of max_seq_len tokens
+    (engine_io; present aliases past). TensorRT's activations and workspace come on top."""
+    shapes = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
+    if "model.embed_tokens.weight" not in shapes:  # a multimodal checkpoint: its text decoder's tensors (text_decoder_tensors)
+        shapes = {n: s for k, s in shapes.items() if (n := text_decoder_name(k)) is not None} or shapes
+    weights = 2 * sum(int(np.prod(s)) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
+    per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len)).values())
+    return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len}
+
+
+def size(n: float) -> str:
+    """Bytes as GB (1e9) from 1 GB up, else MB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def memory_line(mem: dict) -> str:
+    """engine_memory in one line."""
+    return f"fp16 weights {size(mem['weights_bytes'])} + cache {size(mem['cache_bytes'])} ({mem['max_batch']} sequences x {mem['max_seq_len']} tokens) on one GPU"
+
+
 def rope_tables(inv_freq: np.ndarray, n_pos: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [n_pos, D] float32 for GPT-NeoX rotation (channel pairs (d, d + D/2)), times `scale` (YaRN's
     attention scaling, network.json rope_scale; 1 otherwise)."""
