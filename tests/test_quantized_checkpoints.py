@@ -169,6 +169,12 @@ def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_pa
     assert set(out) == {k for k in raw if not k.endswith("_scale_inv")}
     for k, w in expect.items():
         torch.testing.assert_close(out[k], w, atol=0, rtol=0)
+    # the engine's memory counts each FP8 weight as the fp16 constant the loader makes of it, and no scale tensor
+    from kvcompress.targets.trtllm_network import engine_memory
+
+    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
+            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
+    assert engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", bundle)
