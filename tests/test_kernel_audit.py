@@ -92,6 +92,8 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
     assert {f"{k}_{v}" for k in ("kv_append_grp", "decode_split_grp", "decode_reduce") for v in names} == set(kernels)
     for k in kernels.values():
         assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
+        if k["kernel"] == "kv_append_grp":  # the key group packed as 32-bit words: <= 128 registers, 4 CTAs per SM (bytes took 254 at wf4 d128)
+            assert k["registers"] <= 128 and k["occupancy"]["sm_90"]["ctas_per_sm"] >= 4, k["name"]
         if k["kernel"] == "decode_split_grp":
             ml = k["main_loop"]
             assert ml["block_t"] <= 128 and k["occupancy"]["sm_90"]["warps_per_sm"] >= 12 and k["registers"] <= 168, k["name"]
@@ -111,6 +113,7 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
     text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert warps == {12} and f"compiles without spills at {lo}-{hi} registers" in text and "12 warps per SM on sm_90 (3 CTAs;" in text
     assert f"(audited: {lo}-{hi} registers, 12 warps per SM," in text
+    assert "packed as 32-bit words (audited: at most 128 registers, 4 CTAs per SM on sm_90)" in text
 
 
 def test_grouped_decode_cap_applies_only_where_it_does_not_spill(tmp_path):

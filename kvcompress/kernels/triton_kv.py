@@ -354,17 +354,18 @@ def _encode_key_group(WK, KP, KB, KOFF, KGS, KGM, bh, h, c, CAP, CAPG, D: tl.con
     tl.store(KGS + g * D + d, sc16)
     tl.store(KGM + g * D + d, mn16)
     sc = tl.where(sc16 == 0, 1.0, sc16.to(tl.float32))
-    bo = (off // 8)[None, :]
+    wo = (off // 32)[None, :]
+    NW: tl.constexpr = KROW // 4  # the row as 32-bit little-endian words (whole words: KVSpec.check_geometry), bit i in word i // 32
     for r0 in range(0, GT, RB):
         x = tl.load(WK + (bh * W + (c + r0 + r[:, None]) % W) * D + d[None, :]).to(tl.float32)
-        code = tl.minimum(tl.maximum(_round_half_even((x - mn16.to(tl.float32)[None, :]) / sc[None, :]), 0.0), levels[None, :]).to(tl.int32)
-        v = code << (off % 8)[None, :]  # at most 15 bits: the low byte goes to byte off // 8, the rest to the next
-        lo = v & 0xFF
-        hi = v >> 8
-        row = KP + (bh * CAP + c + r0 + r) * KROW
-        for j in tl.static_range(KROW):
-            byte = tl.sum(tl.where(bo == j, lo, 0) + tl.where(bo + 1 == j, hi, 0), axis=1)  # bits never overlap: the sum is an OR
-            tl.store(row + j, byte.to(tl.uint8))
+        code = tl.minimum(tl.maximum(_round_half_even((x - mn16.to(tl.float32)[None, :]) / sc[None, :]), 0.0), levels[None, :]).to(tl.int64)
+        v = code << (off % 32)[None, :].to(tl.int64)  # at most 39 bits: the low 32 go to word off // 32, the rest to the next
+        lo = v & 0xFFFFFFFF
+        hi = v >> 32
+        row = (KP + (bh * CAP + c + r0 + r) * KROW).to(tl.pointer_type(tl.uint32))
+        for j in tl.static_range(NW):
+            word = tl.sum(tl.where(wo == j, lo, 0) + tl.where(wo + 1 == j, hi, 0), axis=1)  # bits never overlap: the sum is an OR
+            tl.store(row + j, word.to(tl.uint32))
 
 
 @triton.jit
