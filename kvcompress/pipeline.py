@@ -222,6 +222,11 @@ def finish(r: Run, times: dict[str, float]) -> None:
             lines.append(f"exported to {r.dir / 'export'}:")
             for name, art in ex.get("artifacts", {}).items():
                 lines.append(f"  {name}: {art['what']}")
+            mem = ((ex.get("artifacts", {}).get("plugin_bundle") or {}).get("network") or {}).get("engine_memory")
+            if mem:  # what the GPU must hold: the custom-tier network has no tensor parallelism
+                from kvcompress.targets.trtllm_network import memory_line
+
+                lines.append(f"  custom-tier engine: {memory_line(mem)}" + ("" if mem["fits"] else f", more than export.gpu_memory_gb={mem['gpu_memory_gb']:g}"))
             for name, why in ex.get("not_written", {}).items():
                 lines.append(f"  {name}: not written ({why})")
             if ex.get("text_decoder_only"):

@@ -188,4 +188,8 @@ def test_embedded_smollm2_end_to_end(tmp_path):
     # the custom tier's TensorRT-LLM network graph, run on CPU with the reference plugins, decodes like the validated cache
     net = r["export"]["artifacts"]["plugin_bundle"]["network"]["check"]
     assert net["crossed_into_store"] and net["tokens"] > 132 and net["kl_mean"] <= net["kl_tolerance"], net
+    # the summary says what one GPU must hold for the custom-tier engine (the embedded model's fp16 weights: 2 bytes a parameter)
+    mem = r["export"]["artifacts"]["plugin_bundle"]["network"]["engine_memory"]
+    assert mem["fits"] and 250e6 < mem["weights_bytes"] < 300e6 and mem["max_seq_len"] == 8192, mem
+    assert "custom-tier engine: fp16 weights" in p.stdout + p.stderr
     assert all(c["status"] == "passed" for c in r["export"]["checks"])
