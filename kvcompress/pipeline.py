@@ -204,7 +204,7 @@ def finish(r: Run, times: dict[str, float]) -> None:
     data = json.loads(report.read_text()) if report.is_file() else None
     if data is not None:
         from kvcompress.report_schema import Report
-        from kvcompress.stages.report import write_report_files
+        from kvcompress.stages.report import engine_memory, engine_memory_text, write_report_files
 
         data["stage_times_s"] = times
         atomic_write_json(report, data)
@@ -222,11 +222,8 @@ def finish(r: Run, times: dict[str, float]) -> None:
             lines.append(f"exported to {r.dir / 'export'}:")
             for name, art in ex.get("artifacts", {}).items():
                 lines.append(f"  {name}: {art['what']}")
-            mem = ((ex.get("artifacts", {}).get("plugin_bundle") or {}).get("network") or {}).get("engine_memory")
-            if mem:  # what the GPU must hold: the custom-tier network has no tensor parallelism
-                from kvcompress.targets.trtllm_network import memory_line
-
-                lines.append(f"  custom-tier engine: {memory_line(mem)}" + ("" if mem["fits"] else f", more than export.gpu_memory_gb={mem['gpu_memory_gb']:g}"))
+            if mem := engine_memory(ex):  # what the GPU must hold: the custom-tier network has no tensor parallelism
+                lines.append(f"  {engine_memory_text(mem)}")
             for name, why in ex.get("not_written", {}).items():
                 lines.append(f"  {name}: not written ({why})")
             if ex.get("text_decoder_only"):

@@ -314,6 +314,9 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert mem["weights_bytes"] == 2 * sum(t.numel() for f in ckpt.glob("*.safetensors") for t in load_torch(str(f)).values())
     assert mem["gpus"] == 1 and mem["cache_bytes"] > 0 and not mem["fits"]
     assert "the custom-tier engine needs fp16 weights" in p.stdout + p.stderr and "more than a 1e-06 GB GPU holds" in p.stdout + p.stderr
+    for f in ("report.md", "report.html"):  # the reviewer's report says it too
+        assert "custom-tier engine: fp16 weights" in (run / f).read_text() and "more than export.gpu_memory_gb=1e-06" in (run / f).read_text(), f
+    assert "custom-tier engine: fp16 weights" in p.stdout + p.stderr.split("kvcompress run")[-1]  # the run summary
     assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["value_rotation"] == "hadamard"
     net = next(c for c in manifest["checks"] if "network graph" in c["check"])
     assert net["status"] == "passed" and net["detail"]["crossed_into_store"], net

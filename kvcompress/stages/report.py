@@ -14,6 +14,18 @@ from kvcompress.artifacts import atomic_write_bytes
 from kvcompress.report_schema import Report
 
 
+def engine_memory(export: dict) -> dict | None:
+    """The custom-tier engine's memory on its one GPU, from the export's plugin_bundle network (None without one)."""
+    return ((export.get("artifacts", {}).get("plugin_bundle") or {}).get("network") or {}).get("engine_memory")
+
+
+def engine_memory_text(mem: dict) -> str:
+    """One line: what the GPU must hold for the custom-tier engine, and whether that exceeds export.gpu_memory_gb."""
+    from kvcompress.targets.trtllm_network import memory_line
+
+    return f"custom-tier engine: {memory_line(mem)}" + ("" if mem["fits"] else f", more than export.gpu_memory_gb={mem['gpu_memory_gb']:g}")
+
+
 def _fmt(v, digits=4) -> str:
     if v is None:
         return "n/a"
@@ -127,6 +139,7 @@ def render_md(r: Report) -> str:
         out += [f"- {k}: {side} not folded ({why})" for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
         out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
         out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
+        out += [f"- {engine_memory_text(mem)}"] if (mem := engine_memory(r.export)) else []
         out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
     if r.stage_times_s:
         out += ["", "## Stage times", "", ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items()) + f" (total {sum(r.stage_times_s.values()):.0f} s)"]
@@ -352,7 +365,8 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
         parts.append(f"<h2>Export</h2><p>TensorRT engine built: <b>{r.export['engine_built']}</b> ({html.escape(r.export['engine_reason'])})</p>")
         parts.append("<ul>" + "".join(f"<li>{html.escape(k)} ({v['tier']} tier, from validated {html.escape(v['validated_as'])}): {html.escape(v['what'])}</li>" for k, v in r.export["artifacts"].items())
                      + "".join(f"<li>{html.escape(k)}: not written ({html.escape(why)})</li>" for k, why in r.export.get("not_written", {}).items())
-                     + (f"<li>text decoder only: {html.escape(r.export['text_decoder_only'])}</li>" if r.export.get("text_decoder_only") else "") + "</ul>")
+                     + (f"<li>text decoder only: {html.escape(r.export['text_decoder_only'])}</li>" if r.export.get("text_decoder_only") else "")
+                     + (f"<li>{html.escape(engine_memory_text(mem))}</li>" if (mem := engine_memory(r.export)) else "") + "</ul>")
         parts.append("<table><tr><th>check that ran in this export</th><th>status</th></tr>" + "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{c['status']}</td></tr>" for c in r.export["checks"]) + "</table>")
     if r.stage_times_s:
         parts.append("<h2>Stage times</h2><p>" + html.escape(", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items())) + "</p>")
