@@ -153,12 +153,16 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
     if "export" in cfg.stages:
-        from kvcompress.stages.export import check_exportable, hf_only
+        from kvcompress.stages.export import check_exportable, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
 
         check_exportable(r.lm.model, cfg.kv, cfg.export.dtype)  # before anything is written; the model is needed by validate and export anyway
         for tp in ([] if hf_only(r.lm.model) else cfg.export.tp_sizes):  # and the tensor-parallel sizes the model's shapes allow
             check_tp(r.lm.geometry, tp, r.lm.model.config)
+        if not hf_only(r.lm.model):  # and, before hours of profiling, whether each GPU can hold its share of the weights
+            n_params = sum(p.numel() for p in r.lm.model.parameters())  # a streamed model's skeleton counts as well
+            if advice := tp_advice(2 * n_params, cfg.export.tp_sizes, cfg.export.gpu_memory_gb, r.lm.geometry, r.lm.model.config):
+                log.warning("export: %s (estimated at 2 bytes a parameter; FP8 weights kept as stored take half)", advice)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}
@@ -204,7 +208,7 @@ def finish(r: Run, times: dict[str, float]) -> None:
     data = json.loads(report.read_text()) if report.is_file() else None
     if data is not None:
         from kvcompress.report_schema import Report
-        from kvcompress.stages.report import engine_memory, engine_memory_text, write_report_files
+        from kvcompress.stages.report import gpu_memory_lines, write_report_files
 
         data["stage_times_s"] = times
         atomic_write_json(report, data)
@@ -222,8 +226,7 @@ def finish(r: Run, times: dict[str, float]) -> None:
             lines.append(f"exported to {r.dir / 'export'}:")
             for name, art in ex.get("artifacts", {}).items():
                 lines.append(f"  {name}: {art['what']}")
-            if mem := engine_memory(ex):  # what the GPU must hold: the custom-tier network has no tensor parallelism
-                lines.append(f"  {engine_memory_text(mem)}")
+            lines += [f"  {line}" for line in gpu_memory_lines(ex)]  # what each GPU must hold
             for name, why in ex.get("not_written", {}).items():
                 lines.append(f"  {name}: not written ({why})")
             if ex.get("text_decoder_only"):

@@ -314,9 +314,17 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert mem["weights_bytes"] == 2 * sum(t.numel() for f in ckpt.glob("*.safetensors") for t in load_torch(str(f)).values())
     assert mem["gpus"] == 1 and mem["cache_bytes"] > 0 and not mem["fits"]
     assert "the custom-tier engine needs fp16 weights" in p.stdout + p.stderr and "more than a 1e-06 GB GPU holds" in p.stdout + p.stderr
+    # the native tier's weights per GPU, as written (the largest rank file), and the advice, said before profiling and after writing
+    trt = manifest["artifacts"]["trtllm_ckpt"]
+    assert trt["weights_per_gpu_bytes"] == {"tp1": (run / "export" / "trtllm_ckpt" / "tp1" / "rank0.safetensors").stat().st_size}
+    assert trt["tp_advice"].startswith("trtllm_ckpt at tp 1 puts") and "brings it under" in trt["tp_advice"]
+    out = p.stdout + p.stderr
+    assert "(estimated at 2 bytes a parameter; FP8 weights kept as stored take half)" in out  # the early warning (before profiling)
     for f in ("report.md", "report.html"):  # the reviewer's report says it too
-        assert "custom-tier engine: fp16 weights" in (run / f).read_text() and "more than export.gpu_memory_gb=1e-06" in (run / f).read_text(), f
-    assert "custom-tier engine: fp16 weights" in p.stdout + p.stderr.split("kvcompress run")[-1]  # the run summary
+        text = (run / f).read_text()
+        assert "custom-tier engine: fp16 weights" in text and "more than export.gpu_memory_gb=1e-06" in text and "trtllm_ckpt weights per GPU: tp1" in text, f
+    summary = out.split("kvcompress run")[-1]  # the run summary
+    assert "custom-tier engine: fp16 weights" in summary and "trtllm_ckpt weights per GPU: tp1" in summary
     assert json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())["value_rotation"] == "hadamard"
     net = next(c for c in manifest["checks"] if "network graph" in c["check"])
     assert net["status"] == "passed" and net["detail"]["crossed_into_store"], net
@@ -897,3 +905,22 @@ def test_a_spilling_capped_decode_kernel_is_rebuilt_uncapped_before_its_tile_shr
     assert not changed and log == {grp.name: ["block_t 16, maxnreg 168", "block_t 16, no register cap"]}
     vs, changed = retile(vs, {static.name}, log)
     assert changed and vs[1].block_t == 32 and log[static.name] == ["block_t 64", "block_t 32"]
+
+
+def test_tp_advice_names_the_smallest_tensor_parallel_size_that_fits_and_the_shapes_allow():
+    """export.tp_sizes vs export.gpu_memory_gb: nothing to say when the largest tp size's share fits; else the smallest of
+    2, 4, 8, 16 whose share fits and that splits the model's heads and MLP; or that none does."""
+    from types import SimpleNamespace
+
+    from kvcompress.models.base import Geometry
+    from kvcompress.stages.export import tp_advice
+
+    geom = Geometry(n_layers=1, n_heads=8, n_kv_heads=8, head_dim=32, hidden_size=256, vocab_size=260, max_position=4096, rope_theta=1e4, architecture="LlamaForCausalLM")
+    cfg = SimpleNamespace(intermediate_size=1024)
+    assert tp_advice(70e9, [1], 80, geom, cfg) == ""
+    assert tp_advice(141e9, [1, 2], 80, geom, cfg) == ""  # the largest written size is what would be deployed
+    msg = tp_advice(141e9, [1], 80, geom, cfg)
+    assert msg.startswith("trtllm_ckpt at tp 1 puts 141.0 GB of weights on each GPU, more than export.gpu_memory_gb=80") and msg.endswith("add export.tp_sizes=[2]")
+    assert tp_advice(300e9, [1], 80, geom, cfg).endswith("add export.tp_sizes=[4]")
+    odd = Geometry(**{**geom.__dict__, "n_heads": 6, "n_kv_heads": 2})  # 6 heads split over 2 ranks only
+    assert "no tensor-parallel size of [2, 4, 8, 16] the model's shapes allow brings it under" in tp_advice(300e9, [1], 80, odd, cfg)

@@ -110,6 +110,31 @@ def check_exportable(model, spec=None, dtype: str | None = None) -> None:
                         "allowed for it: bfloat16, float32")
 
 
+TP_CHOICES = (2, 4, 8, 16)  # the tensor-parallel sizes tp_advice suggests
+
+
+def tp_advice(weight_bytes: float, tp_sizes: list[int], gpu_memory_gb: float, geom, hf_cfg) -> str:
+    """'' when the largest of export.tp_sizes puts at most export.gpu_memory_gb of the TensorRT-LLM checkpoint's weights
+    (weight_bytes in all) on each GPU, else one line saying so, with the smallest size of TP_CHOICES whose share fits and
+    the model's shapes allow (trtllm_ckpt.check_tp)."""
+    from kvcompress.targets.trtllm_ckpt import check_tp
+
+    gpu, tp = gpu_memory_gb * 1e9, max(tp_sizes)
+    if weight_bytes / tp <= gpu:
+        return ""
+
+    def allowed(t: int) -> bool:
+        try:
+            check_tp(geom, t, hf_cfg)
+            return True
+        except UserError:
+            return False
+
+    fit = next((t for t in TP_CHOICES if t > tp and weight_bytes / t <= gpu and allowed(t)), None)
+    return (f"trtllm_ckpt at tp {tp} puts {weight_bytes / tp / 1e9:.1f} GB of weights on each GPU, more than export.gpu_memory_gb={gpu_memory_gb:g}: "
+            + (f"add export.tp_sizes=[{fit}]" if fit else f"no tensor-parallel size of {list(TP_CHOICES)} the model's shapes allow brings it under"))
+
+
 def trtllm_obstacle(model) -> str:
     """'' when the TensorRT-LLM checkpoint (and the custom tier) can carry this model of SUPPORTED_ARCH, else why not.
     A Mistral model is a Llama forward (same tensors, same attention) unless it has a sliding window, which
@@ -556,6 +581,11 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     # ---- writers: one pass over the layers, nothing larger than a layer held
     tp_dirs = [] if only_hf else [out / "trtllm_ckpt" / f"tp{tp}" for tp in ecfg.tp_sizes]
     trt_fold, hf_fold = write_native_checkpoints(lm, geom, trt_book, hf_book, ecfg, tp_dirs, out / "hf_ckpt", run.progress)
+    # what each GPU loads: the largest rank file of each tp size, as written (FP8 weights kept as stored count as they are)
+    per_gpu = {f"tp{tp}": max(f.stat().st_size for f in d.glob("rank*.safetensors")) for tp, d in zip(ecfg.tp_sizes, tp_dirs)}
+    tp_note = tp_advice(per_gpu[f"tp{max(ecfg.tp_sizes)}"] * max(ecfg.tp_sizes), ecfg.tp_sizes, ecfg.gpu_memory_gb, geom, lm.model.config) if per_gpu else ""
+    if tp_note:
+        log.warning("export: %s", tp_note)
     if trt_fold is not None:
         trt_fold.record(checks)
     hf_fold.record(checks)
@@ -604,6 +634,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "tier": "native", "what": f"TensorRT-LLM {TRTLLM_VERSION} checkpoint(s) tp {ecfg.tp_sizes}, kv_cache_quant_algo={algo} (one scale per layer), {wdesc} weights with the fold of {trt_book.spec.name}",
         **trt_fold.weights,
         "paths": [str(d.relative_to(out)) for d in tp_dirs], "validated_as": trt_book.spec.name, "verdict": v_trt["verdict"],
+        "weights_per_gpu_bytes": per_gpu, **({"tp_advice": tp_note} if tp_note else {}),
         "fold": {k: trt_book.fit_info.get(k) for k in ("fold_strength_keys", "fold_strength_values", "headroom", "fold_pairs")}, "fold_guard": trt_guard, "remeasured": c_trt,
         "architecture": {"source": type(lm.model).__name__, "written": trtllm_architecture(lm.model.config)},
     }

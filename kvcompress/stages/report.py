@@ -14,16 +14,20 @@ from kvcompress.artifacts import atomic_write_bytes
 from kvcompress.report_schema import Report
 
 
-def engine_memory(export: dict) -> dict | None:
-    """The custom-tier engine's memory on its one GPU, from the export's plugin_bundle network (None without one)."""
-    return ((export.get("artifacts", {}).get("plugin_bundle") or {}).get("network") or {}).get("engine_memory")
+def gpu_memory_lines(export: dict) -> list[str]:
+    """What each GPU must hold, from the export's manifest: the TensorRT-LLM checkpoint's weights per GPU at each tp size
+    (with the advice when the largest exceeds export.gpu_memory_gb) and the custom-tier engine's memory on its one GPU."""
+    from kvcompress.targets.trtllm_network import memory_line, size
 
-
-def engine_memory_text(mem: dict) -> str:
-    """One line: what the GPU must hold for the custom-tier engine, and whether that exceeds export.gpu_memory_gb."""
-    from kvcompress.targets.trtllm_network import memory_line
-
-    return f"custom-tier engine: {memory_line(mem)}" + ("" if mem["fits"] else f", more than export.gpu_memory_gb={mem['gpu_memory_gb']:g}")
+    arts, out = export.get("artifacts", {}), []
+    trt = arts.get("trtllm_ckpt") or {}
+    if trt.get("weights_per_gpu_bytes"):
+        out.append("trtllm_ckpt weights per GPU: " + ", ".join(f"{k} {size(v)}" for k, v in trt["weights_per_gpu_bytes"].items())
+                   + (f" ({trt['tp_advice']})" if trt.get("tp_advice") else ""))
+    mem = ((arts.get("plugin_bundle") or {}).get("network") or {}).get("engine_memory")
+    if mem:
+        out.append(f"custom-tier engine: {memory_line(mem)}" + ("" if mem["fits"] else f", more than export.gpu_memory_gb={mem['gpu_memory_gb']:g}"))
+    return out
 
 
 def _fmt(v, digits=4) -> str:
@@ -139,7 +143,7 @@ def render_md(r: Report) -> str:
         out += [f"- {k}: {side} not folded ({why})" for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
         out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
         out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
-        out += [f"- {engine_memory_text(mem)}"] if (mem := engine_memory(r.export)) else []
+        out += [f"- {line}" for line in gpu_memory_lines(r.export)]
         out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
     if r.stage_times_s:
         out += ["", "## Stage times", "", ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items()) + f" (total {sum(r.stage_times_s.values()):.0f} s)"]
@@ -366,7 +370,7 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
         parts.append("<ul>" + "".join(f"<li>{html.escape(k)} ({v['tier']} tier, from validated {html.escape(v['validated_as'])}): {html.escape(v['what'])}</li>" for k, v in r.export["artifacts"].items())
                      + "".join(f"<li>{html.escape(k)}: not written ({html.escape(why)})</li>" for k, why in r.export.get("not_written", {}).items())
                      + (f"<li>text decoder only: {html.escape(r.export['text_decoder_only'])}</li>" if r.export.get("text_decoder_only") else "")
-                     + (f"<li>{html.escape(engine_memory_text(mem))}</li>" if (mem := engine_memory(r.export)) else "") + "</ul>")
+                     + "".join(f"<li>{html.escape(line)}</li>" for line in gpu_memory_lines(r.export)) + "</ul>")
         parts.append("<table><tr><th>check that ran in this export</th><th>status</th></tr>" + "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{c['status']}</td></tr>" for c in r.export["checks"]) + "</table>")
     if r.stage_times_s:
         parts.append("<h2>Stage times</h2><p>" + html.escape(", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items())) + "</p>")
