@@ -153,16 +153,18 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
     if "export" in cfg.stages:
-        from kvcompress.stages.export import check_exportable, hf_only, tp_advice
+        from kvcompress.stages.export import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
 
         check_exportable(r.lm.model, cfg.kv, cfg.export.dtype)  # before anything is written; the model is needed by validate and export anyway
         for tp in ([] if hf_only(r.lm.model) else cfg.export.tp_sizes):  # and the tensor-parallel sizes the model's shapes allow
             check_tp(r.lm.geometry, tp, r.lm.model.config)
-        if not hf_only(r.lm.model):  # and, before hours of profiling, whether each GPU can hold its share of the weights
-            n_params = sum(p.numel() for p in r.lm.model.parameters())  # a streamed model's skeleton counts as well
-            if advice := tp_advice(2 * n_params, cfg.export.tp_sizes, cfg.export.gpu_memory_gb, r.lm.geometry, r.lm.model.config):
-                log.warning("export: %s (estimated at 2 bytes a parameter; FP8 weights kept as stored take half)", advice)
+        # and, before hours of profiling, whether each GPU can hold its share of the weights and the disk the checkpoints
+        n_params = sum(p.numel() for p in r.lm.model.parameters())  # a streamed model's skeleton counts as well
+        if not hf_only(r.lm.model) and (advice := tp_advice(2 * n_params, cfg.export.tp_sizes, cfg.export.gpu_memory_gb, r.lm.geometry, r.lm.model.config)):
+            log.warning("export: %s (estimated at 2 bytes a parameter; FP8 weights kept as stored take half)", advice)
+        if disk := disk_warning(run_dir, n_params, cfg.export.tp_sizes, hf_only(r.lm.model)):
+            log.warning("export: %s", disk)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -924,3 +924,27 @@ def test_tp_advice_names_the_smallest_tensor_parallel_size_that_fits_and_the_sha
     assert tp_advice(300e9, [1], 80, geom, cfg).endswith("add export.tp_sizes=[4]")
     odd = Geometry(**{**geom.__dict__, "n_heads": 6, "n_kv_heads": 2})  # 6 heads split over 2 ranks only
     assert "no tensor-parallel size of [2, 4, 8, 16] the model's shapes allow brings it under" in tp_advice(300e9, [1], 80, odd, cfg)
+
+
+def test_the_export_checks_the_disk_before_writing(tmp_path, monkeypatch):
+    """A checkpoint per tp size and hf_ckpt: warned about before profiling when they outgrow the free space at 2 bytes a
+    parameter, refused in one line (nothing written) when even 1 byte a parameter would not fit; the run directory need
+    not exist yet (its nearest existing parent's filesystem is asked)."""
+    import shutil as sh
+    from collections import namedtuple
+
+    from kvcompress.errors import UserError
+    from kvcompress.stages.export import check_disk, disk_warning, export_disk
+
+    assert export_disk(10**9, [1, 2], False, 2) == 6e9 and export_disk(10**9, [1, 2], True, 2) == 2e9
+    usage = namedtuple("usage", "total used free")
+    asked = []
+    monkeypatch.setattr(sh, "disk_usage", lambda p: asked.append(p) or usage(0, 0, 5e9))
+    run = tmp_path / "runs" / "m" / "kv" / "t"  # not created yet
+    assert disk_warning(run, 10**9, [1], False) == ""  # 4 GB at 2 bytes a parameter
+    assert asked[-1] == tmp_path
+    msg = disk_warning(run, 10**9, [1, 2], False)
+    assert msg.startswith("its checkpoints take about 6.0 GB at 2 bytes a parameter and 5.0 GB are free under") and "export.tp_sizes" in msg
+    check_disk(run, 10**9, [1, 2, 4], False)  # 4 GB at 1 byte a parameter: may fit (FP8 weights)
+    with pytest.raises(UserError, match=r"export: its 5 checkpoint\(s\) of 1.10B parameters need at least 5.5 GB and 5.0 GB are free under .*nothing was written"):
+        check_disk(run, 11 * 10**8, [1, 2, 4, 8], False)

@@ -113,6 +113,40 @@ def check_exportable(model, spec=None, dtype: str | None = None) -> None:
 TP_CHOICES = (2, 4, 8, 16)  # the tensor-parallel sizes tp_advice suggests
 
 
+def export_disk(n_params: int, tp_sizes: list[int], only_hf: bool, bytes_per_param: float) -> float:
+    """Disk bytes of the export's checkpoints at bytes_per_param: a full copy of the weights per TensorRT-LLM tp size and one
+    for hf_ckpt (the plugin bundle's kernels are small beside them)."""
+    return n_params * bytes_per_param * ((0 if only_hf else len(tp_sizes)) + 1)
+
+
+def _free_bytes(where: Path) -> tuple[Path, int]:
+    """The free bytes of the filesystem `where` will be on (its nearest existing parent: a run directory may not exist yet)."""
+    where = Path(where).absolute()
+    while not where.exists():
+        where = where.parent
+    return where, shutil.disk_usage(where).free
+
+
+def disk_warning(where: Path, n_params: int, tp_sizes: list[int], only_hf: bool) -> str:
+    """'' when the export's checkpoints at 2 bytes a parameter fit the free space under `where`, else one line saying so
+    (before profiling: FP8 weights kept as stored take half, so this warns and check_disk refuses)."""
+    where, free = _free_bytes(where)
+    need = export_disk(n_params, tp_sizes, only_hf, 2)
+    return "" if need <= free else (f"its checkpoints take about {need / 1e9:.1f} GB at 2 bytes a parameter and {free / 1e9:.1f} GB are free "
+                                    f"under {where}: free space, write fewer export.tp_sizes or set hydra.run.dir on a larger disk")
+
+
+def check_disk(where: Path, n_params: int, tp_sizes: list[int], only_hf: bool) -> None:
+    """Refuse, before anything is written, an export whose checkpoints cannot fit the free space under `where` even at one
+    byte a parameter (every weight FP8); otherwise a full disk would stop it halfway, after the hours of validation."""
+    where, free = _free_bytes(where)
+    low = export_disk(n_params, tp_sizes, only_hf, 1)
+    if low > free:
+        n = int(round(low / n_params))
+        raise UserError(f"export: its {n} checkpoint(s) of {n_params / 1e9:.2f}B parameters need at least {low / 1e9:.1f} GB and {free / 1e9:.1f} GB "
+                        f"are free under {where}: free space, write fewer export.tp_sizes or set hydra.run.dir on a larger disk; nothing was written")
+
+
 def tp_advice(weight_bytes: float, tp_sizes: list[int], gpu_memory_gb: float, geom, hf_cfg) -> str:
     """'' when the largest of export.tp_sizes puts at most export.gpu_memory_gb of the TensorRT-LLM checkpoint's weights
     (weight_bytes in all) on each GPU, else one line saying so, with the smallest size of TP_CHOICES whose share fits and
@@ -572,6 +606,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     geom = lm.geometry
     check_exportable(lm.model, books["primary"].spec, ecfg.dtype)
     only_hf = hf_only(lm.model)
+    check_disk(out.parent, sum(p.numel() for p in lm.model.parameters()), ecfg.tp_sizes, only_hf)
     for tp in ([] if only_hf else ecfg.tp_sizes):
         check_tp(geom, tp, lm.model.config)
     checks = Checks()
