@@ -208,6 +208,13 @@ class ExportConfig(Frozen):
     # the engine's fp16 weights and one 8K sequence's cache exceed it (build_engine.py checks the real GPU)
     gpu_memory_gb: float = Field(80, gt=0)
 
+    @field_validator("tp_sizes")
+    @classmethod
+    def _tp_sizes(cls, v: list[int]) -> list[int]:
+        if not v or any(t < 1 for t in v) or len(set(v)) != len(v):
+            raise ValueError(f"must be a non-empty list of distinct tensor-parallel sizes >= 1 (e.g. [1] or [1, 4]); got {v}")
+        return v
+
 
 class RunConfig(Frozen):
     model: ModelConfig

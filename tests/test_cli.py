@@ -38,6 +38,10 @@ BAD = [
     (["kv=native_int8", "kv.headroom=0.5"], "error: kv.headroom=0.5 must be 'auto' or a number >= 1"),
     (["kv=native_nvfp4", "kv.fold_pairs=true"], "kv.fold_pairs=true rotates folded key pairs of native_fp8 or native_int8"),
     (["export.tp_sizes=[1,4]"], "export.tp_sizes contains 4: the model's 6 attention heads do not split over 4 ranks"),  # before profiling
+    (["export.tp_sizes=[1,1]"], "export.tp_sizes: must be a non-empty list of distinct tensor-parallel sizes >= 1 (e.g. [1] or [1, 4]); got [1, 1]"),  # was a traceback
+    (["export.tp_sizes=[]"], "export.tp_sizes: must be a non-empty list of distinct tensor-parallel sizes >= 1"),
+    (["export.tp_sizes=[0]"], "export.tp_sizes: must be a non-empty list of distinct tensor-parallel sizes >= 1"),
+    (["export.gpu_memory_gb=0"], "export.gpu_memory_gb=0 is invalid: Input should be greater than 0"),
     (["model.tiny.hidden=100"], "model.tiny: hidden=100, heads=6, kv_heads=2, head_dim=32: hidden must be a multiple of heads"),  # was a Hydra error
     (["kv.key.bits=7"], "kv.key.bits=7: 5..7-bit codes are in the per-token family (kv.key.granularity=token) and the token-grouped family"),
     (["kv=rot7k_int5v", "kv.key.rotate=none", "kv.value.rotate=none", "kv.value.group_size=0", "model.tiny.head_dim=36"],
