@@ -140,6 +140,17 @@ def custom_tier(a) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1 (batch sizes, lengths, split and token counts)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tier", choices=["native", "custom"], default="native")
@@ -148,15 +159,15 @@ def main() -> int:
     ap.add_argument("--bundle", help="custom tier: export/plugin_bundle")
     ap.add_argument("--hf-dir", help="custom tier: the model's HF directory (default: network.json's weights.hf_dir)")
     ap.add_argument("--plugin-lib", help="custom tier: libkvcompress_trt.so built for this GPU")
-    ap.add_argument("--splits", type=int, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
+    ap.add_argument("--splits", type=positive, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
     ap.add_argument("--run", help="custom tier: an engine directory to generate with")
     ap.add_argument("--prompt", action="append", help="custom tier --run: a prompt (repeat for a batch)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=positive, default=32)
     ap.add_argument("--kv-cache", choices=["checkpoint", "fp16"], default="checkpoint",
                     help="checkpoint: the validated quantized KV cache; fp16: the rollback with an unquantized KV cache")
-    ap.add_argument("--max-seq-len", type=int, default=None,
+    ap.add_argument("--max-seq-len", type=positive, default=None,
                     help="default 8192 (custom tier with asymmetric keys: at most network.json's key_max_position)")
-    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--max-batch-size", type=positive, default=64)
     a = ap.parse_args()
     if a.tier == "custom":
         return custom_tier(a)

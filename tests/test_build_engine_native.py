@@ -75,3 +75,15 @@ def test_native_tier_refuses_a_directory_without_config_in_one_line(tmp_path):
     assert p.returncode == 2 and not (tmp_path / "argv.json").exists()
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and str(tmp_path / "bin") in lines[0] and "config.json" in lines[0]
+
+
+def test_counts_and_lengths_must_be_positive_integers_in_one_line(tmp_path):
+    """--max-batch-size, --max-seq-len, --splits and --max-new-tokens take integers >= 1 (0 or a negative used to reach
+    the build); argparse's one-line usage error, exit 2, for either tier."""
+    ckpt, env = _setup(tmp_path)
+    for args in (["--ckpt", str(ckpt), "--out", str(tmp_path / "e"), "--max-batch-size", "0"],
+                 ["--tier", "custom", "--max-seq-len", "-5"], ["--tier", "custom", "--splits", "x"], ["--tier", "custom", "--max-new-tokens", "0"]):
+        p = _run(env, *args)
+        flag = next(a for a in args if a.startswith("--max") or a == "--splits")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and f"argument {flag}:" in p.stderr and "is not an integer >= 1" in p.stderr, p.stderr
+        assert not (tmp_path / "argv.json").exists()  # trtllm-build never ran
