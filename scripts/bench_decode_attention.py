@@ -186,6 +186,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1 (logic only, times meaningless)")
     ap.add_argument("--reps", type=int, default=50, help="do_bench rep time in ms per measurement")
     a = ap.parse_args()
+    if a.reps < 1:
+        print(f"kvcompress: error: --reps {a.reps}: allowed: an integer >= 1 (milliseconds of timing per measurement)", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not a.smoke:
         print("kvcompress: error: no CUDA device; run on a GPU host, or pass --smoke (with TRITON_INTERPRET=1) to check the logic on CPU", file=sys.stderr)

@@ -17,6 +17,7 @@ BAD = [
     (["scripts/compare_peers.py", "--pair-context", "-1"], "--pair-context -1: allowed: 0 (no extra row) or a context > 0"),
     (["scripts/pair_fold_anatomy.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
     (["scripts/pair_fold_anatomy.py", "--pair-context", "0"], "--pair-context 0: allowed: a context > 0"),
+    (["scripts/bench_decode_attention.py", "--reps", "0"], "--reps 0: allowed: an integer >= 1"),
 ]
 
 
