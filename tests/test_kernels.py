@@ -325,6 +325,15 @@ def test_aot_compiles_without_spills_within_shared_memory(tmp_path, arch):
         assert 0 < k["registers"] <= 255
 
 
+@pytest.mark.parametrize("given", ['{bad', '[1]', '{"name": "x"}', '{"nope": 1}'], ids=["not-json", "not-an-object", "fields-missing", "unknown-field"])
+def test_aot_rejects_a_bad_variant_json_in_one_line(tmp_path, given):
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(tmp_path / "k"), "--variant-json", given],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("kvcompress: error: --variant-json is not a Variant or a list of them") and "fields: name, head_dim" in p.stderr
+    assert not (tmp_path / "k").exists()
+
+
 def test_aot_rejects_unknown_arch(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_75", "--out", str(tmp_path)], capture_output=True, text=True)
     assert p.returncode == 2 and "allowed: sm_80, sm_90" in p.stderr and "Traceback" not in p.stderr

@@ -12,6 +12,7 @@ The plugin bundle of the export reuses this output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -249,8 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.variants not in VARIANTS:
         print(f"kvcompress: error: --variants={a.variants} is unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    given = json.loads(a.variant_json) if a.variant_json else None
-    variants = [Variant(**v) for v in (given if isinstance(given, list) else [given])] if given else VARIANTS[a.variants]
+    try:
+        given = json.loads(a.variant_json) if a.variant_json else None
+        variants = [Variant(**v) for v in (given if isinstance(given, list) else [given])] if given else VARIANTS[a.variants]
+    except (ValueError, TypeError) as e:  # not JSON, not an object (or a list of them), or not Variant's fields
+        print(f"kvcompress: error: --variant-json is not a Variant or a list of them ({type(e).__name__}: {str(e).splitlines()[0]}); "
+              f"fields: {', '.join(f.name for f in dataclasses.fields(Variant))}", file=sys.stderr)
+        return 2
     meta = compile_all(a.arch, a.out, variants)
     for e in meta["kernels"]:
         print(f"{e['name']:<36} regs {e['registers']:>3}  stack {e['stack']}  local {e['local']}  smem {e['shared']:>6} B")
