@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atol", type=float, default=0.005, help="served FP8 perplexity change vs the validated change")
     ap.add_argument("--kv", choices=["auto", "fp8"], help=argparse.SUPPRESS)  # one vLLM instance per process (internal)
     a = ap.parse_args(argv)
+    if not (a.rtol >= 0 and a.atol >= 0):
+        print(f"check_hf_ckpt: --rtol {a.rtol} / --atol {a.atol}: tolerances must be numbers >= 0", file=sys.stderr)
+        return 2
     try:
         import vllm  # noqa: F401
     except ImportError:

@@ -96,3 +96,5 @@ def test_the_serve_check_compares_served_perplexities_with_validates(tmp_path):
     assert p.returncode == 2 and "needs vLLM" in p.stderr and "Traceback" not in p.stderr
     p = _run(script, fake, "--check", str(tmp_path / "nowhere"))
     assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    p = _run(script, fake, "--atol", "-0.1")  # a negative tolerance: one line, exit 2, before vLLM runs
+    assert p.returncode == 2 and "tolerances must be numbers >= 0" in p.stderr and p.stderr.count("\n") == 1, p.stderr
