@@ -12,6 +12,32 @@ from kvcompress.paths import load_preset  # noqa: E402
 from kvcompress.spec import KVSpec  # noqa: E402
 
 
+def positive(text: str) -> int:
+    """argparse type for counts and lengths: an integer >= 1 (argparse prints the one-line error, exit 2)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    import argparse
+
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return x
+
+
 def _load(group: str, name: str) -> dict:
     """conf/<group>/<name>.yaml; a name that is not a preset is a one-line error (exit 2), not a traceback."""
     from kvcompress.paths import preset_names

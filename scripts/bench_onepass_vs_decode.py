@@ -13,7 +13,7 @@ import math
 import time
 
 import torch
-from _common import cache_dir, calib_config, eval_config, kv_spec, model_config
+from _common import cache_dir, calib_config, eval_config, kv_spec, model_config, positive
 
 from kvcompress.cache import CompressedCache
 from kvcompress.data import load_texts, token_windows
@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--kv", default="int8k_int4v")
     ap.add_argument("--scalebook", default=None)
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--windows", type=positive, default=2)
+    ap.add_argument("--seq-len", type=positive, default=1024)
     a = ap.parse_args()
     mcfg, spec = model_config(a.model), kv_spec(a.kv)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())

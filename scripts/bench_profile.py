@@ -11,7 +11,7 @@ import argparse
 import time
 
 import torch
-from _common import cache_dir, calib_config, model_config
+from _common import cache_dir, calib_config, model_config, positive
 
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import load_model
@@ -28,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--calib", default="default")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=positive, default=2)
     a = ap.parse_args()
     mcfg, calib = model_config(a.model), calib_config(a.calib)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())

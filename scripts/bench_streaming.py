@@ -140,8 +140,11 @@ def agreement(t: dict) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _common import positive_float  # noqa: E402
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gb", type=float, default=4.8, help="synthetic checkpoint size (10^9 bytes)")
+    ap.add_argument("--gb", type=positive_float, default=4.8, help="synthetic checkpoint size (10^9 bytes)")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temp dir, removed)")
     ap.add_argument("--skip-time", action="store_true", help="skip part 2 (in-memory vs streamed time on the embedded model)")
     ap.add_argument("--json", default=None, help="also write the results here")

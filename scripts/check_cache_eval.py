@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import cache_dir, eval_config
+from _common import cache_dir, eval_config, positive
 from transformers import DynamicCache
 
 from kvcompress.cache import CompressedCache
@@ -35,8 +35,8 @@ def decode(model, ids, cache):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--windows", type=positive, default=4)
+    ap.add_argument("--seq-len", type=positive, default=512)
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args()
     missing = [f for f in ("report.json", "config.json", "scalebook.safetensors") if not (a.run_dir / f).is_file()]

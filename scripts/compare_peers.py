@@ -32,7 +32,7 @@ import random
 from pathlib import Path
 
 import torch
-from _common import cache_dir, calib_config, eval_config, kv_spec, model_config
+from _common import cache_dir, calib_config, eval_config, kv_spec, model_config, positive
 
 from kvcompress import reference as ref
 from kvcompress.cache import CompressedCache
@@ -159,11 +159,11 @@ def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "defaul
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2_135m")
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=16)
-    ap.add_argument("--passkeys", type=int, default=6)
-    ap.add_argument("--passkey-len", type=int, default=1024)
+    ap.add_argument("--windows", type=positive, default=2)
+    ap.add_argument("--seq-len", type=positive, default=1024)
+    ap.add_argument("--chunk", type=positive, default=16)
+    ap.add_argument("--passkeys", type=positive, default=6)
+    ap.add_argument("--passkey-len", type=positive, default=1024)
     ap.add_argument("--no-chunked", action="store_true", help="only part 1 (the native tier vs Model Optimizer)")
     ap.add_argument("--calib", default="default", help="calib preset of part 1")
     ap.add_argument("--eval", default="default", help="eval preset of part 1 (its held-out windows)")

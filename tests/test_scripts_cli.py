@@ -18,6 +18,12 @@ BAD = [
     (["scripts/pair_fold_anatomy.py", "--eval", "nope"], "eval preset 'nope' does not exist; allowed: default,"),
     (["scripts/pair_fold_anatomy.py", "--pair-context", "0"], "--pair-context 0: allowed: a context > 0"),
     (["scripts/bench_decode_attention.py", "--reps", "0"], "--reps 0: allowed: an integer >= 1"),
+    (["scripts/compare_peers.py", "--windows", "0"], "argument --windows: '0' is not an integer >= 1"),  # counts and lengths: _common.positive
+    (["scripts/compare_peers.py", "--passkey-len", "-4"], "argument --passkey-len: '-4' is not an integer >= 1"),
+    (["scripts/bench_onepass_vs_decode.py", "--seq-len", "x"], "argument --seq-len: 'x' is not an integer >= 1"),
+    (["scripts/check_cache_eval.py", "--windows", "0"], "argument --windows: '0' is not an integer >= 1"),
+    (["scripts/bench_profile.py", "--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
+    (["scripts/bench_streaming.py", "--gb", "0"], "argument --gb: '0' is not a number > 0"),
 ]
 
 
