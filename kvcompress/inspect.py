@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stats", help="path to kv_stats.safetensors")
     ap.add_argument("--top", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.top < 1:
+        print(f"kvcompress: error: --top {a.top}: allowed: an integer >= 1 (channels listed per layer and head)", file=sys.stderr)
+        return 2
     try:
         stats = KVStats.load(a.stats)
     except UserError as e:

@@ -156,3 +156,6 @@ def test_inspect_prints_the_models_own_pairs(tmp_path, capsys):
     assert main([str(tmp_path / "missing.safetensors")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcompress: error:") and len(err.strip().splitlines()) == 1
+    assert main([str(tmp_path / "kv_stats.safetensors"), "--top", "-3"]) == 2  # was a torch traceback
+    err = capsys.readouterr().err
+    assert err.startswith("kvcompress: error: --top -3: allowed: an integer >= 1") and len(err.strip().splitlines()) == 1
