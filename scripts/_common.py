@@ -11,31 +11,20 @@ from kvcompress.config import CalibConfig, EvalConfig, ModelConfig  # noqa: E402
 from kvcompress.paths import load_preset  # noqa: E402
 from kvcompress.spec import KVSpec  # noqa: E402
 
-
-def positive(text: str) -> int:
-    """argparse type for counts and lengths: an integer >= 1 (argparse prints the one-line error, exit 2)."""
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return n
+sys.path.insert(0, str(ROOT / "export"))
+from build_engine import positive  # noqa: E402,F401  (argparse type for counts and lengths; the GPU-host script imports only the stdlib)
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
+    """argparse type: a number > 0 (counts and lengths: `positive`, from export/build_engine.py)."""
     import argparse
 
     try:
-        x = float(text)
+        if float(text) > 0:
+            return float(text)
     except ValueError:
-        x = 0.0
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
-    return x
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
 
 
 def _load(group: str, name: str) -> dict:
