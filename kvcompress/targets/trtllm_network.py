@@ -155,7 +155,7 @@ def size(n: float) -> str:
 
 def memory_line(mem: dict) -> str:
     """engine_memory in one line."""
-    return f"fp16 weights {size(mem['weights_bytes'])} + cache {size(mem['cache_bytes'])} ({mem['max_batch']} sequences x {mem['max_seq_len']} tokens) on one GPU"
+    return f"fp16 weights {size(mem['weights_bytes'])} + cache {size(mem['cache_bytes'])} ({mem['max_batch']} sequence{'s' if mem['max_batch'] != 1 else ''} x {mem['max_seq_len']} tokens) on one GPU"
 
 
 def rope_tables(inv_freq: np.ndarray, n_pos: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
