@@ -204,8 +204,9 @@ class ExportConfig(Frozen):
     # max(rel * KL, abs)
     recheck_rel_tol: float = Field(0.1, ge=0)
     recheck_abs_tol: float = Field(1e-4, ge=0)
-    # memory of the GPU the custom-tier engine is for (GB): its network has no tensor parallelism, so the export warns when
-    # the engine's fp16 weights and one 8K sequence's cache exceed it (build_engine.py checks the real GPU)
+    # memory of the GPU the exports are for (GB): the run warns when the largest of tp_sizes puts more TensorRT-LLM checkpoint
+    # weights on each GPU, and when the custom-tier engine (one GPU) needs more for its fp16 weights and one 8K sequence's
+    # cache (build_engine.py checks the real GPU)
     gpu_memory_gb: float = Field(80, gt=0)
 
     @field_validator("tp_sizes")

@@ -151,8 +151,6 @@ def tp_advice(weight_bytes: float, tp_sizes: list[int], gpu_memory_gb: float, ge
     """'' when the largest of export.tp_sizes puts at most export.gpu_memory_gb of the TensorRT-LLM checkpoint's weights
     (weight_bytes in all) on each GPU, else one line saying so, with the smallest size of TP_CHOICES whose share fits and
     the model's shapes allow (trtllm_ckpt.check_tp)."""
-    from kvcompress.targets.trtllm_ckpt import check_tp
-
     gpu, tp = gpu_memory_gb * 1e9, max(tp_sizes)
     if weight_bytes / tp <= gpu:
         return ""
@@ -606,7 +604,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     geom = lm.geometry
     check_exportable(lm.model, books["primary"].spec, ecfg.dtype)
     only_hf = hf_only(lm.model)
-    check_disk(out.parent, sum(p.numel() for p in lm.model.parameters()), ecfg.tp_sizes, only_hf)
+    check_disk(out.parent, report["model"]["n_params"], ecfg.tp_sizes, only_hf)  # the parameters validate counted
     for tp in ([] if only_hf else ecfg.tp_sizes):
         check_tp(geom, tp, lm.model.config)
     checks = Checks()

@@ -141,8 +141,7 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int) ->
     shapes = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
-    if "model.embed_tokens.weight" not in shapes:  # a multimodal checkpoint: its text decoder's tensors (text_decoder_tensors)
-        shapes = {n: s for k, s in shapes.items() if (n := text_decoder_name(k)) is not None} or shapes
+    shapes = text_decoder_tensors(shapes)  # a multimodal checkpoint: its text decoder's tensors
     weights = 2 * sum(int(np.prod(s)) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
     per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len)).values())
     return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len}
