@@ -57,8 +57,9 @@ def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_toke
         if k["kernel"] == "decode_split_rot":
             ml = k["main_loop"]
             assert ml["narrowest_payload_bits"] >= 64, k["name"]
-            assert ml["bytes_per_cache_element"] <= 1.25 * ml["format_bytes_per_cache_element"] + ml["masked_tail_bytes_per_cache_element"], k["name"]
-            assert ("rot7k" in k["name"]) == (ml["masked_tail_bytes_per_cache_element"] > 0), k["name"]
+            assert ml["bytes_per_cache_element"] <= 1.25 * ml["format_bytes_per_cache_element"] + ml["masked_payload_bytes_per_cache_element"], k["name"]
+            assert ("rot7k" in k["name"]) == (ml["masked_payload_bytes_per_cache_element"] > 0), k["name"]
+            _payload_read_as_designed(k)
             assert k["occupancy"]["sm_90"]["warps_per_sm"] >= 16, k["name"]
 
 
@@ -106,6 +107,8 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
             words = D * b // 32
             pad = grouped_decode_words({"KROW": 4 * words})["NW_PAD"] / words
             assert ml["bytes_per_cache_element"] <= 2.0 * pad * ml["format_bytes_per_cache_element"], (k["name"], ml)
+            _payload_read_as_designed(k)
+            assert ml["payload_bytes_per_iteration"]["KP"]["read"] == ml["block_t"] * 4 * grouped_decode_words({"KROW": 4 * words})["NW_PAD"]
     # the README's figures for this family are this audit's
     dec = [k for k in kernels.values() if k["kernel"] == "decode_split_grp"]
     lo, hi = min(k["registers"] for k in dec), max(k["registers"] for k in dec)
@@ -114,6 +117,10 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
     assert warps == {12} and f"compiles without spills at {lo}-{hi} registers" in text and "12 warps per SM on sm_90 (3 CTAs;" in text
     assert f"(audited: {lo}-{hi} registers, 12 warps per SM," in text
     assert "packed as 32-bit words (audited: at most 128 registers, 4 CTAs per SM on sm_90)" in text
+    pb = kernels["decode_split_grp_d128_g8_wf4"]["main_loop"]["payload_bytes_per_iteration"]
+    fmt, read = (sum(b[x] for b in pb.values()) for x in ("format", "read"))
+    bt = kernels["decode_split_grp_d128_g8_wf4"]["main_loop"]["block_t"]
+    assert f"wf4 at head dim 128: {read} bytes issued per {bt}-token tile for {fmt} in the format + {read - fmt} in masked-off lanes" in text
 
 
 def test_grouped_decode_cap_applies_only_where_it_does_not_spill(tmp_path):
@@ -153,11 +160,27 @@ def test_int8k_int4v_d128_reads_its_payload_with_128_bit_loads(audit_sm90):
     assert ml["bytes_per_cache_element"] == pytest.approx(ml["format_bytes_per_cache_element"], rel=0.02)
 
 
+def _payload_read_as_designed(k: dict) -> None:
+    """The packed codes' loads in the decode main loop (from the PTX, every thread counted) issue exactly the bytes the
+    kernel is written to read for a tile: the format's rows, plus the masked-off lanes of rows read padded (5..7-bit
+    rows as two D/2-byte halves, grouped key rows as a power of two of 32-bit words), and nothing twice."""
+    ml = k["main_loop"]
+    pb = ml["payload_bytes_per_iteration"]
+    D, bt = ml["head_dim"], ml["block_t"]
+    for buf in ("KP", "VP"):
+        assert pb[buf]["issued"] == pb[buf]["read"] >= pb[buf]["format"] > 0, (k["name"], buf, pb)
+    assert sum(b["format"] for b in pb.values()) == ml["layout_bytes_per_iteration"]["payload"], (k["name"], pb)
+    masked = sum(b["read"] - b["format"] for b in pb.values()) / (bt * D * 2)
+    assert ml["masked_payload_bytes_per_cache_element"] == pytest.approx(masked), k["name"]
+
+
 def test_every_decode_kernel_loads_payload_at_least_64_bits_wide_without_spills(audit_sm90):
     for k in audit_sm90["kernels"]:
         assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
         if k["kernel"] == "decode_split":
             assert k["main_loop"]["narrowest_payload_bits"] >= 64, k["name"]
+            assert k["main_loop"]["masked_payload_bytes_per_cache_element"] == 0, k["name"]  # no padded rows in this family
+            _payload_read_as_designed(k)
 
 
 @pytest.mark.parametrize("name", ["d128_g8_int8k_int4v", "d128_g8_int8", "d128_g8_int4", "d64_g3_int8k_int4v"])

@@ -188,21 +188,42 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
                           v.get("key_group", 0), v.get("value_symmetric", False), key_group_tokens=v.get("key_group_tokens", 0))
         need = main_loop_bytes(fmt, v["head_dim"], v["block_t"])
         by_width = {w: n * threads * w // 8 for w, n in loads.items()}  # if every thread executes each load once per iteration
-        # 5..7-bit rows (D/2 < D * bits / 8 < D bytes) are read as two D/2-byte halves, the second's tail masked (those
-        # lanes fetch nothing, but their loads are counted above): the bytes of the masked tails per iteration
-        tail = sum(v["block_t"] * (v["head_dim"] - ref.row_width(v["head_dim"], b)) for b in (v["key_bits"], v["value_bits"]) if b in ref.PLANE_BITS)
+        loop_loads = ptx_loop_loads((kdir / f"{entry['name']}.ptx").read_text(), entry["signature"])
+        payload = payload_bytes(entry, loop_loads, threads)
+        elems = v["block_t"] * v["head_dim"] * 2
         out["main_loop"] = {
-            "range": [hex(lo), hex(hi)], "block_t": v["block_t"],
+            "range": [hex(lo), hex(hi)], "block_t": v["block_t"], "head_dim": v["head_dim"],
             "loads": {str(w): n for w, n in sorted(loads.items())},
             "bytes_per_iteration_by_width": {str(w): b for w, b in sorted(by_width.items())},
             "layout_bytes_per_iteration": need,
             "wide_bytes": sum(b for w, b in by_width.items() if w >= 64),
             "bytes_per_cache_element": sum(by_width.values()) / (v["block_t"] * v["head_dim"] * 2),
             "format_bytes_per_cache_element": (need["payload"] + need["metadata"]) / (v["block_t"] * v["head_dim"] * 2),
-            "masked_tail_bytes_per_cache_element": tail / (v["block_t"] * v["head_dim"] * 2),
+            "payload_bytes_per_iteration": payload,
+            "masked_payload_bytes_per_cache_element": sum(b["read"] - b["format"] for b in payload.values()) / elems,
         }
-        out["main_loop"].update(payload_loads(ptx_loop_loads((kdir / f"{entry['name']}.ptx").read_text(), entry["signature"])))
+        out["main_loop"].update(payload_loads(loop_loads))
     return out
+
+
+def payload_bytes(entry: dict, loop_loads: list[tuple[int, tuple[str, ...]]], threads: int) -> dict[str, dict[str, int]]:
+    """Per main-loop iteration, for each packed buffer (KP, VP): the bytes the format stores for BLOCK_T tokens
+    (`format`), the bytes the kernel is written to read (`read`: a 5..7-bit row as two D/2-byte halves, the second's
+    tail masked off; a grouped key row as NW_PAD 32-bit words, the words past the row masked off; masked lanes fetch
+    nothing) and the bytes its compiled loads issue, every thread's loads counted once (`issued`, from the loop's PTX
+    loads of that buffer). issued == read: the payload is read exactly as designed, no load replicated across threads."""
+    v, c = entry["variant"], entry.get("constexprs", {})
+    D, bt = v["head_dim"], v["block_t"]
+    if v.get("key_group_tokens"):
+        krow, kread = c["KROW"], 4 * c["NW_PAD"]
+    else:
+        krow = ref.row_width(D, v["key_bits"])
+        kread = D if v["key_bits"] in ref.PLANE_BITS else krow
+    vrow = ref.row_width(D, v["value_bits"])
+    vread = D if v["value_bits"] in ref.PLANE_BITS else vrow
+    issued = {b: sum(w // 8 * threads for w, bufs in loop_loads if b in bufs) for b in PAYLOAD_BUFFERS}
+    return {"KP": {"format": bt * krow, "read": bt * kread, "issued": issued["KP"]},
+            "VP": {"format": bt * vrow, "read": bt * vread, "issued": issued["VP"]}}
 
 
 def payload_loads(loads: list[tuple[int, tuple[str, ...]]]) -> dict:
@@ -265,8 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         if "main_loop" in k:
             ml = k["main_loop"]
             pl = "; ".join(f"{b} " + ", ".join(f"{n}x{w}b" for w, n in c.items()) for b, c in ml["payload_loads"].items())
-            line += (f"  main loop: loads {', '.join(f'{n}x{w}b' for w, n in ml['loads'].items())}; payload ({pl}) via >= {ml['narrowest_payload_bits']}-bit loads; "
-                     f"{ml['bytes_per_cache_element']:.3f} B/elem loaded vs {ml['format_bytes_per_cache_element']:.3f} in the format")
+            pb = ml["payload_bytes_per_iteration"]
+            fmt_b, read_b, iss_b = (sum(b[x] for b in pb.values()) for x in ("format", "read", "issued"))
+            line += (f"  main loop: loads {', '.join(f'{n}x{w}b' for w, n in ml['loads'].items())}; payload ({pl}) via >= {ml['narrowest_payload_bits']}-bit loads, "
+                     f"{iss_b} B per {ml['block_t']}-token tile issued for {fmt_b} in the format"
+                     + (f" + {read_b - fmt_b} in masked-off lanes (padded rows)" if read_b > fmt_b else "")
+                     + f"; {ml['bytes_per_cache_element']:.3f} B/elem loaded vs {ml['format_bytes_per_cache_element']:.3f} in the format "
+                     "(every thread's loads counted, a metadata load broadcast to many threads included)")
         print(line)
     return 0
 
