@@ -68,6 +68,11 @@ def test_skipping_tasks_does_not_turn_the_verdict_into_fail(tmp_path):
     assert r["verdict"] == "pass" and r["verdict_basis"] == ["kl_mean"]
     assert [g["status"] for g in r["gates"]] == ["pass", "not measured"]
     assert any("not measured" in n for n in r["notes"])
+    # the memory line compares with the fp16 cache a server would hold (2 bytes per element), not the baseline's compute dtype
+    m, g = r["memory"], r["model"]["geometry"]
+    md = (run / "report.md").read_text()
+    fp16 = 2 * 2 * g["n_layers"] * g["n_kv_heads"] * g["head_dim"]
+    assert m["bytes_per_token_fp16"] == fp16 and f"tokens: fp16 cache {fp16}, compressed" in md, (m, g)
 
 
 def test_fail_on_gate_exits_nonzero_and_report_says_fail(tmp_path):

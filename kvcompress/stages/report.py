@@ -124,7 +124,7 @@ def render_md(r: Report) -> str:
             f"Perplexity, KL and top-1: {r.quality.semantics}. Tasks: {(r.tasks or {}).get('semantics', 'not run')}.", "",
             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
-    out += ["", "## Memory", "", f"- bytes per token at {m.context} tokens: {r.model.get('baseline', 'unquantized')} {m.bytes_per_token_fp16:.0f}, compressed {m.bytes_per_token_compressed:.1f} ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/element)"]
+    out += ["", "## Memory", "", f"- bytes per token at {m.context} tokens: fp16 cache {m.bytes_per_token_fp16:.0f}, compressed {m.bytes_per_token_compressed:.1f} ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/element)"]
     out += [f"- {k}: {v:.2f} B/token" for k, v in m.breakdown_per_token.model_dump().items() if v]
     for name, p in r.planner.items():
         for row in p["rows"]:
@@ -358,7 +358,7 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
         parts.append(bars([f"{x['length']}@{x['depth']}" for x in g], {"unquantized": [x["fp16"] for x in g], r.kv["name"]: [x["compressed"] for x in g]},
                           "retrieval accuracy over length @ depth", "context length (tokens) @ needle depth", "exact-match accuracy"))
     bd = {k: v for k, v in m.breakdown_per_token.model_dump().items() if v}
-    parts.append(bars(list(bd), {"bytes/token": list(bd.values())}, f"compressed bytes per token at {m.context} tokens: {m.bytes_per_token_compressed:.1f} vs {m.bytes_per_token_fp16:.0f} unquantized ({m.compression_ratio:.2f}x)",
+    parts.append(bars(list(bd), {"bytes/token": list(bd.values())}, f"compressed bytes per token at {m.context} tokens: {m.bytes_per_token_compressed:.1f} vs {m.bytes_per_token_fp16:.0f} fp16 ({m.compression_ratio:.2f}x)",
                       "part of the cache", "bytes per token"))
     caps = [(f"{n}@{row['context']}", row["capacity_multiplier"]) for n, p in r.planner.items() for row in p["rows"]]
     parts.append(bars([c[0] for c in caps], {"capacity multiplier": [c[1] for c in caps]}, "concurrent sequences, compressed / unquantized, one GPU",
