@@ -114,6 +114,9 @@ class TasksConfig(Frozen):
     depths: list[float] = [0.1, 0.5, 0.9]
     seeds: int = Field(2, ge=1)
     greedy: bool = True  # also generate greedily through the real CompressedCache
+    # how a format's prompts run: auto = as its deployment runs them (custom tier: one token per step through the packed
+    # cache, decode-equivalent; native tier: TensorRT-LLM's exact context phase); context or decode for every format
+    prompt: Literal["auto", "context", "decode"] = "auto"
 
 
 class Gate(Frozen):

@@ -92,6 +92,9 @@ RATIOS = {
 }
 
 
+PROMPT_HEADER = {"context": "context-phase", "decode": "decode-equivalent prompt"}
+
+
 def _fmt_drop(t: dict | None, key: str) -> str:
     g = (t or {}).get(key)
     if not g:
@@ -110,7 +113,7 @@ def summarise(report: dict, command: str, run_dir: Path) -> dict:
         f["quality"] = {k: f["quality"].get(k) for k in ("tokens", "ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "kl_p99", "top1_agree", "key_clip_rate", "value_clip_rate", "semantics", "by_position")}
         f["memory"] = {k: f["memory"][k] for k in ("context", "bytes_per_token_fp16", "bytes_per_token_compressed", "compression_ratio", "bits_per_element")}
         if f["tasks"]:
-            f["tasks"] = {k: f["tasks"][k] for k in ("semantics", "retrieval", "exact_copy", "greedy_check")}
+            f["tasks"] = {k: f["tasks"].get(k, "context") if k == "prompt" else f["tasks"][k] for k in ("semantics", "prompt", "retrieval", "exact_copy", "greedy_check")}
     export = report.get("export") or {}
     return {
         "command": command,
@@ -160,7 +163,10 @@ def render(results: dict[str, dict]) -> str:
         out += ["", f"`{r['command']}` ({r['model']['architecture']} {r['model']['name']}, baseline: {r['model']['baseline']}; "
                 f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}{_on(r)}, git {str(r['provenance']['git_sha'])[:12]}; "
                 f"file `docs/results/{name}.json`):", ""]
-        out += ["| format (tier, exported as) | verdict | bits/element | ppl delta | KL mean / p99 | top-1 | K / V clip rate | retrieval (context-phase) | exact copy (context-phase) |",
+        modes = {f["name"]: f["tasks"].get("prompt", "context") for f in r["formats"] if f["tasks"]}  # files made before eval.tasks.prompt: context
+        kinds = set(modes.values())
+        sem = PROMPT_HEADER[next(iter(kinds))] if len(kinds) == 1 else "prompt as deployed, below" if kinds else "context-phase"
+        out += [f"| format (tier, exported as) | verdict | bits/element | ppl delta | KL mean / p99 | top-1 | K / V clip rate | retrieval ({sem}) | exact copy ({sem}) |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for f in r["formats"]:
             q, m = f["quality"], f["memory"]
@@ -168,6 +174,8 @@ def render(results: dict[str, dict]) -> str:
             out.append(f"| {f['name']} ({f['tier']}, {role}) | {f['verdict'].upper()} | {m['bits_per_element']:.2f} | {100 * q['ppl_delta_rel']:+.3f}% | "
                        f"{q['kl_mean']:.2e} / {q['kl_p99']:.2e} | {100 * q['top1_agree']:.2f}% | {q['key_clip_rate']:.1e} / {q['value_clip_rate']:.1e} | "
                        f"{_fmt_drop(f['tasks'], 'retrieval')} | {_fmt_drop(f['tasks'], 'exact_copy')} |")
+        if len(kinds) > 1:
+            out += ["", "Task prompts (eval.tasks.prompt): " + "; ".join(f"{n} {PROMPT_HEADER[m]}" for n, m in modes.items()) + "."]
         if any(len(f["quality"].get("by_position") or []) > 1 for f in r["formats"]):
             b0 = r["formats"][0]["quality"]["by_position"]
             out += ["", "KL mean by position of the predicted token (" + " / ".join(f"{b['start'] // 1024}K-{b['end'] // 1024}K" for b in b0) + "), key clip rate in the last bucket: "

@@ -68,3 +68,20 @@ def test_an_attributed_format_renders_its_two_sides():
     plain = {n: q for n, q in mr.load_results().items() if not any(f.get("attribution") for f in q["formats"])}  # e.g. not long8k_attr
     assert plain and all("eval.attribute" not in mr.render({n: q}) for n, q in plain.items())
     assert "eval.attribute" in mr.render({"long8k_attr": mr.load_results()["long8k_attr"]})  # the committed attributed file renders its sides
+
+
+def test_task_columns_name_the_prompt_semantics_each_format_used():
+    """A results file made with eval.tasks.prompt=auto (custom formats decode-equivalent, native context-phase) says so
+    under its table; the committed files, made before, keep their context-phase header."""
+    mr = _make_results()
+    results = mr.load_results()
+    name, r = next((n, q) for n, q in results.items() if sum(1 for f in q["formats"] if f["tasks"]) >= 2)
+    assert "retrieval (context-phase) | exact copy (context-phase)" in mr.render({name: r}) and "Task prompts" not in mr.render({name: r})
+    r = json.loads(json.dumps(r))
+    with_tasks = [f for f in r["formats"] if f["tasks"]]
+    with_tasks[0]["tasks"]["prompt"] = "decode"
+    out = mr.render({name: r})
+    assert "retrieval (prompt as deployed, below)" in out and f"Task prompts (eval.tasks.prompt): {with_tasks[0]['name']} decode-equivalent prompt; " in out
+    for f in with_tasks:
+        f["tasks"]["prompt"] = "decode"
+    assert "retrieval (decode-equivalent prompt) | exact copy (decode-equivalent prompt)" in mr.render({name: r})

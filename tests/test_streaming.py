@@ -79,6 +79,10 @@ def test_streamed_profile_and_validate_equal_in_memory(tmp_path, monkeypatch, ti
     t_mem, t_st = run_tasks(lm_mem, books, corpus, tcfg, 8, progress=False), run_tasks(lm_st, books, corpus, tcfg, 8, progress=False)
     del lm_st.streamer.logits
     assert widths[0::4] == [1] * 4 and min(widths[1::4]) > 1  # per sample: the prefill's last position only, then every answer position
+    # the custom format's prompts run decode-equivalent (one pass over prompt + answer, its answer positions' logits only:
+    # one more than a context-phase side, whose first answer token comes from the prefill), the native one's context-phase
+    assert t_mem["kv"]["prompt"] == "decode" and t_mem["native_fp8"]["prompt"] == "context"
+    assert [w + 1 for w in widths[1::4]] == widths[2::4] and widths[1::4] == widths[3::4]
     drop = lambda t: {n: {k: v for k, v in r.items() if k != "greedy_check"} for n, r in t.items()}  # noqa: E731  (greedy: in memory only)
     assert drop(t_mem) == drop(t_st) and len(t_mem["kv"]["rows"]) == 4
     # the kept baseline (export re-measures against it): the same hidden states, and the streamed head, read from the

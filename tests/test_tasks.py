@@ -1,10 +1,10 @@
-"""Task scoring in context-phase semantics equals what decoding through the real cache produces."""
+"""Task scoring, in both prompt semantics, equals what decoding through the real cache produces."""
 import torch
 from transformers import DynamicCache
 
 from conftest import fitted_book, tiny_lm
 from kvcompress.cache import CompressedCache
-from kvcompress.eval.retrieval import _score, score_sample
+from kvcompress.eval.retrieval import _greedy, _score, prompt_mode, score_sample
 
 
 @torch.no_grad()
@@ -65,3 +65,55 @@ def test_the_prompt_prefill_forms_the_last_positions_logits_only():
         hook.remove()
     assert rows[0] == 1, rows  # the prefill (40 prompt tokens)
     assert rows[1:] == [2, 2], rows  # teacher-forced answers: every answer position but the first is read
+
+
+@torch.no_grad()
+def _token_by_token(model, prompt, answer, cache):
+    """The custom-tier engine's loop: the prompt fed one token per step, then the answer, every call a generation step."""
+    seq = prompt + answer[:-1]
+    logits = [model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1:] for t in seq]
+    return torch.cat(logits[len(prompt) - 1 :])
+
+
+def test_decode_equivalent_prompt_scoring_equals_feeding_the_prompt_token_by_token():
+    """eval.tasks.prompt=decode (auto for the custom tier, whose engine feeds a prompt one token per step): the one-pass
+    score of prompt + answer equals feeding every token one call at a time through CompressedCache, and differs from the
+    context-phase score (there the prompt reads itself exactly), so the mode is really applied."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, key={"bits": 4}, value={"bits": 4, "group_size": 16}, window=8, sink_tokens=2, outlier_channels=1)
+    g = torch.Generator().manual_seed(1)
+    prompt, answer = torch.randint(0, 256, (40,), generator=g).tolist(), torch.randint(0, 256, (6,), generator=g).tolist()
+    got = score_sample(lm.model, prompt, answer, {"b": book}, {"b": "decode"})
+    want = _score(_token_by_token(lm.model, prompt, answer, CompressedCache(book)), torch.tensor(answer))
+    assert abs(got["b"][0] - want[0]) < 1e-4 and got["b"][1] == want[1]
+    ctx = score_sample(lm.model, prompt, answer, {"b": book})
+    assert abs(got["b"][0] - ctx["b"][0]) > 1e-4 and got["fp16"] == ctx["fp16"]
+    # the greedy cross-check feeds the prompt the same way: its tokens are the argmax of the stepwise logits
+    gen = _greedy(lm.model, prompt, 3, CompressedCache(book), stepwise=True)
+    steps = _token_by_token(lm.model, prompt, gen + [0], CompressedCache(book))
+    assert gen == steps.argmax(-1)[:3].tolist()
+
+
+def test_prompt_mode_follows_each_formats_deployment():
+    lm = tiny_lm("llama")
+    custom = fitted_book(lm, key={"bits": 8}, value={"bits": 4, "group_size": 16}, window=4, sink_tokens=1)
+    native = fitted_book(lm, name="native_int8", format="native_int8", window=0, sink_tokens=0)
+    assert prompt_mode(custom) == "decode" and prompt_mode(native) == "context"
+    assert prompt_mode(custom, "context") == "context" and prompt_mode(native, "decode") == "decode"
+
+
+def test_greedy_cross_check_runs_per_task_or_once_per_group_for_stepwise_prompts():
+    """The greedy cross-check generates through the real CompressedCache: one sample per task with context-phase
+    prompts; with decode-equivalent prompts (fed one token per call, slow) the first needle and the first copy sample.
+    Every check agrees with the teacher-forced scores."""
+    from kvcompress.config import TasksConfig
+    from kvcompress.eval.retrieval import run_tasks
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, key={"bits": 8}, value={"bits": 4, "group_size": 16}, window=4, sink_tokens=1)
+    corpus = lm.tokenizer.encode("Some held-out text of real words to build a haystack from. " * 40)
+    for mode, n in (("auto", 2), ("context", 3)):
+        cfg = TasksConfig(names=["passkey", "multikey", "copy_uuid"], lengths=[512], depths=[0.5], seeds=2, prompt=mode)
+        t = run_tasks(lm, {"b": book}, corpus, cfg, 4, progress=False)["b"]
+        assert t["prompt"] == ("decode" if mode == "auto" else "context")
+        assert t["greedy_check"]["checked"] == n and t["greedy_check"]["agree"] == n, (mode, t["greedy_check"])

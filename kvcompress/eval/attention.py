@@ -33,6 +33,8 @@ EVAL_ATTN = "kvcompress_eval"
 ATTN_ERROR_BATCHES = 2  # per-layer attention-output error: a diagnostic measured on the first batches
 DECODE_EQUIVALENT = "decode-equivalent: every token reads the compressed past (one teacher-forced pass)"
 CONTEXT_PHASE = "context-phase: the prompt attends exactly within itself, the answer is decoded over the compressed cache"
+PROMPT_STEPWISE = ("decode-equivalent prompt: the prompt is fed one token per step, every token reading the compressed past "
+                   "(as the custom-tier engine feeds it), and the answer is decoded over the compressed cache")
 
 
 @dataclass

@@ -1,9 +1,15 @@
-"""Generated long-context tasks, fp16 vs each validated format, in the serving engines' semantics.
+"""Generated long-context tasks, fp16 vs each validated format, as the format's deployment runs a request.
 
-Context-phase semantics (as TensorRT-LLM and every serving engine run a request): the prompt is
-prefilled in one chunk that attends exactly within itself, its K/V are stored in the compressed
-cache, and the answer is decoded token by token over that cache. The first answer token comes
-from the prefill (exact by construction); every later answer token reads the compressed prompt.
+Two prompt semantics (eval.tasks.prompt; auto picks per format what its deployment does):
+* context-phase (the native tier: TensorRT-LLM's context phase; `CompressedCache` given the prompt in one call): the
+  prompt is prefilled in one chunk that attends exactly within itself, its K/V are stored in the compressed cache,
+  and the answer is decoded token by token over that cache. The first answer token comes from the prefill (exact by
+  construction); every later answer token reads the compressed prompt.
+* decode-equivalent prompt (the custom tier: its exported engine feeds a prompt one token per step through the
+  packed cache): every prompt and answer token reads the compressed past, fp16 in its window and sinks. Scored in one
+  teacher-forced pass over prompt + answer with the evaluation attention (the path perplexity and KL use, equal to
+  token-by-token decoding through `CompressedCache`: tests/test_eval_equivalence.py); the greedy cross-check feeds the
+  prompt to `CompressedCache` one token per call.
 
 Teacher-forced scoring (answer log-probability; exact match = the argmax is the answer at every
 answer position, which is exactly when greedy decoding reproduces the answer) shares one prefill
@@ -25,7 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcompress.cache import CompressedCache
-from kvcompress.eval.attention import CONTEXT_PHASE, compressed_attention, eval_call
+from kvcompress.eval.attention import CONTEXT_PHASE, PROMPT_STEPWISE, compressed_attention, eval_call
 from kvcompress.eval.intervals import paired_drop, wilson
 from kvcompress.eval.tasks import TASKS
 from kvcompress.models.observe import attention_implementation
@@ -34,6 +40,19 @@ from kvcompress.models.streaming import Pass
 NEEDLE_TASKS = ("passkey", "multikey", "vartrack")
 COPY_TASKS = ("copy_uuid", "copy_json")
 GREEDY_CHECKS_PER_TASK = 1
+# a decode-equivalent prompt is fed to CompressedCache one token per call (~28 s for a 512-token prompt on the embedded
+# model, 2 CPU cores): checked on the first needle sample and the first copy sample only
+GREEDY_CHECKS_STEPWISE = {"retrieval": NEEDLE_TASKS, "exact_copy": COPY_TASKS}
+SEMANTICS = {"context": CONTEXT_PHASE, "decode": PROMPT_STEPWISE}
+
+
+def prompt_mode(book, mode: str = "auto") -> str:
+    """How a format's task prompts are run: eval.tasks.prompt, or for auto what the format's deployment does: "decode"
+    for the custom tier (its engine feeds a prompt one token per step through the packed cache), "context" for the
+    native tier (TensorRT-LLM prefills a prompt exactly in its context phase) and for a cache with nothing compressed."""
+    if mode != "auto":
+        return mode
+    return "context" if book.spec.is_native or book.spec.is_baseline else "decode"
 
 
 def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[float, bool]:
@@ -93,8 +112,9 @@ def full_cache(model) -> DynamicCache:
 
 
 @torch.no_grad()
-def score_sample(model, prompt: list[int], answer: list[int], books: dict) -> dict[str, tuple[float, bool]]:
-    """{"fp16": (logprob, exact), name: (...) for each book} for one sample, context-phase."""
+def score_sample(model, prompt: list[int], answer: list[int], books: dict, modes: dict[str, str] | None = None) -> dict[str, tuple[float, bool]]:
+    """{"fp16": (logprob, exact), name: (...) for each book} for one sample; modes: {name: "context" | "decode"}
+    (prompt_mode; default context for every book)."""
     dev = next(model.parameters()).device
     ans = torch.tensor(answer, device=dev)
     cap = full_cache(model)
@@ -109,25 +129,37 @@ def score_sample(model, prompt: list[int], answer: list[int], books: dict) -> di
             rest = model(input_ids=ans[:-1].view(1, -1), cache=PrefixCache(prompt_kv), use_cache=True, **kw).logits[0]
         return _score(torch.cat([first, rest]), ans)
 
+    def stepwise(book) -> tuple[float, bool]:  # prompt + answer, every token reading the compressed past
+        with compressed_attention(model, book) as kw:
+            lg = model(input_ids=torch.tensor([prompt + answer[:-1]], device=dev), use_cache=False, logits_to_keep=len(answer), **kw).logits[0]
+        return _score(lg, ans)
+
+    modes = modes or {}
     out = {"fp16": side(None, True)}
     for name, book in books.items():
-        out[name] = side(book, False)
+        out[name] = stepwise(book) if modes.get(name, "context") == "decode" else side(book, False)
     return out
 
 
 @torch.no_grad()
-def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True) -> list[dict[str, tuple[float, bool]]]:
+def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True, modes: dict[str, str] | None = None) -> list[dict[str, tuple[float, bool]]]:
     """score_sample for every sample through the layer-streamed executor: per layer, each sample's
     prompt is prefilled exactly (its K/V kept for this layer only), then the answer is scored by the
-    unquantized side and by each book over that prefix, exactly as score_sample computes it."""
+    unquantized side and by each context-phase book over that prefix, and each decode-equivalent book scores
+    prompt + answer in one pass of its own, exactly as score_sample computes them."""
     model, L = lm.model, lm.geometry.n_layers
+    modes = modes or {}
     caps = [full_cache(model) for _ in samples]
     prompts = [torch.tensor([s.prompt]) for s in samples]
     answers = [torch.tensor([s.answer[:-1] or s.answer[:1]]) for s in samples]  # 1-token answers: scored from the prefill alone
+    fulls = [torch.tensor([s.prompt + s.answer[:-1]]) for s in samples]
+    stepwise = [False] + [modes.get(n, "context") == "decode" for n in books]
     calls = [eval_call(None, exact=True)] + [eval_call(b) for b in books.values()]
     passes = [Pass(kwargs=lambda i: {"cache": caps[i], "use_cache": True}, inputs=lambda i: prompts[i], last_only=True)]
-    passes += [Pass(kwargs=lambda i, kw=kw: {"cache": PrefixCache.over(caps[i], L, len(samples[i].prompt)), "use_cache": True, **kw},
-                    context=lambda impl=impl: attention_implementation(model, impl), inputs=lambda i: answers[i]) for impl, kw in calls]
+    passes += [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw}, context=lambda impl=impl: attention_implementation(model, impl),
+                    inputs=lambda i: fulls[i], last=lambda i: len(samples[i].answer)) if sw else
+               Pass(kwargs=lambda i, kw=kw: {"cache": PrefixCache.over(caps[i], L, len(samples[i].prompt)), "use_cache": True, **kw},
+                    context=lambda impl=impl: attention_implementation(model, impl), inputs=lambda i: answers[i]) for (impl, kw), sw in zip(calls, stepwise)]
     names = ["fp16", *books]
     first: dict[int, torch.Tensor] = {}
     out: list[dict] = [{} for _ in samples]
@@ -137,7 +169,7 @@ def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True
         if pi == 0:
             first[i] = logits[0, -1:]
         else:
-            lg = first[i] if len(ans) == 1 else torch.cat([first[i], logits[0]])
+            lg = logits[0] if stepwise[pi - 1] else first[i] if len(ans) == 1 else torch.cat([first[i], logits[0]])
             out[i][names[pi - 1]] = _score(lg, ans)
             if pi == len(passes) - 1:
                 first.pop(i)
@@ -151,8 +183,14 @@ def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True
 
 
 @torch.no_grad()
-def _greedy(model, prompt: list[int], n: int, cache) -> list[int]:
+def _greedy(model, prompt: list[int], n: int, cache, stepwise: bool = False) -> list[int]:
+    """n greedy tokens after prompt through cache. stepwise: the prompt is fed one token per call (each call a
+    generation step reading the compressed past, as the custom-tier engine feeds it), then generate continues from
+    its last token; else the prompt is one context-phase call."""
     dev = next(model.parameters()).device
+    if stepwise:
+        for t in prompt[:-1]:
+            model(input_ids=torch.tensor([[t]], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
     out = model.generate(torch.tensor([prompt], device=dev), cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt) :].tolist()
 
@@ -170,17 +208,22 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
     checked = defaultdict(int)
     streamed = lm.streamer is not None  # the greedy cross-check decodes token by token: in memory only
     greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not streamed}  # [agree, checked]
-    scores = score_samples_streamed(lm, samples, books, progress) if streamed else None
+    modes = {name: prompt_mode(b, cfg.prompt) for name, b in books.items()}
+    scores = score_samples_streamed(lm, samples, books, progress, modes) if streamed else None
     for j, s in enumerate(tqdm(samples, desc="tasks", unit="sample", disable=not progress or streamed)):
-        sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books)
+        sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books, modes)
         rows.append({"task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed, **{f"{k}": v for k, v in sc.items()}})
         if cfg.greedy and greedy and checked[s.task] < GREEDY_CHECKS_PER_TASK:
             checked[s.task] += 1
+            group = next(g for g, ts in GREEDY_CHECKS_STEPWISE.items() if s.task in ts)
+            checked[group] += 1
             for name in greedy:
-                gen = _greedy(lm.model, s.prompt, len(s.answer), CompressedCache(books[name]))
+                if modes[name] == "decode" and checked[group] > 1:
+                    continue
+                gen = _greedy(lm.model, s.prompt, len(s.answer), CompressedCache(books[name]), stepwise=modes[name] == "decode")
                 greedy[name][0] += int((gen == s.answer) == sc[name][1])
                 greedy[name][1] += 1
-    return {name: summarise(rows, name, greedy.get(name)) for name in books}
+    return {name: summarise(rows, name, greedy.get(name), modes[name]) for name in books}
 
 
 def _group(rows, name, tasks) -> dict:
@@ -193,7 +236,7 @@ def _group(rows, name, tasks) -> dict:
             "fp16_ci": wilson(sum(base), len(sel)), "compressed_ci": wilson(sum(comp), len(sel)), "drop": paired_drop(base, comp)}
 
 
-def summarise(rows: list[dict], name: str, greedy: list[int] | None) -> dict:
+def summarise(rows: list[dict], name: str, greedy: list[int] | None, mode: str = "context") -> dict:
     by_task = defaultdict(list)
     for r in rows:
         by_task[r["task"]].append(r)
@@ -212,7 +255,8 @@ def summarise(rows: list[dict], name: str, greedy: list[int] | None) -> dict:
         if r["task"] in NEEDLE_TASKS:
             grid[(r["length"], r["depth"])].append(r)
     return {
-        "semantics": CONTEXT_PHASE,
+        "semantics": SEMANTICS[mode],
+        "prompt": mode,
         "tasks": tasks,
         "retrieval": _group(rows, name, NEEDLE_TASKS),
         "exact_copy": _group(rows, name, COPY_TASKS),

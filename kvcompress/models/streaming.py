@@ -214,6 +214,7 @@ class Pass:
     context: Callable[[], ContextManager] = nullcontext
     inputs: Callable[[int], torch.Tensor] | None = None  # this pass's ids of batch i (default: the batch itself)
     last_only: bool = False  # the head forms the last position's logits only ([B, 1, V]: a prefill whose other positions are never read)
+    last: Callable[[int], int] | None = None  # batch i: the head forms the last last(i) positions' logits only
     hidden: list = field(default_factory=list)
     layer_kwargs: list = field(default_factory=list)
 
@@ -370,7 +371,7 @@ class LayerStreamer:
         with self.head_phase():
             for i in range(len(batches)):
                 for pi, p in enumerate(passes):
-                    h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i]).to(self.device)
+                    h = (p.hidden[i][:, -1:] if p.last_only else p.hidden[i][:, -p.last(i):] if p.last else p.hidden[i]).to(self.device)
                     head(pi, i, self.model.model.norm(h), self.scoring_head) if head_hidden else head(pi, i, self.logits(h))
                     p.hidden[i] = None
 

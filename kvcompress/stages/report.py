@@ -58,6 +58,22 @@ def _results(r: Report):
     return [report_primary(r), *r.fallbacks]
 
 
+PROMPT_LABEL = {"context": "prefilled exactly (context phase)", "decode": "one token per step over the compressed cache (decode-equivalent)"}
+
+
+def tasks_semantics(r: Report) -> str:
+    """The task semantics line: the answer is always decoded over the compressed cache; the prompt runs as each
+    format's deployment runs it (eval.tasks.prompt), listed per format when they differ."""
+    fr = [f for f in _results(r) if f.tasks]
+    if not fr:
+        return "not run"
+    sem = {f.tasks.get("semantics") for f in fr}
+    if len(sem) == 1:
+        return sem.pop()
+    return ("the answer is decoded over the compressed cache; the prompt as each format's deployment runs it (row 'task prompt'): "
+            + "; ".join(f"{f.name} {PROMPT_LABEL.get(f.tasks.get('prompt', 'context'), '?')}" for f in fr))
+
+
 def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
     """Header and rows of the side-by-side table: baseline, then every validated format."""
     fr = _results(r)
@@ -96,6 +112,7 @@ def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
         for name, t0 in fr[0].tasks["tasks"].items():
             rows.append((f"  {name} exact (n={t0['n']})", f"{t0['exact_fp16']:.2f}{_ci(t0['exact_fp16_ci'])}",
                          *[f"{f.tasks['tasks'][name]['exact_compressed']:.2f}{_ci(f.tasks['tasks'][name]['exact_compressed_ci'])}" for f in fr]))
+        rows.append(("task prompt", "exact", *[PROMPT_LABEL.get(f.tasks.get("prompt", "context"), "?") for f in fr]))
         rows.append(("greedy through CompressedCache agrees with scoring", "",
                      *[(f"{f.tasks['greedy_check']['agree']}/{f.tasks['greedy_check']['checked']}" if f.tasks.get("greedy_check") else "n/a (native cache simulated, or a streamed run)") for f in fr]))
     return head, rows
@@ -121,7 +138,7 @@ def render_md(r: Report) -> str:
     out += [f"- {n}" for n in r.notes]
     head, rows = quality_rows(r)
     out += ["", "## Quality: every validated format on the same held-out tokens", "",
-            f"Perplexity, KL and top-1: {r.quality.semantics}. Tasks: {(r.tasks or {}).get('semantics', 'not run')}.", "",
+            f"Perplexity, KL and top-1: {r.quality.semantics}. Tasks: {tasks_semantics(r)}.", "",
             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     out += ["", "## Memory", "", f"- bytes per token at {m.context} tokens: fp16 cache {m.bytes_per_token_fp16:.0f}, compressed {m.bytes_per_token_compressed:.1f} ({m.compression_ratio:.2f}x, {m.bits_per_element:.2f} bits/element)"]
@@ -342,7 +359,7 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     parts.append("</table>")
     parts += [f"<p>{html.escape(n)}</p>" for n in r.notes]
     head, rows = quality_rows(r)
-    parts.append(f"<h2>Quality</h2><p>Perplexity, KL, top-1: {html.escape(r.quality.semantics)}. Tasks: {html.escape((r.tasks or {}).get('semantics', 'not run'))}.</p>")
+    parts.append(f"<h2>Quality</h2><p>Perplexity, KL, top-1: {html.escape(r.quality.semantics)}. Tasks: {html.escape(tasks_semantics(r))}.</p>")
     parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
     parts.append("</table><h2>Plots</h2>")

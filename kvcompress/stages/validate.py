@@ -3,7 +3,8 @@
 The formats are the kv format of the run (primary) and the native fallbacks that export writes
 (see RunConfig.validated_specs); all are measured on the same windows against one baseline
 forward. Perplexity and KL use the one-pass decode-equivalent attention (kvcompress.eval.attention);
-the tasks use the context-phase semantics of serving engines (kvcompress.eval.retrieval). Before
+the tasks run each format's prompts as its deployment does (kvcompress.eval.retrieval: the custom tier's engine feeds
+them one token per step, decode-equivalent; TensorRT-LLM's native tier prefills them exactly, context-phase). Before
 measuring, the run checks that its evaluation path with nothing compressed reproduces the
 model's own forward.
 """
@@ -235,7 +236,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "n_windows": int(windows.shape[0]),
             "seq_len": int(windows.shape[1]),
             "path": "one-pass decode-equivalent attention (kvcompress.eval.attention)",
-            "semantics": {"perplexity_kl_top1": DECODE_EQUIVALENT, "tasks": tasks and next(iter(tasks.values()))["semantics"]},
+            "semantics": {"perplexity_kl_top1": DECODE_EQUIVALENT, "tasks": tasks and {name: t["semantics"] for name, t in tasks.items()}},
         },
         quality=primary.quality,
         memory=primary.memory,
@@ -246,7 +247,9 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "self_check": f"evaluation path with nothing compressed vs the model's own forward: KL {check['kl_mean']:.2e} on {check['tokens']} tokens (must be < {SELF_CHECK_MAX_KL:.0e})",
             "quality": "measured here, on the one-pass decode-equivalent path whose equality with token-by-token decoding "
             "through CompressedCache is a CPU test (tests/test_eval_equivalence.py)",
-            "tasks": "measured here in context-phase semantics; greedy generation through the real CompressedCache cross-checks a sample per task"
+            "tasks": "measured here, each format's prompts run as its deployment runs them (custom tier: one token per step, "
+            "decode-equivalent; native tier: exact context phase); greedy generation through the real CompressedCache, the prompt fed "
+            "the same way, cross-checks a sample per task"
             if tasks else "not run (eval.tasks.names is empty)",
             "memory": "reference byte accounting; equals CompressedCache.nbytes() of the real packed tensors (tests/test_cache.py)",
             "native formats": "simulated exactly as TensorRT-LLM quantizes (one scale per layer, K and V); the exported checkpoint is re-measured by export",
