@@ -19,6 +19,7 @@ BAD = [
     (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=64"], "eval text"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[100]"], "eval.tasks.lengths contains 100: task prompts must be longer than the fp16 window + 16"),
     (["kv.foo=1"], "kv.foo is not a known key"),
+    (["eval.tasks.prompt=foo"], "eval.tasks.prompt='foo' is invalid: Input should be 'auto', 'context' or 'decode'"),
     (["stages=[fit]", "stats=/nope.safetensors"], "stats='/nope.safetensors'"),
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
     (["export=none", "stages=[profile,fit,validate,export]"], "stages contains export but export=none"),

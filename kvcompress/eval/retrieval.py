@@ -41,8 +41,8 @@ NEEDLE_TASKS = ("passkey", "multikey", "vartrack")
 COPY_TASKS = ("copy_uuid", "copy_json")
 GREEDY_CHECKS_PER_TASK = 1
 # a decode-equivalent prompt is fed to CompressedCache one token per call (~28 s for a 512-token prompt on the embedded
-# model, 2 CPU cores): checked on the first needle sample and the first copy sample only
-GREEDY_CHECKS_STEPWISE = {"retrieval": NEEDLE_TASKS, "exact_copy": COPY_TASKS}
+# model, 2 CPU cores): checked on the shortest needle sample and the shortest copy sample only
+GREEDY_CHECKS_STEPWISE = (NEEDLE_TASKS, COPY_TASKS)
 SEMANTICS = {"context": CONTEXT_PHASE, "decode": PROMPT_STEPWISE}
 
 
@@ -205,21 +205,21 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
         for seed in range(cfg.seeds)
     ]
     rows = []
-    checked = defaultdict(int)
     streamed = lm.streamer is not None  # the greedy cross-check decodes token by token: in memory only
     greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not streamed}  # [agree, checked]
     modes = {name: prompt_mode(b, cfg.prompt) for name, b in books.items()}
+    by_task = defaultdict(list)
+    for j, s in enumerate(samples):
+        by_task[s.task].append(j)
+    checks = {"context": {j for js in by_task.values() for j in js[:GREEDY_CHECKS_PER_TASK]},
+              "decode": {min((j for j, s in enumerate(samples) if s.task in group), key=lambda j: len(samples[j].prompt))
+                         for group in GREEDY_CHECKS_STEPWISE if any(s.task in group for s in samples)}}
     scores = score_samples_streamed(lm, samples, books, progress, modes) if streamed else None
     for j, s in enumerate(tqdm(samples, desc="tasks", unit="sample", disable=not progress or streamed)):
         sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books, modes)
         rows.append({"task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed, **{f"{k}": v for k, v in sc.items()}})
-        if cfg.greedy and greedy and checked[s.task] < GREEDY_CHECKS_PER_TASK:
-            checked[s.task] += 1
-            group = next(g for g, ts in GREEDY_CHECKS_STEPWISE.items() if s.task in ts)
-            checked[group] += 1
-            for name in greedy:
-                if modes[name] == "decode" and checked[group] > 1:
-                    continue
+        for name in greedy if cfg.greedy else ():
+            if j in checks[modes[name]]:
                 gen = _greedy(lm.model, s.prompt, len(s.answer), CompressedCache(books[name]), stepwise=modes[name] == "decode")
                 greedy[name][0] += int((gen == s.answer) == sc[name][1])
                 greedy[name][1] += 1
