@@ -249,7 +249,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "through CompressedCache is a CPU test (tests/test_eval_equivalence.py)",
             "tasks": "measured here, each format's prompts run as its deployment runs them (custom tier: one token per step, "
             "decode-equivalent; native tier: exact context phase); greedy generation through the real CompressedCache, the prompt fed "
-            "the same way, cross-checks a sample per task"
+            "the same way, cross-checks a sample per task (decode-equivalent prompts: the shortest needle and copy samples)"
             if tasks else "not run (eval.tasks.names is empty)",
             "memory": "reference byte accounting; equals CompressedCache.nbytes() of the real packed tensors (tests/test_cache.py)",
             "native formats": "simulated exactly as TensorRT-LLM quantizes (one scale per layer, K and V); the exported checkpoint is re-measured by export",
