@@ -72,10 +72,12 @@ def test_an_attributed_format_renders_its_two_sides():
 
 def test_task_columns_name_the_prompt_semantics_each_format_used():
     """A results file made with eval.tasks.prompt=auto (custom formats decode-equivalent, native context-phase) says so
-    under its table; the committed files, made before, keep their context-phase header."""
+    under its table (the committed default run); files made before (no "prompt" recorded) keep their context-phase header."""
     mr = _make_results()
     results = mr.load_results()
-    name, r = next((n, q) for n, q in results.items() if sum(1 for f in q["formats"] if f["tasks"]) >= 2)
+    assert "Task prompts (eval.tasks.prompt): int8k_int4v decode-equivalent prompt; native_int8 context-phase" in mr.render({"default": results["default"]})
+    name, r = next((n, q) for n, q in results.items() if sum(1 for f in q["formats"] if f["tasks"]) >= 2
+                   and all("prompt" not in f["tasks"] for f in q["formats"] if f["tasks"]))
     assert "retrieval (context-phase) | exact copy (context-phase)" in mr.render({name: r}) and "Task prompts" not in mr.render({name: r})
     r = json.loads(json.dumps(r))
     with_tasks = [f for f in r["formats"] if f["tasks"]]
