@@ -33,7 +33,7 @@ COMMANDS = {
     "default": "python -m kvcompress",
     # the README's 8K table in one command: the default, the stock formats, KIVI-style int4, the old int4 preset, the best
     # <= 4.5-bit format (wf4) and the 8-bit-key candidate (rot8k_int4v), one baseline pass on the same 4 x 8192 held-out tokens
-    "long8k_all": "python -m kvcompress eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4,wf4,rot8k_int4v]",
+    "long8k_all": "python -m kvcompress kv=int8k_int4v eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4,wf4,rot8k_int4v]",
     # the kv=auto choice (tuned on calibration text at 1K) measured at 8K on the same held-out windows
     "long8k_auto": "python -m kvcompress kv=auto eval=long export=none",
     # kv=rot4 (4.44 bits/element, Hadamard-rotated per-token int4) beside KIVI-style int4 at 8K
@@ -51,7 +51,7 @@ COMMANDS = {
                       "eval.compare=[int8k_asym_rotv,int8k_int4v]",
     # where the default's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
     # compressed), beside the default with Hadamard-rotated values, on the 8K table's 4 x 8192 held-out tokens (no tasks)
-    "long8k_attr": "python -m kvcompress eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
+    "long8k_attr": "python -m kvcompress kv=int8k_int4v eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
     # kv=int8k_asym_rotv: int8k_rotv with static asymmetric int8 keys (each channel's range over every position up to
     # max_position, from the pre-RoPE angles: observers.base.arc_ranges; no clipping search) beside int8k_rotv, attributed
     # (keys only / values only), the 8K table's 4 x 8192 held-out tokens
@@ -155,6 +155,13 @@ def _on(r: dict) -> str:
     return f" on {m['cpu']} ({m['torch_cpu_capability']})"
 
 
+def _ran_as(r: dict) -> str:
+    """'; ran as `...`' when a file's run left kv= to the default preset of its time (ran_as: that command, and the
+    preset it resolved to, which its formats name); the command above is that run's resolved config written out."""
+    a = r.get("ran_as")
+    return f"; ran as `{a['command']}` when {a['default_kv']} was the default" if a else ""
+
+
 def render(results: dict[str, dict]) -> str:
     """The README block: one table per results file."""
     out = [BEGIN]
@@ -162,7 +169,7 @@ def render(results: dict[str, dict]) -> str:
         t = r["stage_times_s"]
         out += ["", f"`{r['command']}` ({r['model']['architecture']} {r['model']['name']}, baseline: {r['model']['baseline']}; "
                 f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}{_on(r)}, git {str(r['provenance']['git_sha'])[:12]}; "
-                f"file `docs/results/{name}.json`):", ""]
+                f"file `docs/results/{name}.json`{_ran_as(r)}):", ""]
         modes = {f["name"]: f["tasks"].get("prompt", "context") for f in r["formats"] if f["tasks"]}  # files made before eval.tasks.prompt: context
         kinds = set(modes.values())
         sem = PROMPT_HEADER[next(iter(kinds))] if len(kinds) == 1 else "prompt as deployed, below" if kinds else "context-phase"
