@@ -156,6 +156,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         from kvcompress.stages.export import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
 
+        cfg.kv.check_geometry(r.lm.geometry.head_dim)  # what the format itself refuses, before what the export cannot carry
         check_exportable(r.lm.model, cfg.kv, cfg.export.dtype)  # before anything is written; the model is needed by validate and export anyway
         for tp in ([] if hf_only(r.lm.model) else cfg.export.tp_sizes):  # and the tensor-parallel sizes the model's shapes allow
             check_tp(r.lm.geometry, tp, r.lm.model.config)

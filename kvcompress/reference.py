@@ -459,14 +459,27 @@ def hadamard(n: int, device=None) -> torch.Tensor:
     return hadamard_signs(n, device) * n**-0.5
 
 
+def hadamard_block(n: int) -> int:
+    """The size of the Hadamard blocks that rotate a head of n channels: n for a power of two, else n's largest
+    power-of-two divisor (96 -> 32). The block-diagonal matrix is orthogonal and symmetric too, so the values'
+    rotation folds into W_v/W_o for any even head_dim (KVSpec.check_geometry); keys (rotated in the kernels,
+    with the query) and values rotated in the kernels need a power of two."""
+    return n & -n
+
+
 def rotate(x: torch.Tensor, how: str) -> torch.Tensor:
     """x [..., D] in the rotated basis ('hadamard': x @ H, float32) or unchanged ('none'). Its own inverse.
     Computed as (x @ S) * D**-0.5 with S the +-1 signs: the sums are of +-x (exact for fp16 inputs of
-    moderate range, so any summation order agrees) and one rounding scales them, as in the kernels."""
+    moderate range, so any summation order agrees) and one rounding scales them, as in the kernels.
+    A D that is not a power of two is rotated in blocks of hadamard_block(D) channels."""
     if how == "none":
         return x
     if how == "hadamard":
-        return (x.float() @ hadamard_signs(x.shape[-1], x.device)) * x.shape[-1] ** -0.5
+        D = x.shape[-1]
+        b = hadamard_block(D)
+        if b == D:
+            return (x.float() @ hadamard_signs(D, x.device)) * D**-0.5
+        return ((x.float().unflatten(-1, (D // b, b)) @ hadamard_signs(b, x.device)) * b**-0.5).flatten(-2)
     raise ValueError(f"unknown rotation {how!r}; allowed: none, hadamard")
 
 

@@ -352,8 +352,9 @@ class KVSpec(Frozen):
                                     f"head_dim={head_dim} is not a multiple of 8")
         if self.key.granularity == "token" and head_dim % self.key_group(head_dim):
             raise UserError(f"kv.key.group_size={self.key.group_size} must divide head_dim={head_dim}")
-        if "hadamard" in (self.key.rotate, self.value.rotate) and head_dim & (head_dim - 1):
-            raise UserError(f"kv.key.rotate/kv.value.rotate=hadamard needs a power-of-two head_dim; got head_dim={head_dim}")
+        # the values' rotation folded into W_v/W_o works in blocks (reference.hadamard_block); the kernels' need a power of two
+        if (self.key.rotate == "hadamard" or (self.value.rotate == "hadamard" and not self.value_rotation_folded)) and head_dim & (head_dim - 1):
+            raise UserError(f"kv.key.rotate/kv.value.rotate=hadamard needs a power-of-two head_dim here (rotated in the kernels); got head_dim={head_dim}")
         g = self.value.group_size or head_dim
         if head_dim % g:
             raise UserError(f"kv.value.group_size={self.value.group_size} must divide head_dim={head_dim}")

@@ -275,7 +275,7 @@ def test_gemma2_exports_the_fp8_hf_checkpoint_alone(tmp_path):
     assert w[k].dtype == torch.bfloat16
     torch.testing.assert_close(w[k].float(), (src[k].float() / sigma.reshape(-1, 1)).bfloat16().float())
     p, run2 = _dir_run(tmp_path, ckpt, "run2", "export.dtype=bfloat16")
-    assert p.returncode != 0 and "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
+    assert p.returncode != 0 and "kv=int8k_asym_rotv is not that format: use kv=native_fp8, or add export=none" in p.stderr
     assert "Traceback" not in p.stderr and not run2.exists()
     p, run3 = _dir_run(tmp_path, ckpt, "run3", "kv=native_fp8")
     assert p.returncode != 0 and "export.dtype=float16: Gemma2ForCausalLM is trained and served in bfloat16" in p.stderr and "Traceback" not in p.stderr

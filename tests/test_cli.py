@@ -29,7 +29,7 @@ BAD = [
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
     (["model.tiny.arch=gemma3"], "export=trtllm writes this Gemma3ForCausalLM as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for "
                                  "TensorRT-LLM's PyTorch backend and vLLM; Gemma3ForCausalLM: kvcompress's TensorRT-LLM checkpoint writer, its "
-                                 "reader and the custom-tier graph implement the Llama layer); kv=int8k_int4v is not that format: use kv=native_fp8, "
+                                 "reader and the custom-tier graph implement the Llama layer); kv=int8k_asym_rotv is not that format: use kv=native_fp8, "
                                  "or add export=none"),
     (["model.tiny.arch=gemma3", "kv=native_fp8"], "export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16 (its residual stream "
                                                   "outgrows float16's range); allowed for it: bfloat16, float32"),
@@ -154,7 +154,7 @@ def test_default_command_runs_every_stage_and_ends_with_a_summary(tmp_path):
     p = run_cli(*TINY, "export.archs=[sm_90]", f"hydra.run.dir={run}", cache_dir=tmp_path / "cache", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout + p.stderr
-    for needle in ("stage times: profile", "verdict int8k_int4v (primary", "verdict native_int8 (native fallback for trtllm_ckpt)",
+    for needle in ("stage times: profile", "verdict int8k_asym_rotv (primary", "verdict native_int8 (native fallback for trtllm_ckpt)",
                    "exported to", "on a GPU host:", "operator fallback (fp16 KV, same weights)"):
         assert needle in out, needle
     r = report(run)

@@ -305,7 +305,7 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     from safetensors.torch import load_file as load_torch
 
     ckpt = _hf_dir(tmp_path, "llama")
-    p, run = _dir_run(tmp_path, ckpt, "run", "kv.value.rotate=hadamard", "export.gpu_memory_gb=1e-6")
+    p, run = _dir_run(tmp_path, ckpt, "run", "kv=int8k_int4v", "kv.value.rotate=hadamard", "export.gpu_memory_gb=1e-6")
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     assert "folded into W_v and W_o" in manifest["artifacts"]["plugin_bundle"]["value_rotation"]
@@ -329,6 +329,23 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     net = next(c for c in manifest["checks"] if "network graph" in c["check"])
     assert net["status"] == "passed" and net["detail"]["crossed_into_store"], net
     assert all(c["status"] == "passed" for c in manifest["checks"])
+
+
+def test_a_head_dim_that_is_not_a_power_of_two_validates_and_the_export_says_what_ships(tmp_path):
+    """head_dim 96 (as Phi-3-mini's): the default's value rotation (folded into W_v/W_o in the custom tier) works in
+    Hadamard blocks of 32 (reference.hadamard_block), so validate runs; the custom tier's kernels take a power-of-two
+    head_dim, so export=trtllm refuses it in one line before profiling and names the native tier, which exports."""
+    ckpt = _hf_dir(tmp_path, "phi3", head_dim=96)
+    p, run = _dir_run(tmp_path, ckpt, "run", "export=none")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((run / "report.json").read_text())
+    assert r["kv"]["name"] == "int8k_asym_rotv" and r["model"]["geometry"]["head_dim"] == 96 and 0 < r["quality"]["kl_mean"] < 0.05
+    p, run = _dir_run(tmp_path, ckpt, "run2")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and not run.exists()
+    assert "the custom tier's kernels (kv=int8k_asym_rotv) take a power-of-two head_dim; this Phi3ForCausalLM has head_dim=96" in p.stderr
+    p, run = _dir_run(tmp_path, ckpt, "run3", "kv=native_int8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((run / "export" / "manifest.json").read_text())["artifacts"]["trtllm_ckpt"]["remeasured"]["passed"]
 
 
 def test_asymmetric_arc_keys_ship_in_the_custom_tier(tmp_path):

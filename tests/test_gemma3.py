@@ -212,7 +212,7 @@ def test_gemma3_exports_the_fp8_hf_checkpoint_alone(tmp_path):
     assert any("layer by layer" in c["check"] and c["status"] == "passed" for c in ms["checks"]), ms["checks"]
     assert ms["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"] == manifest["artifacts"]["hf_ckpt"]["remeasured"]["validated_kl"]
     p, run2 = _dir_run(tmp_path, ckpt, "run2", "export.dtype=bfloat16")
-    assert p.returncode != 0 and "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
+    assert p.returncode != 0 and "kv=int8k_asym_rotv is not that format: use kv=native_fp8, or add export=none" in p.stderr
     assert "Traceback" not in p.stderr and not (run2 / "export").exists()
     p, run3 = _dir_run(tmp_path, ckpt, "run3", "kv=native_fp8")
     assert p.returncode != 0 and "export.dtype=float16: Gemma3ForCausalLM is trained and served in bfloat16" in p.stderr and "Traceback" not in p.stderr
@@ -273,7 +273,7 @@ def test_gemma3_270m_end_to_end(tmp_path):
     assert r["quality"]["kl_mean"] > 0  # keys and values really are quantized on the evaluated path
     p = run_cli("model=gemma3_270m", "calib=smoke", "eval=smoke", f"hydra.run.dir={tmp_path / 'run2'}", cache_dir=tmp_path / "cache")
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "kv=int8k_int4v is not that format: use kv=native_fp8, or add export=none" in p.stderr
+    assert "kv=int8k_asym_rotv is not that format: use kv=native_fp8, or add export=none" in p.stderr
     # the native FP8 HF checkpoint: bfloat16 weights, the key fold in Gemma's (1 + w) norms, re-measured through transformers
     run = tmp_path / "run3"
     p = run_cli("model=gemma3_270m", "kv=native_fp8", "calib=smoke", "eval=smoke", "export.dtype=bfloat16", f"hydra.run.dir={run}",

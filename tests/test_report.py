@@ -82,7 +82,7 @@ def test_fail_on_gate_exits_nonzero_and_report_says_fail(tmp_path):
     assert p.returncode == 2 and "gates failed or inconclusive: kl_mean" in p.stderr
     r = json.loads((run / "report.json").read_text())
     assert r["verdict"] == "fail" and r["gates"][0]["status"] == "fail"
-    assert (run / "report.md").read_text().count("Verdict (int8k_int4v): FAIL") == 1
+    assert (run / "report.md").read_text().count("Verdict (int8k_asym_rotv): FAIL") == 1
     assert not (run / "export").exists()  # a failed release is not exported
 
 

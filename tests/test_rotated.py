@@ -37,6 +37,33 @@ def test_hadamard_is_orthogonal_and_its_own_inverse():
         ref.hadamard(48)
 
 
+def test_a_head_dim_that_is_not_a_power_of_two_rotates_in_blocks():
+    """head_dim 96 (Phi-3-mini), 80, 24: the rotation is block-diagonal in blocks of the largest power-of-two divisor,
+    orthogonal, symmetric and its own inverse; a power of two is rotated whole, as before."""
+    assert [ref.hadamard_block(n) for n in (96, 80, 24, 64, 256, 6)] == [32, 16, 8, 64, 256, 2]
+    for D in (96, 80, 24):
+        b = ref.hadamard_block(D)
+        m = ref.rotate(torch.eye(D), "hadamard")
+        torch.testing.assert_close(m, torch.block_diag(*[ref.hadamard(b)] * (D // b)), atol=0, rtol=0)
+        torch.testing.assert_close(m @ m, torch.eye(D), atol=1e-6, rtol=0)
+        x = torch.randn(2, 7, D)
+        torch.testing.assert_close(ref.rotate(x, "hadamard"), x @ m, atol=1e-5, rtol=0)
+    x = torch.randn(3, 64)
+    assert torch.equal(ref.rotate(x, "hadamard"), (x @ ref.hadamard_signs(64)) * 64**-0.5)
+
+
+def test_only_the_folded_value_rotation_takes_a_head_dim_that_is_not_a_power_of_two():
+    """The default (int8k_asym_rotv: values rotated in W_v/W_o beside static keys) runs on head_dim 96; formats whose
+    kernels rotate (keys, or values beside per-token or token-grouped keys) refuse it in one line."""
+    from kvcompress.config import kv_preset
+
+    for name in ("int8k_asym_rotv", "int8k_rotv", "int8k_budget"):
+        kv_preset(name).check_geometry(96)
+    for name in ("rot8k_int4v", "rot4", "wf4"):
+        with pytest.raises(UserError, match="power-of-two head_dim"):
+            kv_preset(name).check_geometry(96)
+
+
 def test_symmetric_per_token_quantizer_never_clips_and_uses_15_levels():
     x = torch.randn(4, 100, 64) * torch.linspace(0.1, 5, 64)
     codes, scale = ref.quantize_token_symmetric(x, 4, 32)

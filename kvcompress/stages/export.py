@@ -99,9 +99,14 @@ def check_exportable(model, spec=None, dtype: str | None = None) -> None:
     validated), and Gemma's weights bfloat16 or float32 (`dtype`, export.dtype), as Gemma is trained and served (its
     residual stream outgrows float16)."""
     only_hf, why = export_route(model)
-    if not only_hf:
-        return
     arch = type(model).__name__
+    if not only_hf:
+        cfg = model.config
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if spec is not None and spec.format == "kvcompress" and D & (D - 1):
+            raise UserError(f"export=trtllm: the custom tier's kernels (kv={spec.name}) take a power-of-two head_dim; this {arch} has head_dim={D}: "
+                            "use kv=native_int8 or kv=native_fp8 (the native tier), or add export=none")
+        return
     if spec is not None and spec.format != "native_fp8":
         raise UserError(f"export=trtllm writes this {arch} as the folded FP8 Hugging Face checkpoint only (hf_ckpt, for TensorRT-LLM's PyTorch "
                         f"backend and vLLM; {why}); kv={spec.name} is not that format: use kv=native_fp8, or add export=none")
