@@ -27,6 +27,24 @@ def test_readme_results_block_is_rendered_from_the_committed_results():
         assert r["provenance"]["git_sha"] and r["model"]["sha256"] and r["eval"]["sha256"]
 
 
+def test_only_the_default_run_leaves_kv_to_the_default_preset():
+    """A results file whose run left kv= to the default preset of its time names it now (kv=int8k_int4v) and keeps the
+    command as run (`ran_as`, rendered in its header): the first format it measured is that preset, and the explicit
+    command is the one as run with kv= written out. Only `default` (python -m kvcompress) follows today's default."""
+    mr = _make_results()
+    results = mr.load_results()
+    assert [n for n, r in results.items() if "kv=" not in r["command"]] == ["default"]
+    assert results["default"]["formats"][0]["name"] == "int8k_asym_rotv"
+    assert "  - kv: int8k_asym_rotv " in (ROOT / "conf" / "config.yaml").read_text()  # the committed default run is today's default
+    ran_as = {n: r for n, r in results.items() if r.get("ran_as")}
+    assert {"long8k_all", "long8k_attr"} <= set(ran_as)
+    for n, r in ran_as.items():
+        a = r["ran_as"]
+        assert "kv=" not in a["command"] and r["formats"][0]["name"] == a["default_kv"]
+        assert r["command"] == a["command"].replace("python -m kvcompress ", f"python -m kvcompress kv={a['default_kv']} ", 1)
+        assert f"ran as `{a['command']}` when {a['default_kv']} was the default" in mr.render({n: r})
+
+
 def test_results_files_are_data_with_provenance():
     for p in (ROOT / "docs" / "results").glob("*.json"):
         r = json.loads(p.read_text())
@@ -75,7 +93,7 @@ def test_task_columns_name_the_prompt_semantics_each_format_used():
     under its table (the committed default run); files made before (no "prompt" recorded) keep their context-phase header."""
     mr = _make_results()
     results = mr.load_results()
-    assert "Task prompts (eval.tasks.prompt): int8k_int4v decode-equivalent prompt; native_int8 context-phase" in mr.render({"default": results["default"]})
+    assert "Task prompts (eval.tasks.prompt): int8k_asym_rotv decode-equivalent prompt; native_int8 context-phase" in mr.render({"default": results["default"]})
     name, r = next((n, q) for n, q in results.items() if sum(1 for f in q["formats"] if f["tasks"]) >= 2
                    and all("prompt" not in f["tasks"] for f in q["formats"] if f["tasks"]))
     assert "retrieval (context-phase) | exact copy (context-phase)" in mr.render({name: r}) and "Task prompts" not in mr.render({name: r})
