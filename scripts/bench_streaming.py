@@ -73,7 +73,8 @@ def synthetic_streamed_run(gb: float, workdir: Path, hidden: int = 2048, calib: 
     cfg = json.loads((ckpt / "config.json").read_text())
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     run_dir = workdir / "run"
-    rss, secs, res = peak_rss_run([sys.executable, "-m", "kvcompress", "model=llama3_8b", f"model.path={ckpt}", "model.name=synthetic_llama",
+    # kv=int8k_int4v as in the committed figures (measured when it was the default) and the embedded half below
+    rss, secs, res = peak_rss_run([sys.executable, "-m", "kvcompress", "model=llama3_8b", "kv=int8k_int4v", f"model.path={ckpt}", "model.name=synthetic_llama",
                                    f"model.device={device}", "model.dtype=float32", "model.streaming=true", f"calib={calib}", f"eval={eval_}",
                                    f"hydra.run.dir={run_dir}"], env)
     if res.returncode:
