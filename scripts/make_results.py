@@ -31,7 +31,7 @@ BEGIN, END = "<!-- results:begin (rendered by scripts/make_results.py from docs/
 
 COMMANDS = {
     "default": "python -m kvcompress",
-    # the README's 8K table in one command: the default, the stock formats, KIVI-style int4, the old int4 preset, the best
+    # the README's 8K table in one command: int8k_int4v (the default when it ran), the stock formats, KIVI-style int4, the old int4 preset, the best
     # <= 4.5-bit format (wf4) and the 8-bit-key candidate (rot8k_int4v), one baseline pass on the same 4 x 8192 held-out tokens
     "long8k_all": "python -m kvcompress kv=int8k_int4v eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4,wf4,rot8k_int4v]",
     # the kv=auto choice (tuned on calibration text at 1K) measured at 8K on the same held-out windows
@@ -49,8 +49,8 @@ COMMANDS = {
     # buffers at every context), beside int8k_asym_rotv and int8k_int4v on gemma8k_wf's 4 x 8192 held-out tokens, no tasks
     "gemma8k_budget": "python -m kvcompress model=gemma3_270m kv=int8k_budget eval=long export=none eval.tasks.names=[] "
                       "eval.compare=[int8k_asym_rotv,int8k_int4v]",
-    # where the default's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
-    # compressed), beside the default with Hadamard-rotated values, on the 8K table's 4 x 8192 held-out tokens (no tasks)
+    # where int8k_int4v's error comes from at 8K (eval.attribute: each format again with only its keys, then only its values
+    # compressed), beside it with Hadamard-rotated values (int8k_rotv), on the 8K table's 4 x 8192 held-out tokens (no tasks)
     "long8k_attr": "python -m kvcompress kv=int8k_int4v eval=long export=none eval.attribute=true eval.tasks.names=[] eval.compare=[int8k_rotv]",
     # kv=int8k_asym_rotv: int8k_rotv with static asymmetric int8 keys (each channel's range over every position up to
     # max_position, from the pre-RoPE angles: observers.base.arc_ranges; no clipping search) beside int8k_rotv, attributed
