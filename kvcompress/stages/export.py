@@ -34,7 +34,7 @@ from kvcompress.errors import UserError
 from kvcompress.fold import absorb_kv_scale, check_range, fold_layer, guard_layer
 from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
-from kvcompress.models.base import DTYPES
+from kvcompress.models.base import DTYPES, Geometry
 from kvcompress.models.fused import unfuse
 from kvcompress.models.quantized import quantization_config, weight_quantization
 from kvcompress.scalebook import ScaleBook
@@ -101,8 +101,7 @@ def check_exportable(model, spec=None, dtype: str | None = None) -> None:
     only_hf, why = export_route(model)
     arch = type(model).__name__
     if not only_hf:
-        cfg = model.config
-        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        D = Geometry.from_hf_config(model.config).head_dim
         if spec is not None and spec.format == "kvcompress" and D & (D - 1):
             raise UserError(f"export=trtllm: the custom tier's kernels (kv={spec.name}) take a power-of-two head_dim; this {arch} has head_dim={D}: "
                             "use kv=native_int8 or kv=native_fp8 (the native tier), or add export=none")
