@@ -70,7 +70,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
-# PLANE_BITS (kvcompress.spec): code widths stored as a nibble plus bit planes (pack_codes); 4 and 8 pack as int4 and bytes
+# PLANE_BITS (kvcompress.spec): code widths stored in bit planes (pack_codes: 3 bits as planes alone, 5..7 a nibble plus planes); 4 and 8 pack as int4 and bytes
 
 
 def row_width(head_dim: int, bits: int) -> int:
@@ -88,17 +88,18 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes uint8 [..., D] < 2**bits -> one stored row of D * bits / 8 bytes: 8 bits as bytes,
     4 bits as pack_int4; 5..7 bits (PLANE_BITS) as the low nibbles packed as pack_int4 (D/2 bytes) followed
     by bits - 4 planes of D/8 bytes, plane p holding bit 4 + p of channel d at bit d % 8 of byte d // 8
-    (LSB first). D must be a multiple of 8 for the planes."""
+    (LSB first); 3 bits as three such planes alone, plane p holding bit p. D must be a multiple of 8 for the planes."""
     if bits == 8:
         return codes
     if bits == 4:
         return pack_int4(codes)
     if bits not in PLANE_BITS or codes.shape[-1] % 8:
-        raise ValueError(f"pack_codes: bits must be 4..8 and, for 5..7 bits, the last dim a multiple of 8; got bits={bits}, D={codes.shape[-1]}")
+        raise ValueError(f"pack_codes: bits must be 3..8 and, for 3 and 5..7 bits, the last dim a multiple of 8; got bits={bits}, D={codes.shape[-1]}")
     c = codes.to(torch.int64)
     weights = 2 ** torch.arange(8, device=codes.device)
-    planes = [(((c >> (4 + p)) & 1).unflatten(-1, (-1, 8)) * weights).sum(-1).to(torch.uint8) for p in range(bits - 4)]
-    return torch.cat([pack_int4(codes & 0x0F), *planes], -1)
+    low = 0 if bits < 4 else 4  # the bits held in the nibbles
+    planes = [(((c >> (low + p)) & 1).unflatten(-1, (-1, 8)) * weights).sum(-1).to(torch.uint8) for p in range(bits - low)]
+    return torch.cat(planes if bits < 4 else [pack_int4(codes & 0x0F), *planes], -1)
 
 
 def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
@@ -106,13 +107,18 @@ def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return payload
     D = payload.shape[-1] * 8 // bits
-    codes = unpack_int4(payload[..., : D // 2])
+    low = 0 if bits < 4 else 4
+    if bits < 4:
+        codes = torch.zeros(*payload.shape[:-1], D, dtype=torch.uint8, device=payload.device)
+    else:
+        codes = unpack_int4(payload[..., : D // 2])
     if bits == 4:
         return codes
-    for p in range(bits - 4):
-        plane = payload[..., D // 2 + p * (D // 8) : D // 2 + (p + 1) * (D // 8)].to(torch.int64)
+    start = D // 2 if low else 0
+    for p in range(bits - low):
+        plane = payload[..., start + p * (D // 8) : start + (p + 1) * (D // 8)].to(torch.int64)
         bit = (plane.unsqueeze(-1) >> torch.arange(8, device=payload.device)) & 1
-        codes = codes | (bit.flatten(-2) << (4 + p)).to(torch.uint8)
+        codes = codes | (bit.flatten(-2) << (low + p)).to(torch.uint8)
     return codes
 
 

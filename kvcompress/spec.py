@@ -10,8 +10,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PLANE_BITS = (5, 6, 7)  # code widths stored as a nibble plus bit planes (reference.pack_codes); per-token and token-grouped families
-WATERFILL_MEANS = (4, 5, 6)  # kv.key.bits of kv.key.alloc=waterfill: the mean width (each RoPE pair 1..8 bits); the means the kernels are tested at
+PLANE_BITS = (3, 5, 6, 7)  # code widths stored in bit planes (reference.pack_codes: 3 bits as three planes, 5..7 a nibble plus planes)
+LOW_BITS = (3,)  # below 4 bits: the token-grouped family only (kv=wf3: water-filled keys at a mean of 3 bits, symmetric 3-bit values)
+WATERFILL_MEANS = (3, 4, 5, 6)  # kv.key.bits of kv.key.alloc=waterfill: the mean width (each RoPE pair 1..8 bits); the means the kernels are tested at
 GROUP_RANGE_TOKENS = (32, 64, 128)  # token-group sizes whose per-channel key ranges profile records (kv.key.alloc=waterfill)
 
 
@@ -27,8 +28,9 @@ class KeySpec(Frozen):
     """
 
     # 5..7 (PLANE_BITS): kv.key.granularity=token (a nibble plus bit planes, reference.pack_codes) or token-grouped keys
-    # (group_tokens > 0: the mean width of one bitstream per row, reference.pack_bits)
-    bits: Literal[4, 5, 6, 7, 8, 16] = 8
+    # (group_tokens > 0: the mean width of one bitstream per row, reference.pack_bits); 3 (LOW_BITS): the mean width of
+    # water-filled token-grouped keys only (kv=wf3)
+    bits: Literal[3, 4, 5, 6, 7, 8, 16] = 8
     # "token" (CompressedCache, validate, the Triton kernels and the custom-tier export): per-token symmetric scales computed at write
     # time over groups of group_size channels (0 = the whole head), usually after a rotation
     granularity: Literal["channel", "token"] = "channel"
@@ -61,8 +63,9 @@ class ValueSpec(Frozen):
     scale = (max - min) / (2**bits - 1), q = clamp(round_half_even((v - min) / scale), 0, 2**bits - 1)
     """
 
-    # 5..7 (PLANE_BITS): beside per-token or token-grouped keys, as the rotated formats and kv=wf5/wf6
-    bits: Literal[4, 5, 6, 7, 8, 16] = 4
+    # 5..7 (PLANE_BITS): beside per-token or token-grouped keys, as the rotated formats and kv=wf5/wf6; 3 (LOW_BITS, three
+    # bit planes): symmetric, beside token-grouped keys only (kv=wf3)
+    bits: Literal[3, 4, 5, 6, 7, 8, 16] = 4
     granularity: Literal["token"] = "token"
     group_size: int = Field(32, ge=0)  # 0 = the whole head_dim is one group
     # symmetric=True: Triton kernels with per-token or token-grouped keys only (scale = amax / (2**(bits-1) - 1), no min).
@@ -161,7 +164,7 @@ class KVSpec(Frozen):
             raise ValueError(f"kv.layers (per-layer formats) needs format=kvcompress without token-grouped keys; got format={self.format}, "
                              f"key.group_tokens={self.key.group_tokens}")
         if (self.key.bits == 16) != (self.value.bits == 16):
-            raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 4..8")
+            raise ValueError("key.bits and value.bits must both be 16 (the fp16 baseline) or both be 3..8")
         if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
             raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
         if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
@@ -175,6 +178,11 @@ class KVSpec(Frozen):
                              f"group_tokens={self.key.group_tokens}, bits={self.key.bits}")
         if self.headroom != "auto" and not self.headroom >= 1.0:
             raise ValueError(f"kv.headroom={self.headroom} must be 'auto' or a number >= 1")
+        low = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in LOW_BITS]
+        if low and not (self.key.group_tokens and self.key.alloc == "waterfill" and self.value.symmetric and not self.is_native):
+            raise ValueError(f"{', '.join(low)}: 3-bit codes are in the token-grouped family with water-filled keys and symmetric values "
+                             f"only (kv=wf3: kv.key.group_tokens > 0, kv.key.alloc=waterfill, kv.value.symmetric=true); got group_tokens="
+                             f"{self.key.group_tokens}, alloc={self.key.alloc}, value.symmetric={self.value.symmetric}, format={self.format}")
         odd = [f"kv.{n}.bits={b}" for n, b in (("key", self.key.bits), ("value", self.value.bits)) if b in PLANE_BITS]
         if odd and not ((self.key.granularity == "token" or self.key.group_tokens) and not self.is_native):
             raise ValueError(f"{', '.join(odd)}: 5..7-bit codes are in the per-token family (kv.key.granularity=token) and the token-grouped "
@@ -363,7 +371,7 @@ class KVSpec(Frozen):
         if head_dim % 2:
             raise UserError(f"head_dim={head_dim} must be even (int4 packing, RoPE pairs)")
         if {self.key.bits, self.value.bits} & set(PLANE_BITS) and head_dim % 8:
-            raise UserError(f"5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim={head_dim} is not a multiple of 8")
+            raise UserError(f"3- and 5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim={head_dim} is not a multiple of 8")
         if self.key.group_tokens and head_dim * self.key.bits % 32:
             raise UserError(f"token-grouped keys are stored as rows of head_dim * kv.key.bits / 8 bytes, read as 32-bit words: head_dim * bits "
                             f"must be a multiple of 32; got head_dim={head_dim}, kv.key.bits={self.key.bits}")

@@ -46,7 +46,7 @@ BAD = [
     (["model.tiny.hidden=100"], "model.tiny: hidden=100, heads=6, kv_heads=2, head_dim=32: hidden must be a multiple of heads"),  # was a Hydra error
     (["kv.key.bits=7"], "kv.key.bits=7: 5..7-bit codes are in the per-token family (kv.key.granularity=token) and the token-grouped family"),
     (["kv=rot7k_int5v", "kv.key.rotate=none", "kv.value.rotate=none", "kv.value.group_size=0", "model.tiny.head_dim=36"],
-     "5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim=36 is not a multiple of 8"),
+     "3- and 5..7-bit codes are stored as bit planes of head_dim / 8 bytes; head_dim=36 is not a multiple of 8"),
     (["+kv.layers=split"], "kv.layers=split chooses each layer's key/value bit split, which needs the per-token family (kv.key.granularity=token"),
     (["kv=rot_split", "kv.key.bits=16", "kv.value.bits=16"], "kv.layers=split splits kv.key.bits + kv.value.bits between keys and values (each 4..8): the sum must be 8..16; got 16 + 16"),
     (["kv=rot_split", "stages=[profile,fit,validate]"], "kv=rot_split chooses its per-layer formats in the tune stage: add tune to stages"),

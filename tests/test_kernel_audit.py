@@ -160,6 +160,32 @@ def test_int8k_int4v_d128_reads_its_payload_with_128_bit_loads(audit_sm90):
     assert ml["bytes_per_cache_element"] == pytest.approx(ml["format_bytes_per_cache_element"], rel=0.02)
 
 
+@pytest.fixture(scope="module")
+def audit_grouped_3bit_sm90(tmp_path_factory):
+    """kv=wf3's decode and append (the grouped family at a mean of 3 bits, 3-bit values), compiled for sm_90 and audited."""
+    return _aot_audit(tmp_path_factory, "grouped_3bit")
+
+
+def test_the_3_bit_grouped_kernels_compile_without_spills_at_two_ctas_per_sm(audit_grouped_3bit_sm90):
+    """kv=wf3 at head dims 128 and 64: no spills, stack or local memory; the decode reads its payload through >= 64-bit
+    loads, exactly the bytes it is written to read (a 3-bit value row as four D/8-byte plane slots, the last masked off);
+    2 CTAs (8 warps) per SM, plan.CTAS_PER_SM, with no register cap (at the grouped set's cap of 168 it spills): below the
+    grouped set's 12 warps, said in aot.VARIANTS and the README."""
+    from kvcompress.kernels import plan
+
+    kernels = {k["name"]: k for k in audit_grouped_3bit_sm90["kernels"]}
+    names = ["d128_g8_wf3", "d64_g3_wf3"]
+    assert {f"{k}_{v}" for k in ("kv_append_grp", "decode_split_grp", "decode_reduce") for v in names} == set(kernels)
+    for k in kernels.values():
+        assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
+        if k["kernel"] == "decode_split_grp":
+            ml = k["main_loop"]
+            assert k["occupancy"]["sm_90"]["ctas_per_sm"] >= plan.CTAS_PER_SM, k["name"]
+            assert set(ml["loads"]) <= {"16", "64", "128"} and ml["narrowest_payload_bits"] >= 64, (k["name"], ml)
+            _payload_read_as_designed(k)
+            assert ml["payload_bytes_per_iteration"]["VP"]["read"] == ml["block_t"] * ml["head_dim"] // 2, (k["name"], ml)
+
+
 def _payload_read_as_designed(k: dict) -> None:
     """The packed codes' loads in the decode main loop (from the PTX, every thread counted) issue exactly the bytes the
     kernel is written to read for a tile: the format's rows, plus the masked-off lanes of rows read padded (5..7-bit

@@ -244,6 +244,9 @@ GROUPED_CASES = [
     # kv=wf5 / kv=wf6: rows of 10 and 24 words read as 16 and 32 (the rest masked), 5- and 6-bit values in bit planes
     ([150, 41], 2, 3, 64, 5, 5, 64, WF4, 4, 32, True),
     ([200, 7], 1, 8, 128, 6, 6, 128, WF4, 4, 32, True),
+    # kv=wf3: rows of 6 and 12 words at a mean of 3 bits, 3-bit values as three bit planes alone
+    ([150, 41], 2, 3, 64, 3, 3, 64, WF4, 4, 32, True),
+    ([200, 7], 1, 8, 128, 3, 3, 128, WF4, 4, 32, True),
     # uniform 7-bit token-grouped keys (allowed beside uniform allocation): 14 words read as 16, 7-bit values
     ([90, 33], 1, 3, 64, 7, 7, 64, WF4, 4, 32, False),
 ]
@@ -284,6 +287,7 @@ def test_grouped_decode_reads_the_widths_and_the_group_scales():
     (4, 4, 32, 32, 0, 32, False, {}),  # kv=kivi_int4
     (4, 4, 16, 40, 2, 16, True, dict(value_rotate=True, value_coded_min=True)),  # a window longer than a group
     (5, 5, 64, 32, 4, 32, True, WF4),  # kv=wf5's structure: 40-byte key rows, 5-bit values in bit planes
+    (3, 3, 64, 32, 4, 32, True, WF4),  # kv=wf3's structure: 24-byte key rows, 3-bit values as three bit planes
 ])
 def test_grouped_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, gt, wf, fam):
     """kv_append_grp_kernel: a group encoded from the ring when its first token leaves it, fp16 min rounded

@@ -216,7 +216,7 @@ def test_plugins_build_time_logic_and_serialization_on_cpu(tmp_path, variant):
 
 
 def _grouped_kit(tmp_path, mean=4):
-    """A kit of the grouped family (kv=wf4's variant at head dim 64, or kv=wf5's with mean=5) with uneven water-filled widths."""
+    """A kit of the grouped family (kv=wf4's variant at head dim 64, or kv=wf5's / kv=wf3's with mean=5 / 3) with uneven water-filled widths."""
     import torch
 
     from kvcompress.kernels.aot import Variant
@@ -227,7 +227,8 @@ def _grouped_kit(tmp_path, mean=4):
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(400, H, D, generator=g) * torch.linspace(0.5, 1.5, D), torch.randn(400, H, D, generator=g)
     bits = torch.full((H, D), mean)
-    bits[:, :8] = torch.tensor([8, 1, 6, 2, 7, 3, 1, 4] if mean == 4 else [8, 2, 7, 3, 8, 4, 2, 6])  # widths 1..8 that spend what eight of the mean do
+    eight = {3: [8, 1, 5, 1, 4, 2, 1, 2], 4: [8, 1, 6, 2, 7, 3, 1, 4], 5: [8, 2, 7, 3, 8, 4, 2, 6]}[mean]
+    bits[:, :8] = torch.tensor(eight)  # widths 1..8 that spend what eight of the mean do
     bits[1] = bits[1].flip(0)
     assert int(bits.sum(-1).max()) == int(bits.sum(-1).min()) == mean * D and int(bits.max()) <= 8
     variant = {**Variant("t", D, 3, mean, mean, D, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128).__dict__}
@@ -292,9 +293,10 @@ def _kit_agrees_with_the_kernels(kit) -> None:
         torch.testing.assert_close(got, expected, atol=3e-3, rtol=3e-3)
 
 
-@pytest.mark.parametrize("mean", [4, 5])
+@pytest.mark.parametrize("mean", [4, 5, 3])
 def test_grouped_acceptance_goldens_agree_with_the_triton_kernels(tmp_path, mean):
-    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter); kv=wf5's too."""
+    """The grouped kit's goldens are what kv_append_grp / decode_split_grp compute (interpreter); kv=wf5's and kv=wf3's
+    (3-bit values as three bit planes) too."""
     _kit_agrees_with_the_kernels(_grouped_kit(tmp_path, mean))
 
 

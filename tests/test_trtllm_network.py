@@ -446,9 +446,9 @@ WF = dict(key={"bits": 4, "granularity": "channel", "symmetric": False, "clip": 
           value={"bits": 4, "granularity": "token", "group_size": 0, "symmetric": True, "rotate": "hadamard"}, window=32, sink_tokens=2)
 
 
-@pytest.mark.parametrize("mean", [4, 5])
+@pytest.mark.parametrize("mean", [4, 5, 3])
 def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path, mean):
-    """kv=wf4's family (and kv=wf5's: 40-byte key rows, 5-bit values in bit planes) in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
+    """kv=wf4's family (and kv=wf5's: 40-byte key rows, 5-bit values in bit planes; kv=wf3's: 3-bit values as three planes) in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
     and bit offsets (plugin_params k_bits, k_offsets), 10 cache buffers per layer, a key group written whole when
     its first token leaves the window; decodes like CompressedCache on tokens that cross into the store."""
     from kvcompress.stages.export import bundle_variants
@@ -475,10 +475,12 @@ def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path, mean):
     res = no.check_network(tmp_path / "bundle", hf, lm.model, book, prompt, max_new_tokens=8)
     assert res["crossed_into_store"] and res["tokens"] == 51  # 2 sinks + 32 window + 17 compressed: the first group written
     assert res["kl_mean"] < 1e-5 and res["max_abs_logit_diff"] < 0.02, res
-    # negative: plugin constants that are not the validated allocation (widths mean -/+ 3 alternating, same bits per row) are caught
+    # negative: plugin constants that are not the validated allocation (widths mean -/+ 3 alternating, -/+ 2 at mean 3: no channel
+    # under 1 bit; same bits per row) are caught
     from kvcompress import reference as ref
 
-    wrong = torch.tensor([mean - 3, mean + 3]).repeat(lm.geometry.head_dim // 2).expand(*params["k_bits"].shape).contiguous()
+    d = min(3, mean - 1)
+    wrong = torch.tensor([mean - d, mean + d]).repeat(lm.geometry.head_dim // 2).expand(*params["k_bits"].shape).contiguous()
     bad = {"k_bits": wrong.to(torch.int32).numpy(), "k_offsets": ref.bit_offsets(wrong).to(torch.int32).numpy()}
     no.write_network_files(tmp_path / "bad", spec, bad)
     worse = no.check_network(tmp_path / "bad", hf, lm.model, book, prompt, max_new_tokens=8)

@@ -19,6 +19,7 @@ WF = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 3
       "value": {"bits": 4, "group_size": 0, "symmetric": True, "rotate": "hadamard"}}
 UNIFORM = {"key": {"bits": 4, "symmetric": False, "clip": "minmax", "group_tokens": 32}, "value": {"bits": 4, "group_size": 16}}
 WF5 = {"key": {**WF["key"], "bits": 5}, "value": {**WF["value"], "bits": 5}}  # kv=wf5's structure: mean 5, 5-bit values in bit planes
+WF3 = {"key": {**WF["key"], "bits": 3}, "value": {**WF["value"], "bits": 3}}  # kv=wf3's structure: mean 3, 3-bit values as three bit planes
 
 
 def _cost(w: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,12 +84,20 @@ def test_spec_refuses_waterfill_without_token_groups_it_can_weigh():
     with pytest.raises(ValidationError, match=r"group_tokens in \[32, 64, 128\]"):
         KVSpec(name="x", key={"bits": 4, "symmetric": False, "group_tokens": 96, "alloc": "waterfill"}, window=128)
     for b in (7, 8):  # means the kernels are not tested at
-        with pytest.raises(ValidationError, match=rf"kv.key.bits \(the mean width\) in \[4, 5, 6\]; got group_tokens=32, bits={b}"):
+        with pytest.raises(ValidationError, match=rf"kv.key.bits \(the mean width\) in \[3, 4, 5, 6\]; got group_tokens=32, bits={b}"):
             KVSpec(name="x", key={"bits": b, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"})
     for b in (5, 6):  # kv=wf5 / wf6: a mean of 5 or 6 bits, and 5- or 6-bit values beside token-grouped keys
         KVSpec(name="x", key={"bits": b, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"}, value={"bits": b, "symmetric": True}, window=32)
     with pytest.raises(ValidationError, match="5..7-bit codes are in the per-token family .* and the token-grouped family"):
         KVSpec(name="x", key={"bits": 8}, value={"bits": 5})
+    KVSpec(name="x", key={"bits": 3, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"}, value={"bits": 3, "symmetric": True}, window=32)
+    # 3-bit codes (kv=wf3): water-filled token-grouped keys and symmetric values only
+    for key, value in (({"bits": 3}, {"bits": 3}),  # static keys
+                       ({"bits": 3, "symmetric": False, "group_tokens": 32}, {"bits": 3, "symmetric": True}),  # uniform 3-bit keys
+                       ({"bits": 4, "symmetric": False, "group_tokens": 32, "alloc": "waterfill"}, {"bits": 3}),  # asymmetric 3-bit values
+                       ({"bits": 8}, {"bits": 3, "symmetric": True})):
+        with pytest.raises(ValidationError, match="3-bit codes are in the token-grouped family with water-filled keys and symmetric values only"):
+            KVSpec(name="x", key=key, value=value, window=32)
 
 
 def test_token_grouped_key_rows_must_be_whole_32_bit_words():
@@ -126,7 +135,7 @@ def test_a_group_longer_than_the_calibration_windows_is_a_clear_error(tiny_stats
     assert r.returncode != 0 and "calib.seq_len >= 128" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM), ("waterfill5", WF5)])
+@pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM), ("waterfill5", WF5), ("waterfill3", WF3)])
 def test_onepass_equals_decoding_through_the_compressed_cache(name, kw):
     """Token-grouped keys in the real cache (a group encoded whole when its first token leaves the window,
     variable-width codes in one bitstream per row) give the validation path's logits, sinks before the
@@ -224,10 +233,10 @@ def test_the_wf4_preset_fits_the_4_5_bit_budget_with_every_byte_counted():
     assert m.bits_per_element <= 4.5 and round(m.bits_per_element, 2) == 4.44, m
 
 
-@pytest.mark.parametrize("name,bits,figure", [("wf5", 5, 5.42), ("wf6", 6, 6.41)])
+@pytest.mark.parametrize("name,bits,figure", [("wf5", 5, 5.42), ("wf6", 6, 6.41), ("wf3", 3, 3.46)])
 def test_the_wf5_and_wf6_presets_count_their_wider_rows(name, bits, figure):
-    """kv=wf5 / kv=wf6 at 8K on SmolLM2's geometry (the README's figures): key rows of 64 * bits / 8 bytes in whole
-    groups, value rows of 5- and 6-bit codes, the same per-group and per-token metadata as kv=wf4; below
+    """kv=wf5 / kv=wf6 (and kv=wf3) at 8K on SmolLM2's geometry (the README's figures): key rows of 64 * bits / 8 bytes in
+    whole groups, value rows of 5-, 6- (3-) bit codes, the same per-group and per-token metadata as kv=wf4; below
     int8k_int4v's 6.65 bits."""
     from kvcompress.config import kv_preset
     from kvcompress.stages.validate import memory_summary

@@ -209,7 +209,7 @@ def audit_kernel(entry: dict, kdir: Path) -> dict:
 def payload_bytes(entry: dict, loop_loads: list[tuple[int, tuple[str, ...]]], threads: int) -> dict[str, dict[str, int]]:
     """Per main-loop iteration, for each packed buffer (KP, VP): the bytes the format stores for BLOCK_T tokens
     (`format`), the bytes the kernel is written to read (`read`: a 5..7-bit row as two D/2-byte halves, the second's
-    tail masked off; a grouped key row as NW_PAD 32-bit words, the words past the row masked off; masked lanes fetch
+    tail masked off; a 3-bit row as four D/8-byte plane slots, the last masked off; a grouped key row as NW_PAD 32-bit words, the words past the row masked off; masked lanes fetch
     nothing) and the bytes its compiled loads issue, every thread's loads counted once (`issued`, from the loop's PTX
     loads of that buffer). issued == read: the payload is read exactly as designed, no load replicated across threads."""
     v, c = entry["variant"], entry.get("constexprs", {})
@@ -218,9 +218,9 @@ def payload_bytes(entry: dict, loop_loads: list[tuple[int, tuple[str, ...]]], th
         krow, kread = c["KROW"], 4 * c["NW_PAD"]
     else:
         krow = ref.row_width(D, v["key_bits"])
-        kread = D if v["key_bits"] in ref.PLANE_BITS else krow
+        kread = D if v["key_bits"] in ref.PLANE_BITS and v["key_bits"] > 4 else krow
     vrow = ref.row_width(D, v["value_bits"])
-    vread = D if v["value_bits"] in ref.PLANE_BITS else vrow
+    vread = (D if v["value_bits"] > 4 else D // 2) if v["value_bits"] in ref.PLANE_BITS else vrow  # 3 bits: the four plane slots
     issued = {b: sum(w // 8 * threads for w, bufs in loop_loads if b in bufs) for b in PAYLOAD_BUFFERS}
     return {"KP": {"format": bt * krow, "read": bt * kread, "issued": issued["KP"]},
             "VP": {"format": bt * vrow, "read": bt * vread, "issued": issued["VP"]}}

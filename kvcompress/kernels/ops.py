@@ -143,7 +143,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
             **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
-            **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H)) else {}),
+            **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H, kv.value_bits)) else {}),
         )
         return _reduce(mo, lo, ao, splits, handle, launched)
     if kv.per_token:

@@ -115,7 +115,8 @@ def _store_signed(qe, qo, row, D: tl.constexpr, BITS: tl.constexpr):
 def _store_codes(ce, co, row, D: tl.constexpr, BITS: tl.constexpr):
     """Unsigned codes in [0, 2**BITS) (even/odd channel halves, float32) -> one payload row of D * BITS / 8
     bytes (reference.pack_codes): bytes; int4 two per byte, the even channel in the low nibble; 5..7 bits the
-    low nibbles so, then one plane of D/8 bytes per further bit (channel d at bit d % 8 of byte d // 8)."""
+    low nibbles so, then one plane of D/8 bytes per further bit (channel d at bit d % 8 of byte d // 8); 3 bits
+    three such planes alone."""
     HALF: tl.constexpr = D // 2
     ie = 2 * tl.arange(0, HALF)
     if BITS == 8:
@@ -125,14 +126,17 @@ def _store_codes(ce, co, row, D: tl.constexpr, BITS: tl.constexpr):
         tl.store(row + tl.arange(0, HALF), ce.to(tl.uint8) | (co.to(tl.uint8) << 4))
     else:
         E: tl.constexpr = D // 8
+        LOW: tl.constexpr = 4 if BITS > 4 else 0  # bits held in nibbles; 3-bit codes are three planes alone
+        START: tl.constexpr = HALF if BITS > 4 else 0
         ci_e = ce.to(tl.int32)
         ci_o = co.to(tl.int32)
-        tl.store(row + tl.arange(0, HALF), ((ci_e & 15) | ((ci_o & 15) << 4)).to(tl.uint8))
+        if BITS > 4:
+            tl.store(row + tl.arange(0, HALF), ((ci_e & 15) | ((ci_o & 15) << 4)).to(tl.uint8))
         sh = 2 * (tl.arange(0, HALF) % 4)  # channel 2k sits at bit 2k % 8 of its plane byte, channel 2k + 1 above it
-        for p in tl.static_range(BITS - 4):
-            b = (((ci_e >> (4 + p)) & 1) << sh) | (((ci_o >> (4 + p)) & 1) << (sh + 1))
+        for p in tl.static_range(BITS - LOW):
+            b = (((ci_e >> (LOW + p)) & 1) << sh) | (((ci_o >> (LOW + p)) & 1) << (sh + 1))
             byte = tl.sum(tl.reshape(b, (E, 4)), axis=1)  # four channel pairs per byte; bits never overlap: the sum is an OR
-            tl.store(row + HALF + p * E + tl.arange(0, E), byte.to(tl.uint8))
+            tl.store(row + START + p * E + tl.arange(0, E), byte.to(tl.uint8))
 
 
 @triton.jit
@@ -400,8 +404,9 @@ def kv_append_grp_kernel(
 @triton.jit
 def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SIGNED: tl.constexpr):
     """[BLOCK_T, D] float32 codes from payload rows of D * BITS / 8 bytes (reference.pack_codes): int8 (signed)
-    or uint8 bytes, packed int4 (low nibble = even channel), or 5..7 bits as the nibbles and one D/8-byte plane
-    per further bit. SIGNED: offset-binary codes below 8 bits get their offset 2**(BITS-1) removed.
+    or uint8 bytes, packed int4 (low nibble = even channel), 5..7 bits as the nibbles and one D/8-byte plane
+    per further bit, or 3 bits as three D/8-byte planes alone (read as the four plane slots, the last masked).
+    SIGNED: offset-binary codes below 8 bits get their offset 2**(BITS-1) removed.
 
     Rows are read as contiguous runs of bytes, so the loads vectorize (aligned buffers): 5..7-bit rows
     (D/2 < ROW < D bytes) as two D/2-byte halves, the nibbles and the four D/8-byte plane slots (the second
@@ -417,19 +422,24 @@ def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: 
     else:
         ROW: tl.constexpr = D * BITS // 8
         E: tl.constexpr = D // 8
+        START: tl.constexpr = HALF if BITS > 4 else 0  # the planes' first byte: after the nibbles, or (3 bits) the row's
+        NP: tl.constexpr = BITS - 4 if BITS > 4 else BITS  # planes
         c = tl.arange(0, HALF)
-        nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
-        hi = tl.load(base + rows[:, None] * ROW + HALF + c[None, :], mask=mask[:, None] & (c < ROW - HALF)[None, :], other=0)
-        code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
+        hi = tl.load(base + rows[:, None] * ROW + START + c[None, :], mask=mask[:, None] & (c < ROW - START)[None, :], other=0)
         # the four plane slots' bytes j as one 32-bit word (plane p in byte p; slots beyond the planes are masked to 0)
         w = tl.sum(tl.reshape(hi, (BLOCK_T, 4, E)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
         x = w[:, :, None] >> tl.arange(0, 8)[None, None, :]  # channel 8 j + i: bit i of each plane byte j
         h = x & 1
-        if BITS > 5:
+        if NP > 1:
             h = h | ((x >> 7) & 2)
-        if BITS > 6:
+        if NP > 2:
             h = h | ((x >> 14) & 4)
-        code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
+        if BITS > 4:
+            nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
+            code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
+            code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
+        else:
+            code = tl.reshape(h, (BLOCK_T, D)).to(tl.float32)
     if SIGNED:
         code = code - 2 ** (BITS - 1)
     return code
