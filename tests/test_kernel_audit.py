@@ -355,7 +355,7 @@ def test_audit_cli_rejects_bad_input():
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--aot", "/nonexistent"], capture_output=True, text=True, env=_env())
     assert p.returncode == 2 and "--aot=/nonexistent has no kernels.json" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.audit", "--arch", "sm_90", "--variants", "nope"], capture_output=True, text=True, env=_env())
-    assert p.returncode == 2 and "--variants=nope is unknown; allowed: default, per_token, grouped, all" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "--variants=nope is unknown; allowed: default, per_token, grouped, grouped_3bit, all" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_audit_cli_one_variant(tmp_path):

@@ -1,6 +1,6 @@
 """SASS audit of the AOT-compiled kernels: what the compiled code really does, on a CPU machine.
 
-    python -m kvcompress.kernels.audit --arch sm_90 [--variants default|per_token|grouped|all] [--variant NAME ...] [--aot DIR] [--out audit.json]
+    python -m kvcompress.kernels.audit --arch sm_90 [--variants default|per_token|grouped|grouped_3bit|all] [--variant NAME ...] [--aot DIR] [--out audit.json]
 
 Compiles the variants (or reads an AOT output directory), disassembles each cubin with the
 cuobjdump Triton ships, and reports per kernel: registers per thread, spills (local memory /
