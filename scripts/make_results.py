@@ -42,6 +42,9 @@ COMMANDS = {
     "long8k_rot7k": "python -m kvcompress kv=rot7k_int5v eval=long export=none eval.compare=[rot8k_int4v,int8k_int4v]",
     # kv=wf6 and kv=wf5 (water-filled token-grouped keys at a mean of 6 / 5 bits, 6- / 5-bit rotated values) beside int8k_int4v at 8K
     "long8k_wf": "python -m kvcompress kv=wf6 eval=long export=none eval.compare=[wf5,int8k_int4v]",
+    # kv=wf3 (wf4's structure at a mean of 3 bits: 3-bit water-filled keys, 3-bit rotated values; 3.46 bits/element) beside
+    # KIVI-style int4 at 8K, on the 8K table's 4 x 8192 held-out tokens (wf4 and native_nvfp4 there: the same windows)
+    "long8k_wf3": "python -m kvcompress kv=wf3 eval=long export=none eval.compare=[kivi_int4]",
     # the second model family (Gemma 3 270M: head dim 256, QK-norm, sliding-window layers) at 8K: wf6 and wf5 beside the default
     # and the default with Hadamard-rotated values (int8k_rotv), the 8K table's 4 x 8192 held-out tokens
     "gemma8k_wf": "python -m kvcompress model=gemma3_270m kv=wf6 eval=long export=none eval.compare=[wf5,int8k_int4v,int8k_rotv]",
@@ -82,6 +85,7 @@ RATIOS = {
     "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v"), ("rot7k_int5v", "int8k_int4v")],
     "long8k_rot7k": [("rot7k_int5v", "int8k_int4v"), ("rot7k_int5v", "rot8k_int4v")],
     "long8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v")],
+    "long8k_wf3": [("wf3", "kivi_int4")],
     "gemma8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v"), ("int8k_rotv", "int8k_int4v")],
     "gemma8k_budget": [("int8k_budget", "int8k_asym_rotv"), ("int8k_budget", "int8k_int4v")],
     "long8k_attr": [("int8k_rotv", "int8k_int4v")],

@@ -419,27 +419,31 @@ def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: 
     if BITS == 4:
         byte = tl.load(base + rows[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=mask[:, None], other=0)
         code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_T, D)).to(tl.float32)
+    elif BITS == 3:
+        # three D/8-byte planes alone, read as the four plane slots of the 5..7-bit rows' second half (the last masked)
+        ROW3: tl.constexpr = D * 3 // 8
+        E3: tl.constexpr = D // 8
+        c3 = tl.arange(0, HALF)
+        pl = tl.load(base + rows[:, None] * ROW3 + c3[None, :], mask=mask[:, None] & (c3 < ROW3)[None, :], other=0)
+        w3 = tl.sum(tl.reshape(pl, (BLOCK_T, 4, E3)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
+        x3 = w3[:, :, None] >> tl.arange(0, 8)[None, None, :]  # channel 8 j + i: bit i of each plane byte j
+        code = tl.reshape((x3 & 1) | ((x3 >> 7) & 2) | ((x3 >> 14) & 4), (BLOCK_T, D)).to(tl.float32)
     else:
         ROW: tl.constexpr = D * BITS // 8
         E: tl.constexpr = D // 8
-        START: tl.constexpr = HALF if BITS > 4 else 0  # the planes' first byte: after the nibbles, or (3 bits) the row's
-        NP: tl.constexpr = BITS - 4 if BITS > 4 else BITS  # planes
         c = tl.arange(0, HALF)
-        hi = tl.load(base + rows[:, None] * ROW + START + c[None, :], mask=mask[:, None] & (c < ROW - START)[None, :], other=0)
+        nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
+        hi = tl.load(base + rows[:, None] * ROW + HALF + c[None, :], mask=mask[:, None] & (c < ROW - HALF)[None, :], other=0)
+        code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
         # the four plane slots' bytes j as one 32-bit word (plane p in byte p; slots beyond the planes are masked to 0)
         w = tl.sum(tl.reshape(hi, (BLOCK_T, 4, E)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
         x = w[:, :, None] >> tl.arange(0, 8)[None, None, :]  # channel 8 j + i: bit i of each plane byte j
         h = x & 1
-        if NP > 1:
+        if BITS > 5:
             h = h | ((x >> 7) & 2)
-        if NP > 2:
+        if BITS > 6:
             h = h | ((x >> 14) & 4)
-        if BITS > 4:
-            nib = tl.load(base + rows[:, None] * ROW + c[None, :], mask=mask[:, None], other=0)
-            code = tl.reshape(tl.join(nib & 0xF, nib >> 4), (BLOCK_T, D)).to(tl.int32)
-            code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
-        else:
-            code = tl.reshape(h, (BLOCK_T, D)).to(tl.float32)
+        code = (code | (tl.reshape(h, (BLOCK_T, D)) << 4)).to(tl.float32)
     if SIGNED:
         code = code - 2 ** (BITS - 1)
     return code
