@@ -41,20 +41,20 @@ H, G, D = 8, 8, 128  # Llama-70B per layer (correctness check)
 
 
 def _layout(name: str, fmt) -> dict:
-    """PackedKV keywords of a format; the grouped family's (wf4) key widths are a water-filled table as
-    kv.key.alloc=waterfill fits one."""
+    """PackedKV keywords of a format; the grouped family's (wf4, wf3) key widths are a water-filled table at the format's
+    mean, as kv.key.alloc=waterfill fits one."""
     lay = dict(n_sink=fmt.n_sink, window=fmt.window, value_bits=fmt.value_bits, group=fmt.group, **fmt.family())
     if fmt.key_group_tokens:
         w = torch.rand(H, D, generator=torch.Generator().manual_seed(1)) ** 8 * 1e4
-        lay.update(key_bits_table=ref.waterfill_bits(w, 4))
+        lay.update(key_bits_table=ref.waterfill_bits(w, fmt.key_bits))
     return lay
 
 
 def check_correctness(device: str) -> dict:
     """Kernels vs reference on the device (the same checks as tests/test_kernels.py), for the
-    static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4)."""
+    static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4; wf3's 3-bit planes)."""
     out = {}
-    for name in ("int8k_int4v", "rot4", "rot8k_int4v", "wf4"):
+    for name in ("int8k_int4v", "rot4", "rot8k_int4v", "wf4", "wf3"):
         fmt = FORMATS[name]
         g = torch.Generator().manual_seed(0)
         lens = [1, 127, 128, 129, 1170, 4099]

@@ -49,3 +49,12 @@ def test_readme_grouped_ratio_sentence_is_the_prediction():
     wf6, wf5 = (r[("llama3.1-70b", "H200", 131072, f)] / base for f in ("wf6", "wf5"))
     text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert f"The decode is predicted at {wf6:.2f}x (wf6) and {wf5:.2f}x (wf5) int8k_int4v's time per step at 128K on Llama-3.1-70B" in text
+
+
+def test_readme_wf3_sentence_is_the_prediction():
+    """The wf3 paragraph's predicted ratio to wf4 and speedup over fp16 (Llama-3.1-70B, 128K, H200) are the table's."""
+    r = {(x["model"], x["gpu"], x["context"], x["format"]): x for x in _rows()}
+    wf3, wf4 = (r[("llama3.1-70b", "H200", 131072, f)] for f in ("wf3", "wf4"))
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert (f"a decode step at {wf3['kvc_us'] / wf4['kvc_us']:.2f}x wf4's time at 128K on Llama-3.1-70B (H200), "
+            f"{wf3['speedup']:.2f}x faster than an fp16 read") in text

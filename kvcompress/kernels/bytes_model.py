@@ -131,9 +131,10 @@ FORMATS = {
     "rot4": CacheFormat("rot4", 4, 4, 128, 4, 128, 0, key_group=128, value_symmetric=True, rotate=True),
     "rot8k_int4v": CacheFormat("rot8k_int4v", 8, 4, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
     "rot7k_int5v": CacheFormat("rot7k_int5v", 7, 5, 32, 4, 128, 0, key_group=128, rotate=True, coded_min=True),
-    # mean 4 key bits (water-filled widths are a runtime table: the bytes are those of a uniform 4)
+    # mean 4 (5, 6, 3) key bits (water-filled widths are a runtime table: the bytes are those of a uniform 4)
     "wf4": CacheFormat("wf4", 4, 4, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
     "wf5": CacheFormat("wf5", 5, 5, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
     "wf6": CacheFormat("wf6", 6, 6, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
+    "wf3": CacheFormat("wf3", 3, 3, 128, 4, 128, 0, value_symmetric=True, rotate=True, key_group_tokens=128),
 }
 ROW_COLUMNS = ("model", "gpu", "context", "batch", "format", "splits", "kvc_us", "fp16_us", "speedup")
