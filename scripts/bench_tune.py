@@ -6,11 +6,12 @@
     python scripts/bench_tune.py --readme         # re-render the README blocks from docs/bench/tune*.json
 
 Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
-`python -m kvcompress kv=int8k_int4v` and `python -m kvcompress kv=auto` one after the other in
-subprocesses with the same cache, and prints: wall time of each and their ratio (issue #12's goal:
-at most 3x), bytes per token at the tuning context (the model's serving context) and their ratio
-(goal: at most 0.85), and each run's held-out verdict. Writes docs/bench/tune.json (the embedded
-model) or docs/bench/tune_<model>.json, and the README block of that model.
+`python -m kvcompress` (the default preset, conf/config.yaml's kv: int8k_asym_rotv today; the results name it
+under "baseline") and `python -m kvcompress kv=auto` one after the other in subprocesses with the same cache, and
+prints: wall time of each and their ratio (issue #12's goal: at most 3x), bytes per token at the tuning context
+(the model's serving context) and their ratio (goal: at most 0.85), and each run's held-out verdict. Writes
+docs/bench/tune.json (the embedded model) or docs/bench/tune_<model>.json, and the README block of that model.
+Results written before the baseline was named compared with int8k_int4v (then the default).
 """
 from __future__ import annotations
 
@@ -47,9 +48,18 @@ def layer_map(layers: list[str], sliding: list[int]) -> str:
     return "; ".join(out)
 
 
+def default_kv() -> str:
+    """The default kv preset (conf/config.yaml's defaults list): the format `python -m kvcompress` runs."""
+    for line in (ROOT / "conf" / "config.yaml").read_text().splitlines():
+        if line.strip().startswith("- kv:"):
+            return line.split(":", 1)[1].split("#", 1)[0].strip()
+    raise SystemExit("bench_tune: conf/config.yaml names no default kv preset")
+
+
 def render(r: dict) -> str:
     """The README block, from a results file of this benchmark."""
-    p, q = r["runs"]["int8k_int4v"], r["runs"]["auto"]
+    base = r.get("baseline", "int8k_int4v")
+    p, q = r["runs"][base], r["runs"]["auto"]
     BEGIN, END = markers(r["model"])
 
     def times(x):
@@ -61,7 +71,7 @@ def render(r: dict) -> str:
     k4 = sum(f.startswith("k4") for f in q["layers"])
     lines = [BEGIN, "", f"Model {r['model']}; ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}{' with uncommitted changes' if str(r['git_sha']).endswith('-dirty') else ''}, 2 CPU cores, export={r['export']} (`{result_path(r['model']).relative_to(ROOT)}`):", "",
              f"| run | wall time | bytes/token at {q['context']} tokens | held-out verdict (default eval) | KL mean | ppl delta |", "|---|---|---|---|---|---|"]
-    for name, x in (("kv=int8k_int4v", p), ("kv=auto", q)):
+    for name, x in ((f"kv={base}", p), ("kv=auto", q)):
         ratio = f" (**{x['bytes_per_token'] / p['bytes_per_token']:.3f}x**)" if x is q else ""
         lines.append(f"| `{name}` | {x['seconds']:.0f} s ({times(x)}) | {x['bytes_per_token']:.0f}{ratio} | {x['verdict'].upper()} ({drops(x)}) | "
                      f"{x['kl_mean']:.2e} | {100 * x['ppl_delta_rel']:+.3f}% |")
@@ -111,9 +121,10 @@ def main() -> None:
         tmp = Path(tmp)
         run([*common, "export=none", "stages=[profile]"], env, tmp / "warm")
         out, sliding = {}, []
-        for kv in ("int8k_int4v", "auto"):
+        base = default_kv()
+        for kv in (base, "auto"):
             d = tmp / kv
-            secs = run([*common, f"kv={kv}"], env, d)
+            secs = run([*common, *([] if kv == base else [f"kv={kv}"])], env, d)  # the default: no kv= at all
             rep = json.loads((d / "report.json").read_text())
             book = ScaleBook.load(d / "scalebook.safetensors")
             g = Geometry(**rep["model"]["geometry"])
@@ -127,13 +138,13 @@ def main() -> None:
                        **({"layers": tune["chosen"]["layers"], "window": tune["chosen"]["window"], "sink_tokens": tune["chosen"]["sink_tokens"],
                            "tune_times_s": tune["times_s"]} if tune else {})}
     res = {"model": a.model, "export": a.export, "ran": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_sha": base_provenance().get("git_sha"),
-           "sliding_windows": sliding,
-           "time_ratio": out["auto"]["seconds"] / out["int8k_int4v"]["seconds"],
-           "bytes_ratio": out["auto"]["bytes_per_token"] / out["int8k_int4v"]["bytes_per_token"], "runs": out}
-    p, q = out["int8k_int4v"], out["auto"]
-    print(f"kv=int8k_int4v: {p['seconds']:.0f} s, {p['bytes_per_token']:.1f} B/token at {p['context']}, held-out verdict {p['verdict'].upper()}")
-    print(f"kv=auto:        {q['seconds']:.0f} s, {q['bytes_per_token']:.1f} B/token at {q['context']}, held-out verdict {q['verdict'].upper()}")
-    print(f"time ratio auto / int8k_int4v: {res['time_ratio']:.2f}x (goal <= 3); bytes ratio: {res['bytes_ratio']:.3f} (goal <= 0.85)")
+           "sliding_windows": sliding, "baseline": base,
+           "time_ratio": out["auto"]["seconds"] / out[base]["seconds"],
+           "bytes_ratio": out["auto"]["bytes_per_token"] / out[base]["bytes_per_token"], "runs": out}
+    p, q = out[base], out["auto"]
+    print(f"kv={base} (the default): {p['seconds']:.0f} s, {p['bytes_per_token']:.1f} B/token at {p['context']}, held-out verdict {p['verdict'].upper()}")
+    print(f"kv=auto: {q['seconds']:.0f} s, {q['bytes_per_token']:.1f} B/token at {q['context']}, held-out verdict {q['verdict'].upper()}")
+    print(f"time ratio auto / {base}: {res['time_ratio']:.2f}x (goal <= 3); bytes ratio: {res['bytes_ratio']:.3f} (goal <= 0.85)")
     if not a.no_write:
         result = result_path(a.model)
         result.parent.mkdir(parents=True, exist_ok=True)
