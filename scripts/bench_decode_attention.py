@@ -50,14 +50,19 @@ def _layout(name: str, fmt) -> dict:
     return lay
 
 
-def check_correctness(device: str) -> dict:
+CHECKED = ("int8k_int4v", "rot4", "rot8k_int4v", "wf4", "wf3")
+CHECK_LENS = (1, 127, 128, 129, 1170, 4099)
+
+
+def check_correctness(device: str, names: tuple[str, ...] = CHECKED, lens: tuple[int, ...] = CHECK_LENS, T: int = 300) -> dict:
     """Kernels vs reference on the device (the same checks as tests/test_kernels.py), for the
-    static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4; wf3's 3-bit planes)."""
+    static-scale family (int8k_int4v), the per-token family (rot4, rot8k_int4v) and the grouped family (wf4; wf3's 3-bit planes).
+    lens: the decode's sequence lengths; T: tokens appended one by one (tests run it on CPU under the interpreter, shorter)."""
     out = {}
-    for name in ("int8k_int4v", "rot4", "rot8k_int4v", "wf4", "wf3"):
+    for name in names:
         fmt = FORMATS[name]
         g = torch.Generator().manual_seed(0)
-        lens = [1, 127, 128, 129, 1170, 4099]
+        lens = list(lens)
         ks = [torch.randn(H, n, D, generator=g) for n in lens]
         vs = [torch.randn(H, n, D, generator=g) for n in lens]
         scale = torch.stack([k.abs().amax(1) for k in ks]).amax(0) / 127
@@ -70,7 +75,6 @@ def check_correctness(device: str) -> dict:
         o = ops.decode_attention(q, kv, pd, D**-0.5)  # the plan's tiles and split count
         err = float((o - ops.decode_attention_reference(q, kv, pd, D**-0.5)).abs().max())
         # append: a fresh cache filled token by token must equal the reference bytes
-        T = 300
         kk = torch.randn(2, H, T, D, generator=g)
         vv = torch.randn(2, H, T, D, generator=g)
         app = PackedKV.empty(2, H, D, T, n_out=0, key_bits=fmt.key_bits, device=device, **lay)

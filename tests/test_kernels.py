@@ -385,3 +385,24 @@ def test_bench_fill_uses_the_launched_kernels_residency():
     assert bench.resident_ctas(None, lim) == bench.SMOKE_RESIDENCY
     base = plan.choose_splits(1, 8, 131072 - 132, 8, 128, 110, 64)
     assert plan.choose_splits(1, 8, 131072 - 132, 8, 128, 110, 64, ctas_per_sm=4) > base == 33
+
+
+def test_bench_correctness_check_runs_the_kernels_against_the_reference():
+    """bench_decode_attention's step 1 (what a GPU owner runs first) on CPU under the interpreter, short: wf3 (its 3-bit
+    planes and a water-filled table at the format's mean) decodes within tolerance and appends bit-exact there, and the
+    check reports a reference that disagrees with the kernels as a failure. The kernels themselves: the tests above."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import bench_decode_attention as bench
+
+    assert "wf3" in bench.CHECKED
+    # short (the interpreter is slow): wf3, the newest path (3-bit planes, a water-filled table at mean 3), past the window into the store
+    res = bench.check_correctness("cpu", names=("wf3",), lens=(1, 140), T=136)
+    assert set(res) == {"wf3"}
+    assert all(r["decode_ok"] and r["append_bit_exact"] for r in res.values()), res
+    real = bench.ops.decode_attention_reference
+    try:  # a reference that disagrees with the kernels must show as a failure
+        bench.ops.decode_attention_reference = lambda q, kv, p, s: real(q, kv, p, s) + 0.01
+        bad = bench.check_correctness("cpu", names=("wf3",), lens=(161,), T=1)
+    finally:
+        bench.ops.decode_attention_reference = real
+    assert not bad["wf3"]["decode_ok"]
