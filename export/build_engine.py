@@ -8,6 +8,11 @@ Custom tier (the kvcompress format; attention = the KvcAppend + KvcDecodeAttenti
     python build_engine.py --tier custom --bundle export/plugin_bundle --plugin-lib libkvcompress_trt.so --out engine_custom \
         [--hf-dir <the model's HF directory; default: the one the run loaded>] [--max-seq-len 8192] [--max-batch-size 8]
     python build_engine.py --tier custom --run engine_custom --prompt "The capital of France is" --max-new-tokens 32
+    python build_engine.py --tier custom --check engine_custom   # the engine against the validated decoding: PASS / FAIL
+--check feeds the export's network-check tokens (plugin_bundle/network_check.safetensors: a prompt that crosses the fp16
+window into the compressed store) through the engine one per step and compares each step's distribution with the
+validated decoding's (CompressedCache), as the export compared the CPU oracle: mean KL within the export's tolerance
+(over the reference's top 256 tokens and one bucket for the rest, never more than the full KL). Exit 0 PASS, 1 FAIL.
 The network (kvcompress/targets/trtllm_network.py, copied beside this file in the bundle) is built with
 TensorRT-LLM 1.2.1's Python network API; its graph is checked on CPU against the validated decoding
 (network_oracle.py), and its TensorRT-LLM/TensorRT names against the pinned sources
@@ -83,8 +88,31 @@ def gpu_bytes() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
+def check(a, tn) -> int:
+    """--check ENGINE_DIR: the engine against the validated decoding (trtllm_network.check_engine)."""
+    eng = Path(a.check)
+    if not (eng / "rank0.engine").is_file() or not (eng / "config.json").is_file():
+        print(f"error: --check {a.check} has no rank0.engine + config.json (build one with --tier custom --out DIR)", file=sys.stderr)
+        return 2
+    cfile = Path(a.check_file) if a.check_file else Path(json.loads((eng / "config.json").read_text()).get("bundle") or ".") / tn.CHECK_FILE
+    if not cfile.is_file():
+        print(f"error: {cfile} does not exist: give the export's plugin_bundle/{tn.CHECK_FILE} with --check-file (written when the "
+              f"export ran the network check)", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
+        return 2
+    r = tn.check_engine(eng, cfile)
+    print(f"{'PASS' if r['pass'] else 'FAIL'}: the engine vs the validated decoding on {r['tokens']} tokens: mean KL {r['kl_mean']:.2e} "
+          f"(tolerance {r['kl_tolerance']:.1e}; the CPU oracle's {r['cpu_oracle_kl_mean']:.2e}), max {r['kl_max']:.2e}, "
+          f"top-1 agreement {r['top1_agreement']:.3f}")
+    return 0 if r["pass"] else 1
+
+
 def custom_tier(a) -> int:
     tn = _network_module()
+    if a.check:
+        return check(a, tn)
     if a.run:
         if not a.prompt:
             print("error: --run needs --prompt", file=sys.stderr)
@@ -162,6 +190,8 @@ def main() -> int:
     ap.add_argument("--splits", type=positive, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
     ap.add_argument("--run", help="custom tier: an engine directory to generate with")
     ap.add_argument("--prompt", action="append", help="custom tier --run: a prompt (repeat for a batch)")
+    ap.add_argument("--check", help="custom tier: an engine directory to check against the validated decoding (PASS/FAIL)")
+    ap.add_argument("--check-file", help="custom tier --check: the export's network_check.safetensors (default: in the bundle the engine was built from)")
     ap.add_argument("--max-new-tokens", type=positive, default=32)
     ap.add_argument("--kv-cache", choices=["checkpoint", "fp16"], default="checkpoint",
                     help="checkpoint: the validated quantized KV cache; fp16: the rollback with an unquantized KV cache")

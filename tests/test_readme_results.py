@@ -71,7 +71,10 @@ def test_readme_tune_block_is_rendered_from_the_committed_benchmark(model):
     begin, end = mod.markers(model)
     readme = (ROOT / "README.md").read_text()
     assert readme[readme.index(begin) : readme.index(end) + len(end)] == mod.render(r)
-    assert r["model"] == model and r["git_sha"] and set(r["runs"]) == {"int8k_int4v", "auto"} and "python scripts/bench_tune.py" in readme
+    assert r["model"] == model and r["git_sha"] and "python scripts/bench_tune.py" in readme
+    # kv=auto beside the default preset of today (conf/config.yaml), named in the results
+    assert r["baseline"] == mod.default_kv() == "int8k_asym_rotv" and set(r["runs"]) == {r["baseline"], "auto"}
+    assert f"| `kv={r['baseline']}` |" in readme
 
 
 def test_an_attributed_format_renders_its_two_sides():

@@ -646,3 +646,85 @@ def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path
     monkeypatch.setattr(be, "gpu_bytes", lambda: need)
     assert be.main() == 0 and len(built) == 1
     assert "custom-tier engine: fp16 weights" in capsys.readouterr().out
+
+
+def test_the_engine_check_file_and_its_comparison(tmp_path, monkeypatch):
+    """The export keeps its network check for the GPU host (trtllm_network.CHECK_FILE): the tokens and the validated decoding's
+    distributions, coarsened to the top-k tokens and one bucket. check_against_reference, which build_engine.py --tier custom
+    --check runs on the engine, passes the CPU oracle's step with the KL the export measured (never above the full KL), and
+    fails a step that reads the cache one position off (RoPE at the wrong angle), and one whose values are dropped."""
+    lm = tiny_lm("llama")
+    V = lm.model.config.vocab_size
+    monkeypatch.setattr(tn, "CHECK_TOP_K", V // 4)  # the tiny vocabulary: keep a quarter, so the rest bucket is exercised
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, kl_tolerance=1e-5)
+    assert res["check_file"] == tn.CHECK_FILE and res["kl_mean"] < 1e-5
+    ids, ref, meta = tn.load_check(bundle / tn.CHECK_FILE)
+    assert len(ids) == res["tokens"] + 1 and ref["idx"].shape == (res["tokens"], V // 4) and meta["kl_tolerance"] == 1e-5
+    assert float((ref["logp"].exp().sum(-1) + ref["rest"].exp() - 1).abs().max()) < 1e-9  # the buckets hold all the mass
+    assert float(ref["rest"].exp().min()) > 0.01  # and the rest holds some of it
+    spec, P = tn.load_spec(bundle), tn.load_plugin_params(bundle)
+    W = tn.load_hf_weights(hf, spec, P)
+    n = len(ids) + 1
+
+    good = tn.check_against_reference(no.oracle_step(spec, W, P, 1, n), bundle / tn.CHECK_FILE)
+    # at most the full KL (both in float64), and a share of it: here the flat tiny model leaves >= 68% of the mass in the rest (measured: 31%)
+    assert good["pass"] and good["tokens"] == res["tokens"] and 0.25 * res["kl_mean"] < good["kl_mean"] <= res["kl_mean"] * (1 + 1e-9)
+    assert good["kl_mean"] == pytest.approx(meta["oracle_kl_mean"], rel=1e-6, abs=1e-12)  # the same graph, the same numbers
+    step = no.oracle_step(spec, W, P, 1, n)
+    shifted = tn.check_against_reference(lambda i, lens: step(i, [x + 1 for x in lens]), bundle / tn.CHECK_FILE)
+    no_v = dict(W) | {f"{i}.wv": np.zeros_like(W[f"{i}.wv"]) for i in range(spec["arch"]["n_layers"])}
+    dropped = tn.check_against_reference(no.oracle_step(spec, no_v, P, 1, n), bundle / tn.CHECK_FILE)
+    for bad in (shifted, dropped):
+        assert not bad["pass"] and bad["kl_mean"] > 10 * max(good["kl_mean"], 1e-7), (bad, good)
+
+
+def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom --check ENGINE: one line and exit 2 without an engine, without the bundle's check file
+    or without TensorRT-LLM; with them it feeds the check file's tokens through the engine's step (here the CPU oracle
+    stands in for the engine, TensorRT-LLM faked as importable) and prints PASS (exit 0), or FAIL (exit 1) for an engine
+    whose cache reads are one position off."""
+    import importlib.util as iu
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, kl_tolerance=1e-5)
+    spec_ = iu.spec_from_file_location("build_engine_under_test_check", ROOT / "export" / "build_engine.py")
+    be = iu.module_from_spec(spec_)
+    spec_.loader.exec_module(be)
+    eng = tmp_path / "engine"
+
+    def run(*extra):
+        monkeypatch.setattr(sys, "argv", ["build_engine.py", "--tier", "custom", "--check", str(eng), *extra])
+        capsys.readouterr()
+        rc = be.main()
+        return rc, capsys.readouterr()
+
+    rc, out = run()
+    assert rc == 2 and out.err.count("\n") == 1 and "has no rank0.engine + config.json" in out.err, out.err
+    eng.mkdir()
+    (eng / "rank0.engine").write_bytes(b"")
+    (eng / "config.json").write_text(json.dumps({"bundle": str(tmp_path / "elsewhere")}))
+    rc, out = run()
+    assert rc == 2 and out.err.count("\n") == 1 and f"{tn.CHECK_FILE} does not exist" in out.err, out.err
+    (eng / "config.json").write_text(json.dumps({"bundle": str(bundle)}))
+    rc, out = run()
+    assert rc == 2 and out.err.count("\n") == 1 and "tensorrt_llm is not importable" in out.err, out.err
+    real_find = be.importlib.util.find_spec
+    monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    spec, P = tn.load_spec(bundle), tn.load_plugin_params(bundle)
+    W = tn.load_hf_weights(hf, spec, P)
+    monkeypatch.setattr(tn, "engine_step", lambda d, B: no.oracle_step(spec, W, P, B, 64))
+    rc, out = run()
+    assert rc == 0 and out.out.startswith("PASS: the engine vs the validated decoding on 19 tokens"), out
+    def off_by_one(d, B):
+        step = no.oracle_step(spec, W, P, B, 64)
+        return lambda ids, lens: step(ids, [x + 1 for x in lens])
+
+    monkeypatch.setattr(tn, "engine_step", off_by_one)
+    rc, out = run("--check-file", str(bundle / tn.CHECK_FILE))
+    assert rc == 1 and out.out.startswith("FAIL: the engine vs the validated decoding"), out

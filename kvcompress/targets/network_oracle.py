@@ -184,20 +184,26 @@ def empty_past(spec: dict, B: int, cap: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1):
-    """The engine's greedy loop on the CPU oracle: (token lists, logits [steps, B, V])."""
+def oracle_step(spec: dict, W: dict, P: dict, B: int, max_seq_len: int, splits: int = 1):
+    """The engine's step(ids [B], lens [B]) -> logits [B, V] on the CPU oracle, with its own zeroed cache buffers."""
     cap = tn.store_capacity(spec, max_seq_len)
-    state = {"past": empty_past(spec, len(seqs), cap)}
+    state = {"past": empty_past(spec, B, cap)}
     g = TorchGraph(spec)
 
+    @torch.no_grad()
     def step(ids, lens):
         logits, present = tn.decoder_step(g, spec, W, P, torch.tensor(ids, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
                                           state["past"], cap, splits, max_seq_len)
         state["past"] = present  # past and present are the same buffers on the engine
         return logits
 
+    return step
+
+
+def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1):
+    """The engine's greedy loop on the CPU oracle: (token lists, logits [steps, B, V])."""
     with torch.no_grad():
-        return tn.greedy_loop(step, seqs, max_new_tokens)
+        return tn.greedy_loop(oracle_step(spec, W, P, len(seqs), max_seq_len, splits), seqs, max_new_tokens)
 
 
 @torch.no_grad()
@@ -212,10 +218,11 @@ def validated_logits(model, book, ids: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int], max_new_tokens: int) -> dict:
+def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int], max_new_tokens: int, kl_tolerance: float | None = None) -> dict:
     """Oracle (the network graph, reference plugins, fp16 weights) vs CompressedCache decoding of the
     same tokens: per-step KL(validated || oracle), top-1 agreement, and whether the tokens crossed the
-    window into the compressed store."""
+    window into the compressed store. With kl_tolerance (the export's), the tokens and the validated decoding's
+    distributions are written to the bundle (trtllm_network.CHECK_FILE) for the engine's check on a GPU host."""
     t0 = time.time()
     spec = tn.load_spec(bundle)
     P = tn.load_plugin_params(bundle)
@@ -224,12 +231,19 @@ def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int]
     toks, logits = oracle_generate(spec, W, P, [prompt_ids], max_new_tokens, max_seq_len=n + 1)
     ref_logits = validated_logits(model, book, toks[0][:-1])
     got = logits[:, 0]
-    lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(got, -1)
+    lp, lq = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(got.double(), -1)  # float64: KLs near 1e-7 on tiny models
     kl = (lp.exp() * (lp - lq)).sum(-1)
     v = tn.layer_variant(spec, 0)
-    return {"tokens": len(toks[0]) - 1, "crossed_into_store": len(toks[0]) - 1 > v["n_sink"] + v["window"],
-            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float((ref_logits.argmax(-1) == got.argmax(-1)).float().mean()),
-            "max_abs_logit_diff": float((ref_logits - got).abs().max()), "seconds": round(time.time() - t0, 1)}
+    res = {"tokens": len(toks[0]) - 1, "crossed_into_store": len(toks[0]) - 1 > v["n_sink"] + v["window"],
+           "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float((ref_logits.argmax(-1) == got.argmax(-1)).float().mean()),
+           "max_abs_logit_diff": float((ref_logits - got).abs().max()), "seconds": round(time.time() - t0, 1)}
+    if kl_tolerance is not None:  # kept for the GPU host: build_engine.py --tier custom --check compares the engine with it
+        ref = tn.coarsen(ref_logits)
+        tn.save_check(Path(bundle) / tn.CHECK_FILE, toks[0], ref,
+                      {"kl_tolerance": kl_tolerance, "oracle_kl_mean": float(tn.coarse_kl(ref, got).mean()), "oracle_full_kl_mean": res["kl_mean"],
+                       "top_k": tn.CHECK_TOP_K})
+        res["check_file"] = tn.CHECK_FILE
+    return res
 
 
 def write_network_files(out: Path, spec: dict, params: dict[str, np.ndarray]) -> None:

@@ -42,6 +42,10 @@ CACHE_GROUPED = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", 
 CACHE_PER_TOKEN = ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min")
 SPEC_FILE = "network.json"
 PARAMS_FILE = "plugin_params.safetensors"
+# the export's network check, kept for the GPU host: the tokens it fed and the validated decoding's distribution at each step
+# (CompressedCache through transformers), coarsened to the reference's top CHECK_TOP_K tokens plus one bucket for the rest
+CHECK_FILE = "network_check.safetensors"
+CHECK_TOP_K = 256
 
 
 class WeightsMismatch(ValueError):
@@ -605,29 +609,48 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
     out.mkdir(parents=True, exist_ok=True)
     (out / "rank0.engine").write_bytes(bytes(engine))
     (out / "config.json").write_text(json.dumps({"kvcompress_custom_tier": spec, "max_batch": max_batch, "max_seq_len": max_seq_len,
-                                                 "cap": cap, "splits": splits, "hf_dir": str(hf_dir), "plugin_lib": str(plugin_lib)}, indent=2))
+                                                 "cap": cap, "splits": splits, "hf_dir": str(hf_dir), "plugin_lib": str(plugin_lib),
+                                                 "bundle": str(Path(bundle).resolve())}, indent=2))
     return out
 
 
 def generate(engine_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy generation with the custom-tier engine: the prompt is fed one token per step (the engine
     has generation steps only), then tokens are generated; past and present share the cache buffers."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(cfg["hf_dir"])
+    seqs = [tok.encode(p) for p in prompts]
+    if max(map(len, seqs)) + max_new_tokens > cfg["max_seq_len"]:
+        raise ValueError(f"{max(map(len, seqs)) + max_new_tokens} tokens exceed the engine's max_seq_len {cfg['max_seq_len']}")
+    out_ids, _ = greedy_loop(engine_step(engine_dir, len(seqs)), seqs, max_new_tokens)
+    return [tok.decode(o[len(s):]) for o, s in zip(out_ids, seqs)]
+
+
+def check_engine(engine_dir: Path, check_file: Path | None = None) -> dict:
+    """The engine against the validated decoding: the export's network-check tokens (CHECK_FILE in the bundle the engine
+    was built from) fed one per step through the engine, compared as check_against_reference does with the CPU oracle."""
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    path = Path(check_file) if check_file else Path(cfg["bundle"]) / CHECK_FILE
+    return check_against_reference(engine_step(engine_dir, 1), path)
+
+
+def engine_step(engine_dir: Path, B: int):
+    """step(ids [B], lens [B]) -> logits [B, V] float32 (torch, CPU) on a built custom-tier engine with B sequences; the
+    cache buffers are allocated zeroed and bound as past and present alike."""
     import ctypes
 
     import tensorrt as trt
     import torch
     from tensorrt_llm.runtime.session import Session, TensorInfo
-    from transformers import AutoTokenizer
 
     cfg = json.loads((Path(engine_dir) / "config.json").read_text())
     spec, cap = cfg["kvcompress_custom_tier"], cfg["cap"]
+    if B > cfg["max_batch"]:
+        raise ValueError(f"{B} sequences exceed the engine's max_batch {cfg['max_batch']}")
     ctypes.CDLL(cfg["plugin_lib"], mode=ctypes.RTLD_GLOBAL)
-    tok = AutoTokenizer.from_pretrained(cfg["hf_dir"])
     session = Session.from_serialized_engine((Path(engine_dir) / "rank0.engine").read_bytes())
-    seqs = [tok.encode(p) for p in prompts]
-    B = len(seqs)
-    if B > cfg["max_batch"] or max(map(len, seqs)) + max_new_tokens > cfg["max_seq_len"]:
-        raise ValueError(f"{B} prompts / {max(map(len, seqs)) + max_new_tokens} tokens exceed the engine's max_batch {cfg['max_batch']} / max_seq_len {cfg['max_seq_len']}")
     tdt = {"float16": torch.float16, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
     bufs = {n: torch.zeros((B, *tail), dtype=tdt[d], device="cuda") for n, (tail, d) in engine_io(spec, cap).items()}
     trt_dt = {torch.float16: trt.float16, torch.int32: trt.int32, torch.int8: trt.int8, torch.uint8: trt.uint8}
@@ -644,8 +667,79 @@ def generate(engine_dir: Path, prompts: list[str], max_new_tokens: int) -> list[
         stream.synchronize()
         return logits.float().cpu()
 
-    out_ids, _ = greedy_loop(step, seqs, max_new_tokens)
-    return [tok.decode(o[len(s):]) for o, s in zip(out_ids, seqs)]
+    return step
+
+
+def coarsen(logits, top_k: int | None = None) -> dict:
+    """The validated decoding's log-probabilities at each step (logits [T, V] torch), in float64, kept as the top_k tokens'
+    (`idx`, `logp`) and the log of the remaining tokens' mass (`rest`; -inf when top_k covers the vocabulary): what
+    CHECK_FILE stores."""
+    import torch
+
+    lp = torch.log_softmax(logits.double(), -1)
+    logp, idx = lp.topk(min(top_k or CHECK_TOP_K, lp.shape[-1]), -1)
+    return {"idx": idx.to(torch.int32), "logp": logp, "rest": _rest(lp, idx)}
+
+
+def _rest(lp, idx):
+    """log of the probability mass outside idx, per row (a sum over the other tokens, not 1 minus the top's)."""
+    import torch
+
+    others = torch.ones_like(lp, dtype=torch.bool).scatter_(-1, idx.long(), False)
+    return torch.logsumexp(lp.masked_fill(~others, float("-inf")), -1)
+
+
+def coarse_kl(ref: dict, logits):
+    """Per-step KL(reference || got) over the reference's top-k tokens and one bucket for the rest (logits [T, V] torch),
+    in float64. Merging tokens into one bucket never raises a KL (the log-sum inequality), so this is at most the full KL
+    and, with the rest's mass small, close to it: a distribution that passes here cannot be far off the full one on the
+    tokens the reference considers likely."""
+    import torch
+
+    lq = torch.log_softmax(logits.double(), -1)
+    q_top = lq.gather(-1, ref["idx"].long())
+    p_rest = ref["rest"].double().exp()
+    rest = torch.where(p_rest > 0, p_rest * (ref["rest"].double() - _rest(lq, ref["idx"])), torch.zeros_like(p_rest))
+    return (ref["logp"].double().exp() * (ref["logp"].double() - q_top)).sum(-1) + rest
+
+
+def save_check(path: Path, ids: list[int], ref: dict, meta: dict) -> None:
+    """CHECK_FILE: ids [T + 1] int32 (fed one per step; the last is the final step's prediction), the coarsened reference
+    [T, ...], and meta (tolerance, the CPU oracle's own coarse KL) in the safetensors header."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"ids": torch.tensor(ids, dtype=torch.int32), "idx": ref["idx"].contiguous(), "logp": ref["logp"].double().contiguous(),
+               "rest": ref["rest"].double().contiguous()}
+    tmp = Path(path).with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
+    tmp.replace(path)
+
+
+def load_check(path: Path) -> tuple[list[int], dict, dict]:
+    """(ids, reference, meta) of a CHECK_FILE."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+    return t["ids"].tolist(), {k: t[k] for k in ("idx", "logp", "rest")}, meta
+
+
+def check_against_reference(step, path: Path) -> dict:
+    """Feed CHECK_FILE's tokens through step(ids [1], lens [1]) -> logits [1, V] one per call (the engine's generation steps,
+    the prompt crossing the fp16 window into the compressed store) and compare each step's distribution with the
+    validated decoding's: mean and max coarse KL, top-1 agreement, pass = mean KL <= the export's tolerance."""
+    import torch
+
+    ids, ref, meta = load_check(path)
+    got = torch.cat([step([tok], [t]).float().reshape(1, -1) for t, tok in enumerate(ids[:-1])])
+    kl = coarse_kl(ref, got)
+    tol = float(meta["kl_tolerance"])
+    out = {"tokens": len(ids) - 1, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+           "top1_agreement": float((got.argmax(-1) == ref["idx"][:, 0].long()).float().mean()), "kl_tolerance": tol,
+           "cpu_oracle_kl_mean": meta.get("oracle_kl_mean")}
+    return out | {"pass": out["kl_mean"] <= tol}
 
 
 def greedy_loop(step, seqs: list[list[int]], max_new_tokens: int):
