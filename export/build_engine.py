@@ -94,7 +94,12 @@ def check(a, tn) -> int:
     if not (eng / "rank0.engine").is_file() or not (eng / "config.json").is_file():
         print(f"error: --check {a.check} has no rank0.engine + config.json (build one with --tier custom --out DIR)", file=sys.stderr)
         return 2
-    cfile = Path(a.check_file) if a.check_file else Path(json.loads((eng / "config.json").read_text()).get("bundle") or ".") / tn.CHECK_FILE
+    try:
+        cfg = json.loads((eng / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        print(f"error: {eng / 'config.json'} is not JSON ({e}): not an engine directory written by --tier custom --out", file=sys.stderr)
+        return 2
+    cfile = Path(a.check_file) if a.check_file else Path(cfg.get("bundle") or ".") / tn.CHECK_FILE
     if not cfile.is_file():
         print(f"error: {cfile} does not exist: give the export's plugin_bundle/{tn.CHECK_FILE} with --check-file (written when the "
               f"export ran the network check)", file=sys.stderr)
@@ -102,7 +107,11 @@ def check(a, tn) -> int:
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
-    r = tn.check_engine(eng, cfile)
+    try:
+        r = tn.check_engine(eng, cfile)
+    except ValueError as e:  # a check file from another export, or more tokens than the engine holds
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{'PASS' if r['pass'] else 'FAIL'}: the engine vs the validated decoding on {r['tokens']} tokens: mean KL {r['kl_mean']:.2e} "
           f"(tolerance {r['kl_tolerance']:.1e}; the CPU oracle's {r['cpu_oracle_kl_mean']:.2e}), max {r['kl_max']:.2e}, "
           f"top-1 agreement {r['top1_agreement']:.3f}")

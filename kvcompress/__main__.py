@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from kvcompress.errors import UserError
-from kvcompress.paths import CONF_DIR, preset_names
+from kvcompress.paths import CONF_DIR, default_presets, preset_names
 
 GROUPS = ("model", "kv", "calib", "eval", "export")
 
@@ -29,7 +29,7 @@ def check_overrides(argv: list[str]) -> None:
     Hydra's own messages for these span several lines.
     """
     top = OmegaConf.load(CONF_DIR / "config.yaml")
-    selected = {k: v for d in top.defaults if OmegaConf.is_dict(d) for k, v in d.items()}
+    selected = default_presets()
     pairs = [a.partition("=") for a in argv if "=" in a and not a.startswith(("+", "~", "hydra", "-"))]
     for key, _, val in pairs:
         if key in GROUPS:

@@ -13,6 +13,14 @@ def preset_names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def default_presets() -> dict[str, str]:
+    """The preset each config group takes when the command line names none (conf/config.yaml's defaults list)."""
+    from omegaconf import OmegaConf
+
+    top = OmegaConf.load(CONF_DIR / "config.yaml")
+    return {k: v for d in top.defaults if OmegaConf.is_dict(d) for k, v in d.items()}
+
+
 def load_preset(group: str, name: str) -> dict:
     """conf/<group>/<name>.yaml as a plain dict (interpolations resolved)."""
     from omegaconf import OmegaConf

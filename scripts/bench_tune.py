@@ -50,10 +50,9 @@ def layer_map(layers: list[str], sliding: list[int]) -> str:
 
 def default_kv() -> str:
     """The default kv preset (conf/config.yaml's defaults list): the format `python -m kvcompress` runs."""
-    for line in (ROOT / "conf" / "config.yaml").read_text().splitlines():
-        if line.strip().startswith("- kv:"):
-            return line.split(":", 1)[1].split("#", 1)[0].strip()
-    raise SystemExit("bench_tune: conf/config.yaml names no default kv preset")
+    from kvcompress.paths import default_presets
+
+    return default_presets()["kv"]
 
 
 def render(r: dict) -> str:

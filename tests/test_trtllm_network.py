@@ -711,7 +711,7 @@ def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tm
     (eng / "config.json").write_text(json.dumps({"bundle": str(tmp_path / "elsewhere")}))
     rc, out = run()
     assert rc == 2 and out.err.count("\n") == 1 and f"{tn.CHECK_FILE} does not exist" in out.err, out.err
-    (eng / "config.json").write_text(json.dumps({"bundle": str(bundle)}))
+    (eng / "config.json").write_text(json.dumps({"bundle": str(bundle), "max_seq_len": 64}))
     rc, out = run()
     assert rc == 2 and out.err.count("\n") == 1 and "tensorrt_llm is not importable" in out.err, out.err
     real_find = be.importlib.util.find_spec
@@ -728,3 +728,14 @@ def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tm
     monkeypatch.setattr(tn, "engine_step", off_by_one)
     rc, out = run("--check-file", str(bundle / tn.CHECK_FILE))
     assert rc == 1 and out.out.startswith("FAIL: the engine vs the validated decoding"), out
+    # a check file from another export (a larger vocabulary) and an engine too short for the tokens: one line, exit 2
+    ids, ref, meta = tn.load_check(bundle / tn.CHECK_FILE)
+    tn.save_check(tmp_path / "other.safetensors", ids, ref | {"idx": ref["idx"] + 10**6}, meta)
+    rc, out = run("--check-file", str(tmp_path / "other.safetensors"))
+    assert rc == 2 and out.err.count("\n") == 1 and "past the engine's vocabulary" in out.err, out.err
+    (eng / "config.json").write_text(json.dumps({"bundle": str(bundle), "max_seq_len": 8}))
+    rc, out = run()
+    assert rc == 2 and out.err.count("\n") == 1 and "more than the engine's max_seq_len 8" in out.err, out.err
+    (eng / "config.json").write_text("{not json")
+    rc, out = run()
+    assert rc == 2 and out.err.count("\n") == 1 and "is not JSON" in out.err, out.err

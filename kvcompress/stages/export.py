@@ -405,9 +405,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
     info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
-            "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)",
-            "engine_check": f"python build_engine.py --tier custom --check engine_custom: the network check's tokens through the engine against the "
-                            f"validated decoding ({no.tn.CHECK_FILE}; not run here)"}
+            "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
         E, k = moe["num_experts"], moe["top_k"]
@@ -437,6 +435,8 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     res = no.check_network(out, Path(hf_dir), lm.model, book, prompt, NETWORK_NEW_TOKENS, kl_tolerance=tol)
     res["kl_tolerance"] = tol
     info["files"].append(res["check_file"])
+    info["engine_check"] = (f"python build_engine.py --tier custom --check engine_custom: the network check's tokens through the engine against "
+                            f"the validated decoding ({res['check_file']}; not run here)")
     ok = res["kl_mean"] <= tol
     checks.add(f"custom-tier network graph (CPU oracle of trtllm_network.decoder_step, reference plugins, fp16 weights) decodes like "
                f"CompressedCache on {res['tokens']} tokens{' crossing into the compressed store' if res['crossed_into_store'] else ''}", ok, res)
@@ -713,8 +713,8 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
             "custom-tier TensorRT-LLM engine": ("build_engine.py --tier custom (network: trtllm_network.py) was not run: no TensorRT-LLM or GPU here; "
                                                 "its graph ran on CPU with the reference plugins (see checks), its TensorRT names were checked "
                                                 "against TensorRT v10.13.3's bindings and its TensorRT-LLM names by reading the source (export/TRTLLM_API_CHECK.md); "
-                                                "on a GPU host, build_engine.py --tier custom --check ENGINE compares the built engine with the validated "
-                                                "decoding on the network check's tokens (plugin_bundle/network_check.safetensors)"),
+                                                "where the export ran the network check, build_engine.py --tier custom --check ENGINE compares the built "
+                                                "engine with the validated decoding on its tokens (plugin_bundle/network_check.safetensors) on a GPU host"),
         },
         "files": _files(out),
     }

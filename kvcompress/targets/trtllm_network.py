@@ -633,6 +633,9 @@ def check_engine(engine_dir: Path, check_file: Path | None = None) -> dict:
     was built from) fed one per step through the engine, compared as check_against_reference does with the CPU oracle."""
     cfg = json.loads((Path(engine_dir) / "config.json").read_text())
     path = Path(check_file) if check_file else Path(cfg["bundle"]) / CHECK_FILE
+    n = len(load_check(path)[0]) - 1
+    if n > cfg["max_seq_len"]:
+        raise ValueError(f"{path} feeds {n} tokens, more than the engine's max_seq_len {cfg['max_seq_len']}: rebuild with --max-seq-len >= {n}")
     return check_against_reference(engine_step(engine_dir, 1), path)
 
 
@@ -733,7 +736,11 @@ def check_against_reference(step, path: Path) -> dict:
     import torch
 
     ids, ref, meta = load_check(path)
-    got = torch.cat([step([tok], [t]).float().reshape(1, -1) for t, tok in enumerate(ids[:-1])])
+    got = step([ids[0]], [0]).float().reshape(1, -1)
+    if int(ref["idx"].max()) >= got.shape[-1]:
+        raise ValueError(f"{path} holds token ids up to {int(ref['idx'].max())}, past the engine's vocabulary of {got.shape[-1]}: "
+                         f"give the network_check.safetensors of the export this engine was built from")
+    got = torch.cat([got] + [step([tok], [t]).float().reshape(1, -1) for t, tok in enumerate(ids[:-1]) if t > 0])
     kl = coarse_kl(ref, got)
     tol = float(meta["kl_tolerance"])
     out = {"tokens": len(ids) - 1, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
