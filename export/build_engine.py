@@ -9,6 +9,10 @@ Custom tier (the kvcompress format; attention = the KvcAppend + KvcDecodeAttenti
         [--hf-dir <the model's HF directory; default: the one the run loaded>] [--max-seq-len 8192] [--max-batch-size 8]
     python build_engine.py --tier custom --run engine_custom --prompt "The capital of France is" --max-new-tokens 32
     python build_engine.py --tier custom --check engine_custom   # the engine against the validated decoding: PASS / FAIL
+Tensor parallel (a model too large for one GPU): --tp N builds rank0..rank<N-1>.engine (each 1/N of the heads and MLP
+columns, all-reduces after attention and MLP); --run and --check then run one process per rank:
+    python build_engine.py --tier custom --bundle export/plugin_bundle --plugin-lib libkvcompress_trt.so --out engine_custom --tp 8
+    mpirun -n 8 python build_engine.py --tier custom --check engine_custom
 --check feeds the export's network-check tokens (plugin_bundle/network_check.safetensors: a prompt that crosses the fp16
 window into the compressed store) through the engine one per step and compares each step's distribution with the
 validated decoding's (CompressedCache), as the export compared the CPU oracle: mean KL within the export's tolerance
@@ -107,9 +111,13 @@ def check(a, tn) -> int:
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
+    missing = [f"rank{r}.engine" for r in range(cfg.get("tp", 1)) if not (eng / f"rank{r}.engine").is_file()]
+    if missing:
+        print(f"error: --check {a.check} is a {cfg['tp']}-rank engine without {', '.join(missing)}", file=sys.stderr)
+        return 2
     try:
         r = tn.check_engine(eng, cfile)
-    except ValueError as e:  # a check file from another export, or more tokens than the engine holds
+    except ValueError as e:  # a check file from another export, more tokens than the engine holds, or not under mpirun -n tp
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{'PASS' if r['pass'] else 'FAIL'}: the engine vs the validated decoding on {r['tokens']} tokens: mean KL {r['kl_mean']:.2e} "
@@ -161,19 +169,25 @@ def custom_tier(a) -> int:
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
-    mem = tn.engine_memory(spec, hf_dir, a.max_batch_size, a.max_seq_len)
+    try:
+        tn.check_tp(spec, a.tp)
+    except tn.WeightsMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mem = tn.engine_memory(spec, hf_dir, a.max_batch_size, a.max_seq_len, a.tp)
     total = gpu_bytes()
     if total is not None and mem["weights_bytes"] + mem["cache_bytes"] > total:
-        print(f"error: the custom-tier engine needs {tn.memory_line(mem)}, more than this GPU's {tn.size(total)} (the network has "
-              f"no tensor parallelism): lower --max-batch-size / --max-seq-len, or serve the native tier (trtllm_ckpt/tp<N>)", file=sys.stderr)
+        print(f"error: the custom-tier engine needs {tn.memory_line(mem)}, more than this GPU's {tn.size(total)}: raise --tp (it "
+              f"divides the weights and the cache across GPUs), lower --max-batch-size / --max-seq-len, or serve the native tier", file=sys.stderr)
         return 2
     print(f"custom-tier engine: {tn.memory_line(mem)}" + (f" of {tn.size(total)}" if total else "") + ", before TensorRT's activations and workspace")
     try:
-        out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits)
+        out = tn.build_engine(Path(a.bundle), hf_dir, Path(a.plugin_lib), Path(a.out), a.max_batch_size, a.max_seq_len, a.splits, a.tp)
     except tn.WeightsMismatch as e:  # a --hf-dir that is not the model the bundle was exported for
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"custom-tier engine written to {out}; run it: python {Path(__file__).name} --tier custom --run {out} --prompt '...'")
+    launch = f"mpirun -n {a.tp} " if a.tp > 1 else ""
+    print(f"custom-tier engine written to {out}; run it: {launch}python {Path(__file__).name} --tier custom --run {out} --prompt '...'")
     return 0
 
 
@@ -196,6 +210,8 @@ def main() -> int:
     ap.add_argument("--bundle", help="custom tier: export/plugin_bundle")
     ap.add_argument("--hf-dir", help="custom tier: the model's HF directory (default: network.json's weights.hf_dir)")
     ap.add_argument("--plugin-lib", help="custom tier: libkvcompress_trt.so built for this GPU")
+    ap.add_argument("--tp", type=positive, default=1, help="custom tier: tensor-parallel GPUs (a divisor of the model's kv heads; "
+                    "--run / --check then under mpirun -n TP)")
     ap.add_argument("--splits", type=positive, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
     ap.add_argument("--run", help="custom tier: an engine directory to generate with")
     ap.add_argument("--prompt", action="append", help="custom tier --run: a prompt (repeat for a batch)")

@@ -208,8 +208,8 @@ class ExportConfig(Frozen):
     recheck_rel_tol: float = Field(0.1, ge=0)
     recheck_abs_tol: float = Field(1e-4, ge=0)
     # memory of the GPU the exports are for (GB): the run warns when the largest of tp_sizes puts more TensorRT-LLM checkpoint
-    # weights on each GPU, and when the custom-tier engine (one GPU) needs more for its fp16 weights and one 8K sequence's
-    # cache (build_engine.py checks the real GPU)
+    # weights on each GPU, and when the custom-tier engine needs more for its fp16 weights and one 8K sequence's cache even
+    # split over 8 GPUs (the export plans the fewest of 1, 2, 4, 8 that hold it; build_engine.py checks the real GPU)
     gpu_memory_gb: float = Field(80, gt=0)
 
     @field_validator("tp_sizes")

@@ -37,7 +37,7 @@ LAYER_SUBCLASS = {"reshape_dims": "IShuffleLayer", "axes": "ISoftMaxLayer"}  # p
 # TensorRT-LLM: receiver -> (file, class); imported names -> (file, qualname)
 TRTLLM_RECEIVERS = {"builder": ("tensorrt_llm/builder.py", "Builder"), "network": ("tensorrt_llm/network.py", "Network"),
                     "config": ("tensorrt_llm/builder.py", "BuilderConfig"), "session": ("tensorrt_llm/runtime/session.py", "Session")}
-TRTLLM_IMPORTS = {"tensorrt_llm.builder": "tensorrt_llm/builder.py", "tensorrt_llm.network": "tensorrt_llm/network.py",
+TRTLLM_IMPORTS = {"tensorrt_llm.builder": "tensorrt_llm/builder.py", "tensorrt_llm.network": "tensorrt_llm/network.py", "tensorrt_llm._utils": "tensorrt_llm/_utils.py",
                   "tensorrt_llm.functional": "tensorrt_llm/functional.py", "tensorrt_llm.runtime.session": "tensorrt_llm/runtime/session.py"}
 
 
@@ -182,6 +182,9 @@ def check_trtllm(uses: dict, trtllm_src: Path) -> list[tuple[str, bool, str]]:
                     bad = [a for a in arities if a and (a[0] > len(fields) or any(k not in fields for k in a[1]))]
                     rows.append((label, not bad, f"dataclass fields {fields}" if fields else "no __init__: takes no arguments"))
                     continue
+            elif name not in members and name in fields + [t.id for n in top.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]:
+                rows.append((label, True, "class attribute"))  # an enum member (AllReduceStrategy.NCCL) or a field
+                continue
             elif name in members:
                 fn = members[name]
                 decos = {dotted(d) for d in fn.decorator_list}

@@ -57,6 +57,9 @@ SIGS = {
             @property
             def trt_network(self):
                 return self._n
+            @property
+            def plugin_config(self):
+                return self._p
         def net_guard(network):
             pass
         """,
@@ -67,6 +70,20 @@ SIGS = {
             @property
             def trt_tensor(self):
                 return self._t
+        class AllReduceStrategy(IntEnum):
+            NCCL = 0
+            AUTO = 3
+        class AllReduceParams:
+            def __init__(self, strategy=AllReduceStrategy.AUTO, fusion_op=None, bias=None, residual=None):
+                pass
+        def allreduce(tensor, group, all_reduce_params=None):
+            pass
+        """,
+    "tensorrt_llm/_utils.py": """
+        def mpi_rank():
+            pass
+        def mpi_world_size():
+            pass
         """,
     "tensorrt_llm/runtime/session.py": """
         from dataclasses import dataclass
@@ -127,8 +144,10 @@ def test_a_missing_tensorrt_binding_fails(tmp_path, drop):
     (("tensorrt_llm/builder.py", "strongly_typed=True, **kwargs", "**kwargs"), False),  # **kwargs takes strongly_typed=
     (("tensorrt_llm/builder.py", "strongly_typed=True, **kwargs", "other=True"), True),
     (("tensorrt_llm/network.py", "def net_guard(network)", "def other_guard(network)"), True),
+    (("tensorrt_llm/functional.py", "NCCL = 0", "ONESHOT = 4"), True),  # the all-reduce strategy the tensor-parallel graph names
+    (("tensorrt_llm/functional.py", "def allreduce(tensor, group, all_reduce_params=None)", "def allreduce(tensor, group)"), True),
     (("tensorrt_llm/version.py", "1.2.1", "1.3.0"), True),
-], ids=["run-arity", "kwargs-absorbs", "missing-keyword", "missing-function", "version"])
+], ids=["run-arity", "kwargs-absorbs", "missing-keyword", "missing-function", "missing-enum-member", "allreduce-arity", "version"])
 def test_a_trtllm_signature_that_cannot_take_the_call_fails(tmp_path, patch, fails):
     r = _run("--trtllm-src", _llm_tree(tmp_path, patch))
     assert (r.returncode == 1) == fails and ("FAIL" in r.stdout) == fails, r.stdout

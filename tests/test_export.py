@@ -309,10 +309,16 @@ def test_value_rotation_folded_into_the_weights_ships_in_the_custom_tier(tmp_pat
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     assert "folded into W_v and W_o" in manifest["artifacts"]["plugin_bundle"]["value_rotation"]
-    # the one-GPU engine's memory, said at export: every weight as fp16, and a warning past export.gpu_memory_gb
+    # the engine's memory per GPU, said at export: every weight as fp16, at the most tensor-parallel GPUs (the tiny model's 2 kv
+    # heads) since none holds it, and a warning past export.gpu_memory_gb
+    from kvcompress.targets import trtllm_network as tn
+
     mem = manifest["artifacts"]["plugin_bundle"]["network"]["engine_memory"]
-    assert mem["weights_bytes"] == 2 * sum(t.numel() for f in ckpt.glob("*.safetensors") for t in load_torch(str(f)).values())
-    assert mem["gpus"] == 1 and mem["cache_bytes"] > 0 and not mem["fits"]
+    spec = json.loads((run / "export" / "plugin_bundle" / "network.json").read_text())
+    whole = tn.engine_memory(spec, ckpt, 1, mem["max_seq_len"])
+    assert whole["weights_bytes"] == 2 * sum(t.numel() for f in ckpt.glob("*.safetensors") for t in load_torch(str(f)).values())
+    assert mem["gpus"] == mem["tp"] == 2 and 0 < mem["cache_bytes"] < whole["cache_bytes"] and mem["weights_bytes"] < whole["weights_bytes"]
+    assert not mem["fits"] and "--out engine_custom --tp 2" in manifest["artifacts"]["plugin_bundle"]["network"]["build"]
     assert "the custom-tier engine needs fp16 weights" in p.stdout + p.stderr and "more than a 1e-06 GB GPU holds" in p.stdout + p.stderr
     # the native tier's weights per GPU, as written (the largest rank file), and the advice, said before profiling and after writing
     trt = manifest["artifacts"]["trtllm_ckpt"]

@@ -619,7 +619,7 @@ def test_engine_memory_counts_the_graphs_fp16_weights_and_its_cache_buffers(tmp_
 
 def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path, monkeypatch, capsys):
     """build_engine.py --tier custom states the engine's weights and cache, and stops with one line and exit 2 when they exceed
-    the GPU's memory (the network is one GPU); within it, it goes on to the build (faked here: TensorRT-LLM is not installable)."""
+    the GPU's memory (naming --tp, which divides them across GPUs); within it, it goes on to the build (faked here: TensorRT-LLM is not installable)."""
     import importlib.util as iu
 
     lm = tiny_lm("llama")
@@ -642,7 +642,7 @@ def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path
     monkeypatch.setattr(be, "gpu_bytes", lambda: need - 1)
     assert be.main() == 2 and not built
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: the custom-tier engine needs fp16 weights") and "no tensor parallelism" in err, err
+    assert err.count("\n") == 1 and err.startswith("error: the custom-tier engine needs fp16 weights") and "raise --tp" in err, err
     monkeypatch.setattr(be, "gpu_bytes", lambda: need)
     assert be.main() == 0 and len(built) == 1
     assert "custom-tier engine: fp16 weights" in capsys.readouterr().out
@@ -739,3 +739,123 @@ def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tm
     (eng / "config.json").write_text("{not json")
     rc, out = run()
     assert rc == 2 and out.err.count("\n") == 1 and "is not JSON" in out.err, out.err
+
+
+def _routed(lm):
+    """Random-init routers are near-uniform and Qwen2-MoE's shared-expert gate near 0.5: make both matter (as the MoE tests above)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            mlp = getattr(layer, "block_sparse_moe", None) or layer.mlp
+            if hasattr(mlp, "gate") and hasattr(mlp.gate, "weight"):
+                mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.5)
+            if hasattr(mlp, "shared_expert_gate"):
+                mlp.shared_expert_gate.weight.copy_(torch.randn(mlp.shared_expert_gate.weight.shape, generator=g) * 0.5)
+                mlp.shared_expert.down_proj.weight.mul_(4.0)
+    return lm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_graph_decodes_like_the_validated_cache(tmp_path, arch):
+    """build_engine.py --tp 2: each rank holds half the query and kv heads (with their plugin constants and cache buffers)
+    and half of each MLP's, expert's and shared expert's intermediate columns; all-reduces add the ranks' partial sums after
+    the attention's and the MLP's output projections. The two ranks, run as the oracle's threads, decode like
+    CompressedCache as closely as one rank does (Qwen2: q/k/v biases split with their heads; Mixtral and Qwen2-MoE:
+    replicated routers, split experts), and pass the engine check against the export's check file."""
+    lm = tiny_lm(arch)
+    if "moe" in arch or arch == "mixtral":
+        _routed(lm)
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    one = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, kl_tolerance=1e-5)
+    two = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, tp=2)
+    assert two["crossed_into_store"] and two["tokens"] == one["tokens"]
+    assert two["kl_mean"] < 1e-5 and two["max_abs_logit_diff"] < 0.02 and two["kl_mean"] < 2 * one["kl_mean"] + 1e-7, (one, two)
+    spec, P = tn.load_spec(bundle), tn.load_plugin_params(bundle)
+    W = tn.load_hf_weights(hf, spec, P)
+    W0, P0 = tn.shard(W, P, spec, 2, 0)
+    a = spec["arch"]
+    assert W0["0.wq"].shape[0] == a["n_heads"] // 2 * a["head_dim"] and W0["0.wk"].shape[0] == a["n_kv_heads"] // 2 * a["head_dim"]
+    assert P0["k_scale"].shape[1] == a["n_kv_heads"] // 2 and W0["embed"] is W["embed"]
+    r = tn.check_against_reference(no.oracle_step(spec, W, P, 1, one["tokens"] + 2, tp=2), bundle / tn.CHECK_FILE)
+    assert r["pass"] and r["kl_mean"] < 1e-5, r
+
+
+def test_tensor_parallel_ranks_must_line_up(tmp_path, monkeypatch):
+    """Negatives of the tensor-parallel graph: ranks whose kv heads are the other rank's (query head h must read kv head
+    h // G of its own rank's cache) are > 100x the KL; ranks without the all-reduce (each keeps its partial sum) diverge,
+    and the oracle says so instead of returning rank 0's logits; a --tp that does not divide the kv heads is refused in one line."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
+    good = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, tp=2)
+    real = tn.shard
+
+    def crossed(W, P, spec, tp, rank):
+        out, p = real(W, P, spec, tp, rank)
+        other, _ = real(W, P, spec, tp, tp - 1 - rank)
+        return out | {k: other[k] for k in out if k.endswith((".wk", ".wv"))}, p
+
+    monkeypatch.setattr(tn, "shard", crossed)
+    wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, tp=2)
+    assert wrong["kl_mean"] > 100 * max(good["kl_mean"], 1e-7), (wrong["kl_mean"], good["kl_mean"])
+    monkeypatch.setattr(tn, "shard", real)
+    monkeypatch.setattr(tn, "_reduce", lambda g, x, tp: x)
+    with pytest.raises(RuntimeError, match="rank 1's logits differ from rank 0's"):
+        no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, tp=2)
+    spec = tn.load_spec(bundle)
+    with pytest.raises(tn.WeightsMismatch, match=r"^--tp 3 does not divide the model's 2 kv heads; allowed: 1, 2$"):
+        tn.shard({}, {}, spec, 3, 0)
+
+
+def test_engine_memory_per_tensor_parallel_rank(tmp_path):
+    """engine_memory at tp 2 (from the safetensors headers) equals the fp16 constants of one rank's shard (replicated
+    embeddings, norms and head counted whole) and half the cache buffers; the line says each of 2 GPUs."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec = tn.load_spec(bundle)
+    W0, _ = tn.shard(tn.load_hf_weights(hf, spec), {}, spec, 2, 0)
+    one, two = tn.engine_memory(spec, hf, 3, 40), tn.engine_memory(spec, hf, 3, 40, tp=2)
+    assert two["weights_bytes"] == sum(a.nbytes for a in {id(a): a for a in W0.values()}.values()) < one["weights_bytes"]
+    past = no.empty_past(spec, 3, tn.store_capacity(spec, 40), tp=2)
+    assert two["cache_bytes"] == sum(t.numel() * t.element_size() for layer in past for t in layer) + 3 * 2 * 4
+    assert two["tp"] == 2 and "on each of 2 GPUs" in tn.memory_line(two)
+    # the export's plan: the fewest GPUs that hold one sequence's engine, else the most the kv heads allow, said not to fit
+    need = {tp: m["weights_bytes"] + m["cache_bytes"] for tp in (1, 2) for m in [tn.engine_memory(spec, hf, 1, 40, tp)]}
+    assert tn.fewest_gpus(spec, hf, 40, need[1])["tp"] == 1
+    assert tn.fewest_gpus(spec, hf, 40, need[1] - 1) == tn.engine_memory(spec, hf, 1, 40, 2) | {"fits": True}
+    assert tn.fewest_gpus(spec, hf, 40, need[2] - 1) == tn.engine_memory(spec, hf, 1, 40, 2) | {"fits": False}
+
+
+def test_build_engine_tp_is_checked_and_passed_to_the_build(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom --tp N: a tp that does not divide the kv heads is refused in one line (exit 2) before any
+    build; a valid one sizes the per-GPU memory at that tp and reaches the (faked) build, which is told the tp."""
+    import importlib.util as iu
+
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    spec_ = iu.spec_from_file_location("build_engine_under_test_tp", ROOT / "export" / "build_engine.py")
+    be = iu.module_from_spec(spec_)
+    spec_.loader.exec_module(be)
+    real_find = be.importlib.util.find_spec
+    monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    built = []
+    monkeypatch.setattr(tn, "build_engine", lambda *a: built.append(a) or Path(a[3]))
+    monkeypatch.setattr(be, "gpu_bytes", lambda: None)
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    base = ["build_engine.py", "--tier", "custom", "--bundle", str(bundle), "--hf-dir", str(hf), "--plugin-lib", str(lib),
+            "--out", str(tmp_path / "e"), "--max-batch-size", "2", "--max-seq-len", "64"]
+    monkeypatch.setattr(sys, "argv", base + ["--tp", "4"])
+    capsys.readouterr()
+    assert be.main() == 2 and not built
+    err = capsys.readouterr().err
+    assert err == "error: --tp 4 does not divide the model's 2 kv heads; allowed: 1, 2\n", err
+    monkeypatch.setattr(sys, "argv", base + ["--tp", "2"])
+    assert be.main() == 0 and len(built) == 1 and built[0][-1] == 2
+    out = capsys.readouterr().out
+    assert "on each of 2 GPUs" in out and "mpirun -n 2 python build_engine.py --tier custom --run" in out, out

@@ -385,6 +385,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
 
 
 NETWORK_NEW_TOKENS = 8  # generated after the prompt in the network check
+TP_SIZES = (1, 2, 4, 8)  # the custom-tier engine's tensor-parallel sizes the export plans for (one node)
 
 
 def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Checks, layers: list[dict] | None = None) -> dict:
@@ -415,15 +416,19 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                    f"path, not TensorRT-LLM's MoE plugin (its native-tier checkpoint routes sparsely)"}
         log.warning("export: the custom-tier network runs all %d experts on every token (%gx the routed work of top-%d routing); "
                     "the native-tier checkpoint routes sparsely (manifest: plugin_bundle.network.moe_mlp)", E, E / k, k)
-    if hf_dir and any(Path(hf_dir).glob("*.safetensors")):  # what one GPU must hold: the engine has no tensor parallelism
-        mem = tn.engine_memory(spec, Path(hf_dir), 1, min(g.max_position, 8192))
-        gpu = cfg.export.gpu_memory_gb * 1e9
-        fits = mem["weights_bytes"] + mem["cache_bytes"] <= gpu
-        info["engine_memory"] = mem | {"gpus": 1, "gpu_memory_gb": cfg.export.gpu_memory_gb, "fits": fits,
-                                       "note": "build_engine.py refuses an engine larger than its GPU; TensorRT's activations and workspace come on top"}
+    if hf_dir and any(Path(hf_dir).glob("*.safetensors")):  # what each GPU must hold, at the fewest tensor-parallel GPUs that hold it
+        mem = tn.fewest_gpus(spec, Path(hf_dir), min(g.max_position, 8192), cfg.export.gpu_memory_gb * 1e9, TP_SIZES)
+        fits = mem.pop("fits")
+        info["engine_memory"] = mem | {"gpus": mem["tp"], "gpu_memory_gb": cfg.export.gpu_memory_gb, "fits": fits,
+                                       "note": "the fewest tensor-parallel GPUs (build_engine.py --tp) that hold the fp16 weights and one "
+                                               "sequence's cache; build_engine.py refuses an engine larger than its GPU; TensorRT's "
+                                               "activations and workspace come on top"}
+        if mem["tp"] > 1:
+            info["build"] = info["build"].replace("--out engine_custom", f"--out engine_custom --tp {mem['tp']}")
         if not fits:
-            log.warning("export: the custom-tier engine needs %s, more than a %g GB GPU holds (export.gpu_memory_gb; the network has no "
-                        "tensor parallelism, the native tier's trtllm_ckpt/tp<N> is split across GPUs)", tn.memory_line(mem), cfg.export.gpu_memory_gb)
+            log.warning("export: the custom-tier engine needs %s, more than a %g GB GPU holds (export.gpu_memory_gb) even split over "
+                        "its most tensor-parallel GPUs (a divisor of its %d kv heads up to %d)", tn.memory_line(mem), cfg.export.gpu_memory_gb,
+                        g.n_kv_heads, TP_SIZES[-1])
     if lm.streamer is not None or not hf_dir or not any(Path(hf_dir).glob("*.safetensors")):
         why = "streamed model: the CPU oracle would hold every layer" if lm.streamer is not None else "no HF weights directory (model built in code)"
         checks.skip("custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache", why)
@@ -435,7 +440,8 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     res = no.check_network(out, Path(hf_dir), lm.model, book, prompt, NETWORK_NEW_TOKENS, kl_tolerance=tol)
     res["kl_tolerance"] = tol
     info["files"].append(res["check_file"])
-    info["engine_check"] = (f"python build_engine.py --tier custom --check engine_custom: the network check's tokens through the engine against "
+    tp = (info.get("engine_memory") or {}).get("tp", 1)
+    info["engine_check"] = (f"{f'mpirun -n {tp} ' if tp > 1 else ''}python build_engine.py --tier custom --check engine_custom: the network check's tokens through the engine against "
                             f"the validated decoding ({res['check_file']}; not run here)")
     ok = res["kl_mean"] <= tol
     checks.add(f"custom-tier network graph (CPU oracle of trtllm_network.decoder_step, reference plugins, fp16 weights) decodes like "

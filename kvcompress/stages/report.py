@@ -16,7 +16,7 @@ from kvcompress.report_schema import Report
 
 def gpu_memory_lines(export: dict) -> list[str]:
     """What each GPU must hold, from the export's manifest: the TensorRT-LLM checkpoint's weights per GPU at each tp size
-    (with the advice when the largest exceeds export.gpu_memory_gb) and the custom-tier engine's memory on its one GPU."""
+    (with the advice when the largest exceeds export.gpu_memory_gb) and the custom-tier engine's memory on each of its GPUs."""
     from kvcompress.targets.trtllm_network import memory_line, size
 
     arts, out = export.get("artifacts", {}), []

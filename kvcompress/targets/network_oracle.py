@@ -11,7 +11,10 @@ expert routing), tied embeddings -- is the validated model's; what it cannot sho
 from __future__ import annotations
 
 import json
+import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +32,10 @@ class TorchGraph:
     """decoder_step's ops, eagerly, in the dtypes the TensorRT network declares. `spec` (network.json):
     which variant each plugin namespace runs (the grouped family's value options are not in the buffers' shapes)."""
 
-    def __init__(self, spec: dict | None = None):
+    def __init__(self, spec: dict | None = None, reduce=None):
         spec = spec or {}
         self.variants = {tn.NAMESPACE: spec.get("variant")} | {v["namespace"]: v for v in spec.get("layers") or []}
+        self.reduce = reduce  # tensor parallelism: this rank's all-reduce (AllReduce.for_rank)
 
     def const(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(arr))
@@ -91,6 +95,11 @@ class TorchGraph:
     def topk_last(self, x, k: int):
         v, i = torch.topk(x, k, dim=-1)  # ITopKLayer: values, int32 indices
         return v, i.to(torch.int32)
+
+    def allreduce(self, x, tp: int):
+        if self.reduce is None:
+            raise RuntimeError(f"an all-reduce over {tp} ranks in a graph built without ranks (oracle_step(tp=...))")
+        return self.reduce(x)
 
     def plugin(self, name: str, inputs: list, fields: dict, n_out: int, namespace: str = tn.NAMESPACE):
         # the reference ops read the static family's format from the buffers' shapes and dtypes, the grouped family's from its variant
@@ -175,35 +184,72 @@ def network_spec(book, variant: dict, hf_config, geom, identity: dict, splits: i
     }
 
 
-def empty_past(spec: dict, B: int, cap: int) -> list[list[torch.Tensor]]:
+def empty_past(spec: dict, B: int, cap: int, tp: int = 1) -> list[list[torch.Tensor]]:
+    """The zeroed cache buffers of B sequences (one rank's heads at tp > 1)."""
     a = spec["arch"]
     out = []
     for i in range(a["n_layers"]):
-        tails = tn.cache_tails(tn.layer_variant(spec, i), a["n_kv_heads"], a["head_dim"], cap)
+        tails = tn.cache_tails(tn.layer_variant(spec, i), a["n_kv_heads"] // tp, a["head_dim"], cap)
         out.append([torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.cache_names(tn.layer_variant(spec, i))])
     return out
 
 
-def oracle_step(spec: dict, W: dict, P: dict, B: int, max_seq_len: int, splits: int = 1):
-    """The engine's step(ids [B], lens [B]) -> logits [B, V] on the CPU oracle, with its own zeroed cache buffers."""
+class AllReduce:
+    """The oracle's stand-in for NCCL between its rank threads: each rank deposits its partial sum, waits for the others,
+    and takes the sum, formed in float32 in rank order and rounded once to the partials' dtype (NCCL's own reduction
+    order and fp16 rounding are not modelled: they differ from this by fp16 rounding)."""
+
+    def __init__(self, tp: int):
+        self.slots, self.barrier = [None] * tp, threading.Barrier(tp)
+
+    def for_rank(self, rank: int):
+        def reduce(x):
+            self.slots[rank] = x
+            self.barrier.wait()
+            total = torch.stack([s.float() for s in self.slots]).sum(0).to(x.dtype)
+            self.barrier.wait()  # every rank has read the slots before any deposits its next partial
+            return total
+
+        return reduce
+
+
+def oracle_step(spec: dict, W: dict, P: dict, B: int, max_seq_len: int, splits: int = 1, tp: int = 1):
+    """The engine's step(ids [B], lens [B]) -> logits [B, V] on the CPU oracle, with its own zeroed cache buffers.
+    tp > 1: the tensor-parallel engine's tp ranks, each its part of W and P (trtllm_network.shard) and its heads' buffers,
+    run as threads that meet at each all-reduce (AllReduce); the ranks' logits must agree, and rank 0's are returned."""
     cap = tn.store_capacity(spec, max_seq_len)
-    state = {"past": empty_past(spec, B, cap)}
-    g = TorchGraph(spec)
+    parts = [tn.shard(W, P, spec, tp, r) for r in range(tp)]
+    state = {"past": [empty_past(spec, B, cap, tp) for _ in range(tp)]}
+    reducer = AllReduce(tp)
+    graphs = [TorchGraph(spec, reducer.for_rank(r) if tp > 1 else None) for r in range(tp)]
+    pool = ThreadPoolExecutor(tp, thread_name_prefix="oracle_rank") if tp > 1 else None
 
-    @torch.no_grad()
+    def rank_step(r, ids, lens):
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                return tn.decoder_step(graphs[r], spec, *parts[r], ids, lens, state["past"][r], cap, splits, max_seq_len, tp)
+        except BaseException:
+            reducer.barrier.abort()  # the other ranks stop waiting at the all-reduce (BrokenBarrierError) instead of hanging
+            raise
+
     def step(ids, lens):
-        logits, present = tn.decoder_step(g, spec, W, P, torch.tensor(ids, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                                          state["past"], cap, splits, max_seq_len)
-        state["past"] = present  # past and present are the same buffers on the engine
-        return logits
+        ids, lens = torch.tensor(ids, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        outs = [rank_step(0, ids, lens)] if tp == 1 else [f.result() for f in [pool.submit(rank_step, r, ids, lens) for r in range(tp)]]
+        for r, (logits, _) in enumerate(outs[1:], 1):
+            if not torch.equal(logits, outs[0][0]):
+                raise RuntimeError(f"tensor-parallel rank {r}'s logits differ from rank 0's: the ranks' residual streams diverged")
+        state["past"] = [present for _, present in outs]  # past and present are the same buffers on the engine
+        return outs[0][0]
 
+    if pool is not None:
+        weakref.finalize(step, pool.shutdown, wait=False)
     return step
 
 
-def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1):
+def oracle_generate(spec: dict, W: dict, P: dict, seqs: list[list[int]], max_new_tokens: int, max_seq_len: int, splits: int = 1, tp: int = 1):
     """The engine's greedy loop on the CPU oracle: (token lists, logits [steps, B, V])."""
     with torch.no_grad():
-        return tn.greedy_loop(oracle_step(spec, W, P, len(seqs), max_seq_len, splits), seqs, max_new_tokens)
+        return tn.greedy_loop(oracle_step(spec, W, P, len(seqs), max_seq_len, splits, tp), seqs, max_new_tokens)
 
 
 @torch.no_grad()
@@ -218,17 +264,19 @@ def validated_logits(model, book, ids: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int], max_new_tokens: int, kl_tolerance: float | None = None) -> dict:
+def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int], max_new_tokens: int, kl_tolerance: float | None = None,
+                  tp: int = 1) -> dict:
     """Oracle (the network graph, reference plugins, fp16 weights) vs CompressedCache decoding of the
     same tokens: per-step KL(validated || oracle), top-1 agreement, and whether the tokens crossed the
     window into the compressed store. With kl_tolerance (the export's), the tokens and the validated decoding's
-    distributions are written to the bundle (trtllm_network.CHECK_FILE) for the engine's check on a GPU host."""
+    distributions are written to the bundle (trtllm_network.CHECK_FILE) for the engine's check on a GPU host. tp: the graph
+    as tp tensor-parallel ranks (oracle_step)."""
     t0 = time.time()
     spec = tn.load_spec(bundle)
     P = tn.load_plugin_params(bundle)
     W = tn.load_hf_weights(hf_dir, spec, P)
     n = len(prompt_ids) + max_new_tokens
-    toks, logits = oracle_generate(spec, W, P, [prompt_ids], max_new_tokens, max_seq_len=n + 1)
+    toks, logits = oracle_generate(spec, W, P, [prompt_ids], max_new_tokens, max_seq_len=n + 1, tp=tp)
     ref_logits = validated_logits(model, book, toks[0][:-1])
     got = logits[:, 0]
     lp, lq = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(got.double(), -1)  # float64: KLs near 1e-7 on tiny models

@@ -21,6 +21,14 @@ A per-layer format (kv=auto) gives each layer its own variant (network.json `lay
 buffers have its variant's shapes and its plugins are the ones registered under the variant's
 namespace (kvcompress.<variant>, all in one plugin library).
 
+Tensor parallelism (build_engine --tp N, `shard`): rank r's engine holds the r-th N-th of the attention heads (query
+and kv heads, contiguous, so its query heads read exactly its kv heads: query head h reads kv head h // G) with their
+plugin constants and cache buffers, and the r-th N-th of the MLP's intermediate columns (each expert's, and the shared
+expert's); the attention output projection and the MLP's down projection leave partial sums that an all-reduce adds
+across the ranks (TensorRT-LLM's AllReduce plugin, NCCL strategy). Embeddings, norms, routers and lm_head are
+replicated. The engines run one process per rank (mpirun -n N). The CPU oracle runs the ranks as threads with a summing
+barrier in place of NCCL (network_oracle.oracle_step(tp=N)).
+
 This file is copied into the plugin bundle next to build_engine.py; it imports only numpy at
 module level (torch, tensorrt, tensorrt_llm, safetensors inside the functions that need them).
 """
@@ -127,6 +135,45 @@ def store_capacity(spec: dict, max_seq_len: int) -> int:
     return -(-n // gt) * gt  # the grouped family stores whole key groups
 
 
+# plugin_params with one row per kv head (axis 1 of [L, H_kv, ...]): each rank takes its heads' rows
+HEAD_PARAMS = ("k_scale", "k_zero", "k_zero_masked", "outlier_idx", "k_bits", "k_offsets")
+# load_hf_weights' names -> the axis a rank takes its part of (dense / mixture-of-experts layers); any other name is replicated
+SPLIT_AXIS = {"wq": 0, "wk": 0, "wv": 0, "bq": 1, "bk": 1, "bv": 1, "wo": 1, "wg": 0, "wu": 0, "wd": 1, "sg": 0, "su": 0, "sd": 1}
+SPLIT_AXIS_MOE = SPLIT_AXIS | {"wg": 1, "wu": 1, "wd": 2}  # experts [E, I, hidden] and [E, hidden, I]: each expert's columns
+# the HF tensors a rank holds a part of (engine_memory's count): attention projections and MLP / expert projections
+SPLIT_TENSORS = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)\.(weight|bias)$"
+                           r"|\.experts\.(gate_up_proj|down_proj)$")
+
+
+def check_tp(spec: dict, tp: int) -> None:
+    """Refuse a tensor-parallel size that does not divide the model's kv heads (each rank holds whole kv heads with their
+    query heads: TensorRT-LLM's kv-head replication for tp > kv heads is not in this network)."""
+    hkv = spec["arch"]["n_kv_heads"]
+    if tp < 1 or hkv % tp:
+        ok = ", ".join(str(n) for n in range(1, hkv + 1) if hkv % n == 0)
+        raise WeightsMismatch(f"--tp {tp} does not divide the model's {hkv} kv heads; allowed: {ok}")
+
+
+def shard(W: dict[str, np.ndarray], P: dict[str, np.ndarray], spec: dict, tp: int, rank: int) -> tuple[dict, dict]:
+    """Rank `rank`'s part of the weights (load_hf_weights' names) and plugin constants for tensor parallelism over tp
+    ranks: the SPLIT_AXIS tensors cut in tp equal parts along their axis (query / kv heads, intermediate columns), the
+    rest shared (the same arrays); HEAD_PARAMS cut along their kv-head axis."""
+    if tp == 1:
+        return W, P
+    check_tp(spec, tp)
+    axes = SPLIT_AXIS_MOE if spec["arch"].get("moe") else SPLIT_AXIS
+    out = {}
+    for name, arr in W.items():
+        axis = axes.get(name.rsplit(".", 1)[-1]) if "." in name else None
+        if axis is None:
+            out[name] = arr
+            continue
+        if arr.shape[axis] % tp:
+            raise WeightsMismatch(f"{name} has {arr.shape[axis]} rows along its split axis {axis}, not divisible by --tp {tp}")
+        out[name] = np.ascontiguousarray(np.split(arr, tp, axis=axis)[rank])
+    return out, {n: np.ascontiguousarray(np.split(a, tp, axis=1)[rank]) if n in HEAD_PARAMS else a for n, a in P.items()}
+
+
 FP8_METADATA = ("_scale_inv", "_scale")  # an FP8 checkpoint's scale tensors: read to dequantize the weights, not constants of the network
 
 
@@ -136,19 +183,30 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
-def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int) -> dict:
-    """Device bytes the custom-tier engine needs at least on its one GPU (this network has no tensor parallelism):
+def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp: int = 1) -> dict:
+    """Device bytes the custom-tier engine needs at least on each of its tp GPUs:
     weights: every text-decoder tensor of the HF directory as an fp16 constant (2 bytes per element whatever its stored
     dtype: load_hf_weights casts bf16 and dequantizes FP8 to fp16; FP8 scale tensors are not constants; a tied head
-    counted once), read from the safetensors headers; cache: the past buffers of max_batch sequences of max_seq_len tokens
-    (engine_io; present aliases past). TensorRT's activations and workspace come on top."""
+    counted once), read from the safetensors headers, the projections a rank holds a tp-th of (SPLIT_TENSORS) divided by tp;
+    cache: the past buffers of max_batch sequences of max_seq_len tokens (engine_io at tp; present aliases past).
+    TensorRT's activations and workspace come on top."""
     shapes = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
     shapes = text_decoder_tensors(shapes)  # a multimodal checkpoint: its text decoder's tensors
-    weights = 2 * sum(int(np.prod(s)) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
-    per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len)).values())
-    return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len}
+    weights = 2 * sum(int(np.prod(s)) // (tp if SPLIT_TENSORS.search(k) else 1) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
+    per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len), tp).values())
+    return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len, "tp": tp}
+
+
+def fewest_gpus(spec: dict, hf_dir: Path, max_seq_len: int, gpu_bytes: float, sizes=(1, 2, 4, 8)) -> dict:
+    """engine_memory of one sequence at the smallest tensor-parallel size in `sizes` (those dividing the kv heads) whose
+    per-GPU weights and cache fit gpu_bytes, with "fits": True; else at the largest such size, "fits": False."""
+    for tp in (t for t in sizes if spec["arch"]["n_kv_heads"] % t == 0):
+        mem = engine_memory(spec, hf_dir, 1, max_seq_len, tp)
+        if mem["weights_bytes"] + mem["cache_bytes"] <= gpu_bytes:
+            return mem | {"fits": True}
+    return mem | {"fits": False}
 
 
 def size(n: float) -> str:
@@ -158,7 +216,9 @@ def size(n: float) -> str:
 
 def memory_line(mem: dict) -> str:
     """engine_memory in one line."""
-    return f"fp16 weights {size(mem['weights_bytes'])} + cache {size(mem['cache_bytes'])} ({mem['max_batch']} sequence{'s' if mem['max_batch'] != 1 else ''} x {mem['max_seq_len']} tokens) on one GPU"
+    tp = mem.get("tp", 1)
+    where = "on one GPU" if tp == 1 else f"on each of {tp} GPUs (tensor parallel)"
+    return f"fp16 weights {size(mem['weights_bytes'])} + cache {size(mem['cache_bytes'])} ({mem['max_batch']} sequence{'s' if mem['max_batch'] != 1 else ''} x {mem['max_seq_len']} tokens) {where}"
 
 
 def rope_tables(inv_freq: np.ndarray, n_pos: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -433,11 +493,19 @@ def _moe_mlp(g, h, W, i: int, hidden: int, k: int, renormalize: bool = True):
     return out if shared is None else g.add(out, shared)
 
 
-def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int):
+def _reduce(g, x, tp: int):
+    """x summed over the tp ranks (tensor parallelism: each rank's output projection gives a partial sum); x itself at tp 1."""
+    return g.allreduce(x, tp) if tp > 1 else x
+
+
+def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarray], ids, lens, past: list[list], cap: int, splits: int, n_pos: int,
+                 tp: int = 1):
     """One generation step: ids [B] int32, lens [B] int32 (tokens cached before this one), past[layer] =
-    the layer's cache buffers (cache_names). Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs)."""
+    the layer's cache buffers (cache_names). Returns (logits [B, V] float32, present[layer] = KvcAppend's 9 outputs).
+    tp > 1: one rank's step, W and P its part (`shard`), past its heads' buffers; g.allreduce adds the ranks' partial
+    sums after the attention's and the MLP's output projections."""
     a = spec["arch"]
-    H, HKV, D, L = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["n_layers"]
+    H, HKV, D, L = a["n_heads"] // tp, a["n_kv_heads"] // tp, a["head_dim"], a["n_layers"]
     eps = float(a["rms_eps"])
     cos_t, sin_t = rope_tables(np.asarray(spec["rope_inv_freq"], np.float32), n_pos, float(spec.get("rope_scale", 1.0)))
     R = g.const(rotate_half_matrix(D))
@@ -469,10 +537,10 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         att = g.plugin("KvcDecodeAttention", [q, *rd, *new, lens1],
                        {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1, ns)[0]
         att = g.reshape(g.cast(att, "float16"), (0, H * D))
-        x = g.add(x, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True))
+        x = g.add(x, _reduce(g, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True), tp))
         h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
         moe = a.get("moe")
-        x = g.add(x, _moe_mlp(g, h, W, i, a["hidden"], moe["top_k"], moe.get("normalization_mode", 1) == 1) if moe else _mlp(g, h, W, i))
+        x = g.add(x, _reduce(g, _moe_mlp(g, h, W, i, a["hidden"], moe["top_k"], moe.get("normalization_mode", 1) == 1) if moe else _mlp(g, h, W, i), tp))
         present.append(new)
     x = _rms_norm(g, x, W["norm"], eps)
     return g.cast(g.matmul(x, g.const(W["lm_head"]), transpose_b=True), "float32"), present
@@ -484,10 +552,11 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
 class TrtGraph:
     """decoder_step's ops as TensorRT layers on the INetworkDefinition of a TensorRT-LLM Network."""
 
-    def __init__(self, trt_network, registry):
+    def __init__(self, trt_network, registry, network=None):
         import tensorrt as trt
 
         self.trt, self.net, self.registry, self.keep = trt, trt_network, registry, []
+        self.network = network  # TensorRT-LLM's Network (its functional ops, here the all-reduce, add layers to it)
 
     def _dtype(self, name: str):
         return {"float16": self.trt.float16, "float32": self.trt.float32, "int32": self.trt.int32}[name]
@@ -553,23 +622,33 @@ class TrtGraph:
         layer = self.net.add_plugin_v3(inputs, [], plugin)
         return [layer.get_output(j) for j in range(n_out)]
 
+    def allreduce(self, x, tp: int):
+        """x summed over ranks 0..tp-1: TensorRT-LLM's allreduce (its AllReduce plugin; the NCCL strategy takes no
+        workspace input; the sum in the network's plugin_config.nccl_plugin dtype, set to float16 by build_engine)."""
+        from tensorrt_llm.functional import AllReduceParams, AllReduceStrategy, Tensor, allreduce
+
+        t = Tensor(trt_tensor=x, network=self.network, is_network_input=False)
+        return allreduce(t, list(range(tp)), AllReduceParams(strategy=AllReduceStrategy.NCCL)).trt_tensor
+
     def output(self, name: str, x):
         x.name = name
         self.net.mark_output(x)
 
 
-def engine_io(spec: dict, cap: int) -> dict[str, tuple[tuple, str]]:
-    """Engine inputs with their per-sequence shapes (after the batch dimension) and dtypes."""
+def engine_io(spec: dict, cap: int, tp: int = 1) -> dict[str, tuple[tuple, str]]:
+    """Engine inputs with their per-sequence shapes (after the batch dimension) and dtypes (one rank's at tp > 1: its kv heads)."""
     a = spec["arch"]
     io = {"input_ids": ((), "int32"), "lens": ((), "int32")}
     for i in range(a["n_layers"]):
-        for c, (tail, dt) in cache_tails(layer_variant(spec, i), a["n_kv_heads"], a["head_dim"], cap).items():
+        for c, (tail, dt) in cache_tails(layer_variant(spec, i), a["n_kv_heads"] // tp, a["head_dim"], cap).items():
             io[f"past.{i}.{c}"] = (tail, dt)
     return io
 
 
-def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_batch: int, max_seq_len: int, splits: int | None = None) -> Path:
-    """Build the custom-tier engine with TensorRT-LLM's Builder; writes out/rank0.engine and out/config.json."""
+def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_batch: int, max_seq_len: int, splits: int | None = None,
+                 tp: int = 1) -> Path:
+    """Build the custom-tier engine with TensorRT-LLM's Builder; writes out/rank<r>.engine for each of the tp ranks (one
+    process builds them in turn: the AllReduce plugin needs no communicator to build) and out/config.json."""
     import ctypes
     from collections import OrderedDict
 
@@ -580,36 +659,42 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
 
     spec = load_spec(bundle)
     check_max_seq_len(spec, max_seq_len)
+    check_tp(spec, tp)
     P = load_plugin_params(bundle)
     W = load_hf_weights(hf_dir, spec, P)
     cap = store_capacity(spec, max_seq_len)
     splits = splits or spec["splits"]
     ctypes.CDLL(str(plugin_lib), mode=ctypes.RTLD_GLOBAL)  # the library's static registrar adds both creators
     builder = Builder()
-    network = builder.create_network()
     dt = {"float16": trt.float16, "int32": trt.int32, "int8": trt.int8, "uint8": trt.uint8}
     opt = max(1, max_batch // 2)
-    with net_guard(network):
-        g = TrtGraph(network.trt_network, trt.get_plugin_registry())
-        inputs = {}
-        for name, (tail, dtype) in engine_io(spec, cap).items():
-            dims = OrderedDict([("batch_size", [[1, opt, max_batch]])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
-            inputs[name] = Tensor(name=name, dtype=dt[dtype], shape=[-1, *tail], dim_range=dims).trt_tensor
-        past = [[inputs[f"past.{i}.{c}"] for c in cache_names(layer_variant(spec, i))] for i in range(spec["arch"]["n_layers"])]
-        logits, present = decoder_step(g, spec, W, P, inputs["input_ids"], inputs["lens"], past, cap, splits, max_seq_len)
-        g.output("logits", logits)
-        for i, bufs in enumerate(present):
-            for c, t in zip(cache_names(layer_variant(spec, i)), bufs):
-                g.output(f"present.{i}.{c}", t)
-    config = builder.create_builder_config(precision="float16", strongly_typed=True)
-    config.trt_builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # KvcAppend writes in place
-    engine = builder.build_engine(network, config)
-    if engine is None:
-        raise RuntimeError("TensorRT-LLM's Builder.build_engine returned no engine (see the TensorRT log above)")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rank0.engine").write_bytes(bytes(engine))
+    for rank in range(tp):
+        Wr, Pr = shard(W, P, spec, tp, rank)
+        network = builder.create_network()
+        if tp > 1:
+            network.plugin_config.nccl_plugin = "float16"  # the all-reduce's dtype (the residual stream's)
+        with net_guard(network):
+            g = TrtGraph(network.trt_network, trt.get_plugin_registry(), network)
+            inputs = {}
+            for name, (tail, dtype) in engine_io(spec, cap, tp).items():
+                dims = OrderedDict([("batch_size", [[1, opt, max_batch]])] + [(f"{name}.{j}", [n]) for j, n in enumerate(tail)])
+                inputs[name] = Tensor(name=name, dtype=dt[dtype], shape=[-1, *tail], dim_range=dims).trt_tensor
+            past = [[inputs[f"past.{i}.{c}"] for c in cache_names(layer_variant(spec, i))] for i in range(spec["arch"]["n_layers"])]
+            logits, present = decoder_step(g, spec, Wr, Pr, inputs["input_ids"], inputs["lens"], past, cap, splits, max_seq_len, tp)
+            g.output("logits", logits)
+            for i, bufs in enumerate(present):
+                for c, t in zip(cache_names(layer_variant(spec, i)), bufs):
+                    g.output(f"present.{i}.{c}", t)
+        config = builder.create_builder_config(precision="float16", strongly_typed=True)
+        config.trt_builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # KvcAppend writes in place
+        engine = builder.build_engine(network, config)
+        if engine is None:
+            raise RuntimeError(f"TensorRT-LLM's Builder.build_engine returned no engine for rank {rank} (see the TensorRT log above)")
+        (out / f"rank{rank}.engine").write_bytes(bytes(engine))
+        del g, network, engine  # the rank's weight constants
     (out / "config.json").write_text(json.dumps({"kvcompress_custom_tier": spec, "max_batch": max_batch, "max_seq_len": max_seq_len,
-                                                 "cap": cap, "splits": splits, "hf_dir": str(hf_dir), "plugin_lib": str(plugin_lib),
+                                                 "cap": cap, "splits": splits, "tp": tp, "hf_dir": str(hf_dir), "plugin_lib": str(plugin_lib),
                                                  "bundle": str(Path(bundle).resolve())}, indent=2))
     return out
 
@@ -639,9 +724,23 @@ def check_engine(engine_dir: Path, check_file: Path | None = None) -> dict:
     return check_against_reference(engine_step(engine_dir, 1), path)
 
 
+def engine_rank(cfg: dict) -> int:
+    """This process's rank for an engine of cfg["tp"] ranks: 0 at tp 1; else the MPI rank (tensorrt_llm._utils), refused
+    unless the world is the engine's tp (the AllReduce plugin's NCCL communicator spans the MPI world)."""
+    tp = cfg.get("tp", 1)
+    if tp == 1:
+        return 0
+    from tensorrt_llm._utils import mpi_rank, mpi_world_size
+
+    if mpi_world_size() != tp:
+        raise ValueError(f"the engine has {tp} tensor-parallel ranks: run this under mpirun -n {tp} (MPI world size here: {mpi_world_size()})")
+    return mpi_rank()
+
+
 def engine_step(engine_dir: Path, B: int):
     """step(ids [B], lens [B]) -> logits [B, V] float32 (torch, CPU) on a built custom-tier engine with B sequences; the
-    cache buffers are allocated zeroed and bound as past and present alike."""
+    cache buffers are allocated zeroed and bound as past and present alike. A tensor-parallel engine: this process's
+    rank (engine_rank) on GPU rank mod the GPUs it sees; every rank returns the same logits (after the last all-reduce)."""
     import ctypes
 
     import tensorrt as trt
@@ -649,13 +748,16 @@ def engine_step(engine_dir: Path, B: int):
     from tensorrt_llm.runtime.session import Session, TensorInfo
 
     cfg = json.loads((Path(engine_dir) / "config.json").read_text())
-    spec, cap = cfg["kvcompress_custom_tier"], cfg["cap"]
+    spec, cap, tp = cfg["kvcompress_custom_tier"], cfg["cap"], cfg.get("tp", 1)
     if B > cfg["max_batch"]:
         raise ValueError(f"{B} sequences exceed the engine's max_batch {cfg['max_batch']}")
+    rank = engine_rank(cfg)
+    if tp > 1:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     ctypes.CDLL(cfg["plugin_lib"], mode=ctypes.RTLD_GLOBAL)
-    session = Session.from_serialized_engine((Path(engine_dir) / "rank0.engine").read_bytes())
+    session = Session.from_serialized_engine((Path(engine_dir) / f"rank{rank}.engine").read_bytes())
     tdt = {"float16": torch.float16, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8}
-    bufs = {n: torch.zeros((B, *tail), dtype=tdt[d], device="cuda") for n, (tail, d) in engine_io(spec, cap).items()}
+    bufs = {n: torch.zeros((B, *tail), dtype=tdt[d], device="cuda") for n, (tail, d) in engine_io(spec, cap, tp).items()}
     trt_dt = {torch.float16: trt.float16, torch.int32: trt.int32, torch.int8: trt.int8, torch.uint8: trt.uint8}
     session.infer_shapes([TensorInfo(n, trt_dt[t.dtype], tuple(t.shape)) for n, t in bufs.items()])
     logits = torch.empty(B, spec["arch"]["vocab_size"], dtype=torch.float32, device="cuda")
