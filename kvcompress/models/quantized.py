@@ -6,8 +6,11 @@ Optimizer `FP8`, compressed-tensors 8-bit float) are read through the streaming 
 (`<name>_scale_inv`: block-scaled; `<name>_scale`: per tensor or per output channel) into the compute dtype, so every
 stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. GPT-OSS's MXFP4 experts are read the same way,
 dequantized by the streaming reader (mxfp4_weights), or with model.streaming=false loaded in memory by transformers, which
-dequantizes them (its Mxfp4Config(dequantize=True), on any device). Any other weight format (AWQ,
-GPTQ, bitsandbytes, NVFP4, integer compressed-tensors, ...) is refused in one line: transformers' CPU path for them either needs a GPU
+dequantizes them (its Mxfp4Config(dequantize=True), on any device). Integer weight-only compressed-tensors checkpoints in the
+`pack-quantized` format (llm-compressor's W4A16 / W8A16 models: int4 or int8 codes packed in int32 words, a scale per
+output row and group, zero points if asymmetric) are streamed too, dequantized by the reader (int_weights) to
+w = (q - z) * s in the scale's dtype. Any other weight format (AWQ, GPTQ, bitsandbytes, NVFP4, compressed-tensors with
+quantized activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
 quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
 leaves the weights as they are.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from kvcompress.errors import UserError
 
-READ = "fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4"
+READ = "fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4, compressed-tensors pack-quantized integer weights without activation quantization"
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -36,10 +39,29 @@ def weight_block_size(model_dir: Path) -> list[int] | None:
     return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
 
 
+def integer_weight_only(q: dict) -> bool:
+    """A compressed-tensors config whose every group quantizes weights alone to integers of 1..8 bits in the pack-quantized
+    format (per group, per output channel or per tensor), activations unquantized: what int_weights reads."""
+    groups = list((q.get("config_groups") or {}).values())
+    fmt = lambda g: g.get("format") or q.get("format")  # noqa: E731  (a group's own format, else the checkpoint's)
+    return bool(groups) and all(
+        (g.get("weights") or {}).get("type") == "int" and 1 <= int((g.get("weights") or {}).get("num_bits", 0)) <= 8
+        and (g.get("weights") or {}).get("strategy") in ("group", "channel", "tensor") and fmt(g) == "pack-quantized"
+        and not g.get("input_activations") and not g.get("output_activations") for g in groups)
+
+
+def stated_bits(model_dir: Path) -> int | None:
+    """The code width of an integer pack-quantized checkpoint when all its config groups state the same one."""
+    q = quantization_config(model_dir) or {}
+    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
+    return bits.pop() if len(bits) == 1 else None
+
+
 def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
-    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); any other weight format: one-line UserError."""
+    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for compressed-tensors' pack-quantized integer
+    weights without activation quantization (streamed, dequantized by int_weights); any other weight format: one-line UserError."""
     q = quantization_config(model_dir)
     if q is None:
         return None
@@ -59,6 +81,8 @@ def weight_quantization(model_dir: Path) -> str | None:
         weights = [g.get("weights") or {} for g in groups]
         if weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights):
             return "fp8"
+        if weights and integer_weight_only(q):
+            return "int"
     raise UserError(f"model.path={str(model_dir)!r} stores its weights quantized (quantization_config quant_method={method or '?'!r}"
                     f"{', quant_algo=' + repr(q.get('quant_algo')) if q.get('quant_algo') else ''}); kvcompress reads unquantized weights "
                     f"and FP8 ones ({READ}): point it at the unquantized checkpoint")

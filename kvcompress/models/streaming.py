@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
-from kvcompress.models import mxfp4_weights
+from kvcompress.models import int_weights, mxfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
-from kvcompress.models.quantized import weight_block_size, weight_quantization
+from kvcompress.models.quantized import stated_bits, weight_block_size, weight_quantization
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
 HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes,
@@ -83,6 +83,10 @@ class Checkpoint:
         # MXFP4 weights (GPT-OSS's experts): the weight's name -> its stored (blocks, scales), read dequantized (mxfp4_weights)
         self.mxfp4 = {k.removesuffix("_blocks"): pair for k in self.entries if k.endswith("_blocks")
                       and (pair := mxfp4_weights.blocks_name(self.entries, k.removesuffix("_blocks")))}
+        # pack-quantized integer weights (compressed-tensors): the weight's name -> its stored parts, read dequantized (int_weights)
+        self.packed = int_weights.packed_names(self.entries)
+        self.bits = stated_bits(self.dir) if self.packed else None
+        self._packed_shapes: dict[str, list[int]] = {}
 
     def for_model(self, model) -> "Checkpoint":
         """Read tensors under `model`'s own parameter names where transformers converts the stored ones on loading
@@ -115,11 +119,18 @@ class Checkpoint:
         return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries or key in self.converted or key in self.mxfp4
+        return key in self.entries or key in self.converted or key in self.mxfp4 or key in self.packed
 
     def shape(self, key: str) -> list[int]:
         if key in self.mxfp4 and key not in self.entries:
             return mxfp4_weights.shape(list(self.entries[self.mxfp4[key][0]][1]["shape"]))
+        if key in self.packed and key not in self.entries:
+            if key not in self._packed_shapes:  # weight_shape's values: two integers read from the file
+                parts = self.packed[key]
+                if parts["weight_shape"] is None or parts["weight_scale"] is None:
+                    raise UserError(f"checkpoint {str(self.dir)!r}: {parts['weight_packed']!r} has no weight_shape or weight_scale beside it")
+                self._packed_shapes[key] = [int(x) for x in self.read_stored(parts["weight_shape"]).tolist()]
+            return list(self._packed_shapes[key])
         return list(self.entries[key][1]["shape"])
 
     def stored_dtype(self, key: str) -> torch.dtype:
@@ -133,6 +144,14 @@ class Checkpoint:
             b, s = self.mxfp4[key]
             try:
                 return mxfp4_weights.dequantize(self.read_stored(b, lo, hi), self.read_stored(s, lo, hi))
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
+        if key in self.packed and key not in self.entries:
+            parts, shape = self.packed[key], self.shape(key)
+            opt = {p: self.read_stored(parts[p]) if parts[p] else None for p in ("weight_zero_point", "weight_g_idx")}
+            try:
+                return int_weights.dequantize(self.read_stored(parts["weight_packed"], lo, hi), self.read_stored(parts["weight_scale"]), shape,
+                                              opt["weight_zero_point"], opt["weight_g_idx"], self.bits, lo, hi)
             except ValueError as e:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         t = self.read_stored(key, lo, hi)
@@ -578,7 +597,7 @@ def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
     if wq == "mxfp4" and (cfg.streaming is False or cfg.streaming == "false"):
         return False  # in memory: transformers dequantizes the experts (hf_dir)
     if wq:
-        what = "FP8 weights, which kvcompress reads layer by layer" if wq == "fp8" else "MXFP4 experts, which kvcompress reads layer by layer"
+        what = {"fp8": "FP8 weights", "int": "integer (pack-quantized) weights"}.get(wq, "MXFP4 experts") + ", which kvcompress reads layer by layer"
         if cfg.device == "auto":
             raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores {what} on one device, dequantized with their stored "
                             "scales; allowed for it: model.device=cpu or cuda:N" + (" (or model.streaming=false: in memory)" if wq == "mxfp4" else ""))

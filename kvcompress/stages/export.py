@@ -378,6 +378,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
+    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the pack-quantized integer weights
     info = {"variant": variants[0].__dict__, "kernels": kernels}
     if book.spec.is_mixed:
         info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
@@ -405,7 +406,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits, layers)
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
-    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py", "int_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
             "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
@@ -688,9 +689,11 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
                                                               "or re-export with export.native_kv=FP8")
     artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard, hf_fold.weights)
+    _note_int_source(lm, artifacts, ecfg.dtype)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
+    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the pack-quantized integer weights
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {
@@ -791,6 +794,21 @@ def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, 
     }
 
 
+def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
+    """A source with pack-quantized integer weights (models.int_weights) is written dequantized: each checkpoint says so
+    (`source_int_weights`), and the run warns once."""
+    src = lm.streamer.ckpt.dir if lm.streamer is not None else None
+    if src is not None and weight_quantization(src) == "int":
+        note = (f"the source's integer (pack-quantized) weights are written dequantized, (q - z) * s in {dtype}, the values validate "
+                "computed with: kvcompress writes no integer weight format (re-quantize with llm-compressor where the server needs int weights)")
+        for a in artifacts.values():
+            if a.get("tier") == "native":
+                a["source_int_weights"] = note
+        if "hf_ckpt" in artifacts:
+            log.warning("export: %s", note)
+    return artifacts
+
+
 def _text_decoder_note(lm) -> dict:
     """The manifest's word on a multimodal source (models.multimodal): only its text decoder was compressed and written."""
     wrapper = lm.identity.get("text_decoder_of")
@@ -808,7 +826,7 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
     manifest = {
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
-        "artifacts": {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard, weights)},
+        "artifacts": _note_int_source(lm, {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard, weights)}, run.cfg.export.dtype),
         **_text_decoder_note(lm),
         "not_written": {"trtllm_ckpt": f"{export_route(lm.model)[1]}; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with "
                                        "the model's own code"},

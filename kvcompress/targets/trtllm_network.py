@@ -183,6 +183,21 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
+def dense_shapes(shapes: dict, hf_dir: Path) -> dict:
+    """Tensor shapes with each pack-quantized weight (`<m>.weight_packed` int32 [out, words] and its parts) as the weight
+    `<m>.weight` [out, in] the loader makes of it (in = words * 32 / bits, the config's code width), its parts left out."""
+    packed = [k for k in shapes if k.endswith(".weight_packed")]
+    if not packed:
+        return shapes
+    cfg = Path(hf_dir) / "config.json"
+    q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
+    b = bits.pop() if len(bits) == 1 else 4
+    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    out = {k: s for k, s in shapes.items() if k.rsplit(".", 1)[-1] not in parts}
+    return out | {k.removesuffix("_packed"): [shapes[k][0], shapes[k][1] * 32 // b] for k in packed}
+
+
 def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp: int = 1) -> dict:
     """Device bytes the custom-tier engine needs at least on each of its tp GPUs:
     weights: every text-decoder tensor of the HF directory as an fp16 constant (2 bytes per element whatever its stored
@@ -193,7 +208,7 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     shapes = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
-    shapes = text_decoder_tensors(shapes)  # a multimodal checkpoint: its text decoder's tensors
+    shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     weights = 2 * sum(int(np.prod(s)) // (tp if SPLIT_TENSORS.search(k) else 1) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
     per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len), tp).values())
     return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len, "tp": tp}
@@ -302,6 +317,31 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
     return out
 
 
+def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
+    """A pack-quantized integer checkpoint's (compressed-tensors: W4A16 / W8A16) weights as their values, `<m>.weight` =
+    (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
+    other checkpoint as it is."""
+    try:
+        from kvcompress.models import int_weights
+    except ImportError:  # the bundle: int_weights.py beside this file
+        import int_weights
+    packed = int_weights.packed_names(raw)
+    if not packed:
+        return raw
+    cfg = Path(hf_dir) / "config.json"
+    q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
+    bits = bits.pop() if len(bits) == 1 else None
+    out = {k: t for k, t in raw.items() if not int_weights.is_part(k)}
+    for name, parts in packed.items():
+        if parts["weight_scale"] is None or parts["weight_shape"] is None:
+            raise WeightsMismatch(f"{hf_dir}: {parts['weight_packed']} has no weight_scale or weight_shape beside it")
+        opt = {p: raw[parts[p]] if parts[p] else None for p in ("weight_zero_point", "weight_g_idx")}
+        out[name] = int_weights.dequantize(raw[parts["weight_packed"]], raw[parts["weight_scale"]], raw[parts["weight_shape"]].tolist(),
+                                           opt["weight_zero_point"], opt["weight_g_idx"], bits)
+    return out
+
+
 def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dict[str, np.ndarray]:
     """The Llama-layer weights of an HF directory (*.safetensors; Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
     per-head q/k norms, Phi-3/Phi-4 with fused q/k/v and gate/up, split here) as fp16
@@ -316,7 +356,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
     raw = {}
     for f in files:
         raw.update(load_file(str(f)))
-    raw = text_decoder_tensors(dequantize_fp8(raw, hf_dir))
+    raw = text_decoder_tensors(dequantize_packed(dequantize_fp8(raw, hf_dir), hf_dir))
     a = spec["arch"]
     p = "model."
     for name in [n for n in raw if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:  # Phi-3/Phi-4: fused rows q|k|v, gate|up

@@ -1,0 +1,236 @@
+"""Integer weight-only checkpoints (compressed-tensors' pack-quantized format, llm-compressor's W4A16 / W8A16 models):
+read dequantized by kvcompress's own reader (kvcompress/models/int_weights.py), checked here against the compressed-tensors
+library's own compressor and decompressor (the format's reference), and against transformers loading the same directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+from kvcompress.errors import UserError
+from kvcompress.models import int_weights as iw
+from kvcompress.models.quantized import weight_quantization
+from kvcompress.models.streaming import Checkpoint
+
+import compressed_tensors  # noqa: E402,F401  (the dev extra: the format's reference; the reader itself needs no library)
+
+
+def _scheme(bits: int, strategy: str, group: int | None, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group))
+
+
+def _compress(w: torch.Tensor, scheme, dtype=torch.bfloat16) -> tuple[dict, torch.Tensor]:
+    """The library's packed tensors of w (min-max scales per group / row), and the weight its decompressor gives back."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQ
+
+    a = scheme.weights
+    g = w.shape[1] // (a.group_size or w.shape[1])
+    wg = w.float().reshape(w.shape[0], g, -1)
+    qmax = 2 ** (a.num_bits - 1) - 1
+    if a.symmetric:
+        sd = {"weight_scale": (wg.abs().amax(-1) / qmax).clamp_min(1e-6).to(dtype)}
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = ((hi - lo) / (2 ** a.num_bits - 1)).clamp_min(1e-6).to(dtype)
+        sd = {"weight_scale": s, "weight_zero_point": (-(qmax + 1) - torch.round(lo / s.float())).clamp(-(qmax + 1), qmax).to(torch.int8)}
+    packed = PQ.compress({"weight": w.to(dtype), **sd}, scheme)
+    return packed, PQ.decompress(dict(packed), scheme)["weight"].float()
+
+
+def _int_dir(tmp_path: Path, bits=4, strategy="group", group=32, symmetric=True, name="w4a16") -> tuple[Path, dict]:
+    """A tiny Llama saved as an HF directory whose q/k/v/o and MLP weights are pack-quantized by the compressed-tensors
+    library (lm_head and embeddings as they are), with the quantization_config llm-compressor writes. Returns the
+    directory and the float32 weights the library's decompressor gives for it."""
+    from kvcompress.models.synthetic import byte_tokenizer
+    from kvcompress.models.tiny import build_tiny
+
+    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = ["LlamaForCausalLM"]
+    out = tmp_path / name
+    m.save_pretrained(str(out))
+    byte_tokenizer().save_pretrained(str(out))
+    sd = load_file(str(out / "model.safetensors"))
+    scheme = _scheme(bits, strategy, group, symmetric)
+    new, expect = {}, {}
+    for k, v in sd.items():
+        if not k.endswith("proj.weight"):
+            new[k] = v
+            continue
+        packed, expect[k] = _compress(v, scheme)
+        new |= {k.removesuffix("weight") + p: t.contiguous() for p, t in packed.items()}
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme.weights.model_dump(mode="json"),
+                                                                "input_activations": None, "output_activations": None, "format": "pack-quantized"}},
+                                  "ignore": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, expect
+
+
+@pytest.mark.parametrize("bits,strategy,group,symmetric,dtype", [
+    (4, "group", 32, True, torch.bfloat16), (4, "group", 16, False, torch.float16), (8, "channel", None, True, torch.bfloat16),
+    (8, "group", 16, False, torch.float32), (3, "group", 16, True, torch.float16)])  # 3 bits: codes straddle words
+def test_dequantize_is_the_librarys_decompression(bits, strategy, group, symmetric, dtype):
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    packed, ref = _compress(w, _scheme(bits, strategy, group, symmetric), dtype)
+    got = iw.dequantize(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"], packed.get("weight_zero_point"))
+    assert torch.equal(got, ref)
+    assert torch.equal(iw.dequantize(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"], packed.get("weight_zero_point"),
+                                     lo=7, hi=29), ref[7:29])
+    assert float((got - w).abs().max()) < 0.2 * float(w.abs().max())  # and it is the weight, quantized
+
+
+def test_activation_ordered_groups_read_their_own_scale():
+    """weight_g_idx (GPTQ's activation order: column j belongs to group g_idx[j]) reads, for each column, its group's scale
+    and zero point: the same weight as its columns stored in group order without one. Negative: ignoring g_idx differs."""
+    torch.manual_seed(1)
+    w = torch.randn(24, 64)
+    perm = torch.randperm(64)
+    packed, ref = _compress(w[:, perm], _scheme(4, "group", 16, False))  # groups of 16 consecutive permuted columns
+    inv = torch.argsort(perm)
+    codes = iw.unpack(packed["weight_packed"], 4, 64)[:, inv] + 8  # the codes back in the columns' own order, offset-binary
+    words = (codes.to(torch.int64).reshape(24, 8, 8) << (4 * torch.arange(8))).sum(-1)
+    repacked = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    g_idx = (torch.arange(64) // 16)[inv].to(torch.int32)
+    got = iw.dequantize(repacked, packed["weight_scale"], packed["weight_shape"], packed["weight_zero_point"], g_idx)
+    assert torch.equal(got, ref[:, inv])
+    assert not torch.equal(iw.dequantize(repacked, packed["weight_scale"], packed["weight_shape"], packed["weight_zero_point"]), ref[:, inv])
+
+
+def test_an_int4_checkpoint_is_read_dequantized_as_transformers_loads_it(tmp_path):
+    """The streaming reader's weights are the library's decompression (asymmetric and symmetric), and, for the symmetric
+    checkpoint, what transformers (with compressed-tensors) loads from the same directory (transformers 5.25 with
+    compressed-tensors 0.20 refuses the asymmetric one's packed zero points: a size mismatch of its own)."""
+    from transformers import AutoModelForCausalLM
+
+    for sym in (False, True):
+        ckpt, expect = _int_dir(tmp_path, 4, "group", 32, sym, name=f"w4a16_{sym}")
+        assert weight_quantization(ckpt) == "int"
+        c = Checkpoint(ckpt)
+        for k, w in expect.items():
+            assert k in c and c.shape(k) == list(w.shape)
+            assert torch.equal(c.read(k), w)
+            assert torch.equal(c.read(k, 5, 17), w[5:17])
+    from transformers import CompressedTensorsConfig
+
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
+    for k, w in expect.items():
+        assert torch.equal(ref[k].float(), w), k
+
+
+def _plain_copy(tmp_path: Path, ckpt: Path, expect: dict) -> Path:
+    """The same model written unquantized: the int checkpoint's dequantized weights as plain tensors, no quantization_config."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (plain / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((plain / "config.json").read_text())
+    del cfg["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not iw.is_part(k)}
+    save_file({**sd, **expect}, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    return plain
+
+
+def _run(tmp_path, path, name, *extra):
+    p = run_cli("model=llama3_8b", f"model.path={path}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",
+                "eval.tasks.names=[]", *extra, f"hydra.run.dir={tmp_path / name}", cache_dir=tmp_path / "cache")
+    return p, tmp_path / name
+
+
+def test_an_int4_checkpoint_runs_streamed_as_its_dequantized_model(tmp_path):
+    """End to end, streamed: the run's perplexity and KL are those of the same weights written unquantized and loaded in
+    memory; model.streaming=false is one line (the reader dequantizes layer by layer)."""
+    ckpt, expect = _int_dir(tmp_path)
+    p, r = _run(tmp_path, ckpt, "run_int", "export=none")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p2, r2 = _run(tmp_path, _plain_copy(tmp_path, ckpt, expect), "run_plain", "export=none", "model.streaming=false")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
+    assert a["model"].get("streamed") and not b["model"].get("streamed")
+    assert a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+    assert a["quality"]["kl_mean"] == pytest.approx(b["quality"]["kl_mean"], rel=1e-3)
+    p3, r3 = _run(tmp_path, ckpt, "forced", "export=none", "model.streaming=false")
+    assert p3.returncode != 0 and "stores integer (pack-quantized) weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
+
+
+def test_an_int4_checkpoint_exports_dequantized_weights(tmp_path):
+    """The export of an int4 source (the default kv: the custom tier, and the native tier's checkpoints) writes the
+    dequantized, folded weights in export.dtype (no integer format is written back, no weight quantization_config) and
+    every check that runs passes (the TensorRT-LLM checkpoint's re-measurement among them; the network graph's CPU check
+    is skipped for a streamed model, as for FP8 sources); the bundle ships int_weights.py for the engine builder, which
+    reads the packed source directory itself (the test above)."""
+    ckpt, expect = _int_dir(tmp_path)
+    p, run = _run(tmp_path, ckpt, "run")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
+    assert [c["check"] for c in manifest["checks"] if c["status"] == "skipped"] == [
+        "custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache"]
+    assert any("re-measured" in c["check"] or "remeasur" in c["check"].lower() for c in manifest["checks"] if c["status"] == "passed"), manifest["checks"]
+    hf = {k: v for f in sorted((run / "export" / "hf_ckpt").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert not any(iw.is_part(k) for k in hf) and "model.layers.0.mlp.down_proj.weight" in hf
+    torch.testing.assert_close(hf["model.layers.0.mlp.down_proj.weight"].float(), expect["model.layers.0.mlp.down_proj.weight"], atol=0.02, rtol=0.01)
+    cfg = json.loads((run / "export" / "hf_ckpt" / "config.json").read_text())
+    assert (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors" or not (cfg["quantization_config"].get("config_groups"))
+    assert (run / "export" / "plugin_bundle" / "int_weights.py").is_file()
+    for a in ("hf_ckpt", "trtllm_ckpt"):
+        assert "integer (pack-quantized) weights are written dequantized" in manifest["artifacts"][a]["source_int_weights"]
+
+
+def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_ships_it(tmp_path):
+    """build_engine.py --tier custom reads the model's own HF directory (trtllm_network.load_hf_weights): pack-quantized
+    weights come out as the library's decompression, their parts dropped, and engine_memory counts them as the fp16
+    weights the loader makes; in the bundle, without kvcompress installed, through the int_weights.py copied beside
+    trtllm_network.py."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from kvcompress.targets.trtllm_network import dequantize_packed, engine_memory
+
+    ckpt, expect = _int_dir(tmp_path, 4, "group", 32, False)
+    raw = load_file(str(ckpt / "model.safetensors"))
+    out = dequantize_packed(raw, ckpt)
+    assert set(out) == {k for k in raw if not iw.is_part(k)} | set(expect)
+    for k, w in expect.items():
+        assert torch.equal(out[k], w)
+    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
+            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
+    assert engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    for f in (ROOT / "kvcompress" / "targets" / "trtllm_network.py", ROOT / "kvcompress" / "models" / "fp8_weights.py", ROOT / "kvcompress" / "models" / "int_weights.py"):
+        shutil.copy(f, bundle)
+    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
+            "from safetensors.torch import load_file; from pathlib import Path; "
+            "o = tn.dequantize_packed(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
+            "print(float(o['model.layers.0.self_attn.k_proj.weight'].double().sum()))")
+    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout) == float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
+
+
+def test_integer_formats_it_does_not_read_are_one_line(tmp_path):
+    """Integer weights with quantized activations (W8A8: the served model quantizes activations, which validate would not
+    model) and other compressed-tensors formats are refused in one line before anything loads."""
+    ckpt, _ = _int_dir(tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for change, what in ((lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "W8A8"),
+                         (lambda q: (q.update(format="int-quantized"), q["config_groups"]["group_0"].update(format="int-quantized")), "int-quantized")):
+        q = json.loads(json.dumps(cfg["quantization_config"]))
+        change(q)
+        (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": q}))
+        with pytest.raises(UserError) as e:
+            weight_quantization(ckpt)
+        assert "'compressed-tensors'" in str(e.value) and "point it at the unquantized checkpoint" in str(e.value) and "\n" not in str(e.value), what
