@@ -136,7 +136,7 @@ def _plain_copy(tmp_path: Path, ckpt: Path, expect: dict) -> Path:
     cfg = json.loads((plain / "config.json").read_text())
     del cfg["quantization_config"]
     (plain / "config.json").write_text(json.dumps(cfg))
-    sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not iw.is_part(k)}
+    sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not iw.is_part(k) and not iw.is_qweight_part(k)}
     save_file({**sd, **expect}, str(plain / "model.safetensors"), metadata={"format": "pt"})
     return plain
 
@@ -160,7 +160,7 @@ def test_an_int4_checkpoint_runs_streamed_as_its_dequantized_model(tmp_path):
     assert a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
     assert a["quality"]["kl_mean"] == pytest.approx(b["quality"]["kl_mean"], rel=1e-3)
     p3, r3 = _run(tmp_path, ckpt, "forced", "export=none", "model.streaming=false")
-    assert p3.returncode != 0 and "stores integer (pack-quantized) weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
+    assert p3.returncode != 0 and "stores integer-quantized weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
 
 
 def test_an_int4_checkpoint_exports_dequantized_weights(tmp_path):
@@ -234,3 +234,129 @@ def test_integer_formats_it_does_not_read_are_one_line(tmp_path):
         with pytest.raises(UserError) as e:
             weight_quantization(ckpt)
         assert "'compressed-tensors'" in str(e.value) and "point it at the unquantized checkpoint" in str(e.value) and "\n" not in str(e.value), what
+
+
+# ------------------------------------------------------------------------------------------------ GPTQ and AWQ
+# The reference: auto-round 0.16.1 (dev extra), whose torch GPTQ QuantLinear packs and runs the GPTQ layout and whose AWQ
+# exporter packs and dequantizes AutoAWQ's GEMM layout.
+
+def _gptq_layer(out_f: int, in_f: int, bits: int, group: int, act_order: bool, seed: int = 0):
+    """auto-round's GPTQ layer (checkpoint format "gptq": zero points stored minus one) of random scales and zero points,
+    and the weight [out, in] its own forward computes (the identity through it)."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f, bias=False)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=g)
+    groups = in_f // group
+    scales = torch.rand(out_f, groups, generator=g) * 0.02 + 0.005
+    zeros = torch.randint(1, 2**bits, (out_f, groups), generator=g)
+    ql = QuantLinear(bits, group, in_f, out_f, bias=False, g_idx=act_order)
+    if act_order:
+        ql.g_idx = (torch.arange(in_f) // group)[torch.randperm(in_f, generator=g)].to(torch.int32)
+    ql.pack(lin, scales, zeros, g_idx=ql.g_idx if act_order else None)
+    with torch.no_grad():
+        ref = ql(torch.eye(in_f, dtype=torch.float16)).float().T.contiguous()
+    parts = {"qweight": ql.qweight, "qzeros": ql.qzeros, "scales": ql.scales}
+    return parts | ({"g_idx": ql.g_idx} if act_order else {}), ref
+
+
+def _awq_layer(out_f: int, in_f: int, group: int, seed: int = 0):
+    from auto_round.export.export_to_awq.utils import WQLinear_GEMM, dequantize_gemm
+
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f, bias=False)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=g)
+    scales = (torch.rand(in_f // group, out_f, generator=g) * 0.02 + 0.005).half()
+    awq = WQLinear_GEMM.from_linear(lin, 4, group, scales=scales, zeros=torch.randint(0, 16, (in_f // group, out_f), generator=g))
+    parts = {"qweight": awq.qweight, "qzeros": awq.qzeros, "scales": awq.scales}
+    return parts, dequantize_gemm(awq.qweight, awq.qzeros, awq.scales, 4, group).float().T.contiguous()
+
+
+@pytest.mark.parametrize("bits,act_order", [(4, False), (4, True), (8, False), (3, False), (2, False)])
+def test_gptq_dequantization_is_the_reference_layers(bits, act_order):
+    """GPTQ's layout (codes down the input rows, zero points along the outputs stored minus one, g_idx) gives the weight
+    auto-round's GPTQ layer computes, bit for bit; the gptq_v2 format (zero points stored as they are) gives it from zero
+    points one higher; reading a v1 layer as v2 is off by one step."""
+    parts, ref = _gptq_layer(64, 96, bits, 32, act_order)
+    got = iw.gptq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), bits)
+    assert torch.equal(got, ref)
+    z = iw._unsigned(parts["qzeros"], bits, 64) + 1  # the true zero points, packed again as v2 stores them
+    words = -(-64 * bits // 32)
+    bitpos = torch.arange(64) * bits
+    v2 = torch.zeros(z.shape[0], words + 1, dtype=torch.int64)
+    for c in range(64):
+        v2[:, bitpos[c] // 32] |= (z[:, c].to(torch.int64) << (bitpos[c] % 32)) & 0xFFFFFFFF
+        v2[:, bitpos[c] // 32 + 1] |= z[:, c].to(torch.int64) >> (32 - bitpos[c] % 32)
+    v2 = v2[:, :words]
+    v2 = torch.where(v2 >= 2**31, v2 - 2**32, v2).to(torch.int32)
+    assert torch.equal(iw.gptq_dequantize(parts["qweight"], v2, parts["scales"], parts.get("g_idx"), bits, v1=False), ref)
+    assert not torch.equal(iw.gptq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), bits, v1=False), ref)
+
+
+def test_awq_dequantization_is_the_reference_layers():
+    """AWQ's GEMM layout (eight output columns a word in AutoAWQ's nibble order) gives auto-round's dequantize_gemm,
+    bit for bit; the columns read in plain nibble order would not."""
+    parts, ref = _awq_layer(64, 96, 32)
+    assert torch.equal(iw.awq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"]), ref)
+    q, z = iw._unsigned(parts["qweight"], 4, 64), iw._unsigned(parts["qzeros"], 4, 64).repeat_interleave(32, 0)
+    plain = ((q - z).float() * parts["scales"].float().repeat_interleave(32, 0)).half().float().T
+    assert not torch.equal(plain, ref)
+
+
+def _qweight_dir(tmp_path: Path, fmt: str) -> tuple[Path, dict]:
+    """A tiny Llama whose projections are GPTQ (4-bit, groups of 32, act order in some) or AWQ (GEMM) layers packed by auto-round,
+    with the quantization_config their quantizers write; the weights auto-round's layers compute."""
+    from kvcompress.models.synthetic import byte_tokenizer
+    from kvcompress.models.tiny import build_tiny
+
+    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = ["LlamaForCausalLM"]
+    out = tmp_path / fmt
+    m.save_pretrained(str(out))
+    byte_tokenizer().save_pretrained(str(out))
+    sd = load_file(str(out / "model.safetensors"))
+    new, expect = {}, {}
+    for j, (k, v) in enumerate(sd.items()):
+        if not k.endswith("proj.weight"):
+            new[k] = v
+            continue
+        # act order where the reference's forward takes it (its g_idx path keeps only in_features outputs: out <= in)
+        parts, expect[k] = _gptq_layer(*v.shape, 4, 32, v.shape[0] <= v.shape[1], seed=j) if fmt == "gptq" else _awq_layer(*v.shape, 32, seed=j)
+        new |= {k.removesuffix("weight") + p: t.contiguous() for p, t in parts.items()}
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False, "checkpoint_format": "gptq"}
+                                  if fmt == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, expect
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_are_read_and_run_as_their_dequantized_model(tmp_path, fmt):
+    """A GPTQ / AWQ checkpoint: the streaming reader's weights and the custom tier's loader give the reference layers'
+    weights; a streamed run measures the perplexity of those weights written plain, and exports them dequantized with its
+    checks passing. AWQ's GEMV layout is one line."""
+    from kvcompress.targets.trtllm_network import dequantize_packed
+
+    ckpt, expect = _qweight_dir(tmp_path, fmt)
+    assert weight_quantization(ckpt) == "int"
+    c = Checkpoint(ckpt)
+    loaded = dequantize_packed(load_file(str(ckpt / "model.safetensors")), ckpt)
+    for k, w in expect.items():
+        assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
+        assert torch.equal(loaded[k], w)
+    assert not any(iw.is_qweight_part(k) for k in loaded)
+    p, r = _run(tmp_path, ckpt, "run_q")  # with the export: every check that runs passes
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((r / "export" / "manifest.json").read_text())
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]) and "source_int_weights" in manifest["artifacts"]["hf_ckpt"]
+    p2, r2 = _run(tmp_path, _plain_copy(tmp_path, ckpt, expect), "run_plain", "export=none", "model.streaming=false")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
+    assert a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+    if fmt == "awq":
+        cfg = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | {"version": "gemv"}}))
+        with pytest.raises(UserError, match="quant_method='awq'"):
+            weight_quantization(ckpt)

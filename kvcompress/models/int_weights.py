@@ -14,8 +14,22 @@ e.g. the `*-quantized.w4a16` models): each quantized Linear stores, instead of `
 The weight is w = (q - z) * s, formed in the scale's dtype as compressed-tensors' `dequantize` forms it (an exact
 product of a small integer and the scale, rounded once to that dtype). Read in compressed-tensors 0.20's sources
 (`compressors/pack_quantized`, `quantization/lifecycle/forward.py`); tests/test_int_weights.py checks this module
-against that library's own decompressor. Pure torch: copied into the custom tier's plugin bundle beside
-trtllm_network.py, which reads the source directory on the GPU host.
+against that library's own decompressor.
+
+Two more layouts of the same arithmetic, as their quantizers write them (quant_method "gptq" and "awq"):
+
+* GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq", the default, or "gptq_v2"): `<m>.qweight` int32
+  [in * b / 32, out], each column's codes (unsigned, 0 .. 2^b - 1) a little-endian bitstream down the input rows;
+  `<m>.qzeros` int32 [groups, out * b / 32], the zero points a bitstream along the output columns, stored minus one
+  in the "gptq" format (its dequantization adds the one back; "gptq_v2" stores them as they are); `<m>.scales`
+  [groups, out] fp16; `<m>.g_idx` int32 [in] (activation order), else column j is in group j // group_size.
+* AWQ (AutoAWQ's GEMM layout, `version` "gemm", 4 bits): `<m>.qweight` int32 [in, out / 8] and `<m>.qzeros` int32
+  [groups, out / 8], eight output columns a word, column 8w + j in nibble AWQ_NIBBLE[j]; `<m>.scales` [groups, out].
+
+Both give w[out, in] = (q - z) * s in the scale's dtype (the transpose of their [in, out] layout). Read in auto-round
+0.16's sources (its torch QuantLinear for GPTQ and its AWQ packer and `dequantize_gemm`), which the tests run as the
+reference. Pure torch: copied into the custom tier's plugin bundle beside trtllm_network.py, which reads the source
+directory on the GPU host.
 """
 from __future__ import annotations
 
@@ -94,3 +108,85 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, zero: torch.Ten
         z = unpack(zero.reshape(-1, groups).T.contiguous(), bits, out_f).T.to(torch.float32)[lo:hi]  # packed along the rows
         q = q - (z[:, col_group] if groups > 1 else z)
     return (q * sf).to(scale.dtype).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------- GPTQ and AWQ layouts
+
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # output column 8w + j sits in nibble AWQ_NIBBLE[j] of word w
+
+
+def layout(q: dict | None) -> str | None:
+    """Which packed-integer layout a quantization_config describes: "pack-quantized" (compressed-tensors), "gptq" (zero
+    points stored minus one), "gptq_v2", "awq" (GEMM); None for anything else."""
+    q = q or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return "pack-quantized"
+    if method == "gptq":
+        fmt = str(q.get("checkpoint_format") or "gptq").lower()
+        return {"gptq": "gptq", "gptq_v2": "gptq_v2"}.get(fmt)
+    if method == "awq" and str(q.get("version") or "gemm").lower() == "gemm" and int(q.get("bits", 4)) == 4:
+        return "awq"
+    return None
+
+
+def qweight_names(entries) -> dict[str, dict[str, str | None]]:
+    """{`<m>.weight`: {part: stored name or None}} for every `<m>.qweight` (GPTQ, AWQ) among the stored names."""
+    out = {}
+    for k in entries:
+        if k.endswith(".qweight"):
+            m = k[: -len("qweight")]
+            out[m + "weight"] = {p: (m + p if m + p in entries else None) for p in GPTQ_PARTS}
+    return out
+
+
+def is_qweight_part(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in GPTQ_PARTS
+
+
+def _unsigned(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The n unsigned codes of each row of int32 words, read as one little-endian bitstream per row."""
+    return unpack(packed, bits, n).to(torch.int32) + (1 << (bits - 1))
+
+
+def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, bits: int,
+                    v1: bool = True) -> torch.Tensor:
+    """w [out, in] float32, (q - z) * s rounded to the scales' dtype, of a GPTQ layer."""
+    groups, out_f = scales.shape
+    in_f = qweight.shape[0] * 32 // bits
+    q = _unsigned(qweight.T.contiguous(), bits, in_f)  # [out, in]
+    z = _unsigned(qzeros, bits, out_f) + (1 if v1 else 0)  # [groups, out]
+    col_group = g_idx.to(torch.int64) if g_idx is not None else torch.arange(in_f) // (in_f // groups)
+    if col_group.numel() != in_f or int(col_group.max()) >= groups or int(col_group.min()) < 0:
+        raise ValueError(f"g_idx of {col_group.numel()} entries for {in_f} input columns and {groups} groups")
+    w = (q - z.T[:, col_group]).to(torch.float32) * scales.T.to(torch.float32)[:, col_group]
+    return w.to(scales.dtype).to(torch.float32)
+
+
+def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """w [out, in] float32, (q - z) * s rounded to the scales' dtype, of an AWQ (GEMM) layer."""
+    if bits != 4:
+        raise ValueError(f"AWQ's GEMM layout is 4-bit; this one is {bits}")
+    groups, out_f = scales.shape
+    in_f = qweight.shape[0]
+    order = torch.tensor(AWQ_NIBBLE)
+    cols = (torch.arange(out_f // 8)[:, None] * 8 + order[None, :]).reshape(-1)  # the nibble holding each output column
+
+    def nibbles(t):
+        return _unsigned(t, 4, t.shape[1] * 8)[:, cols]
+
+    q, z = nibbles(qweight), nibbles(qzeros)  # [in, out], [groups, out]
+    w = (q - z.repeat_interleave(in_f // groups, 0)).to(torch.float32) * scales.to(torch.float32).repeat_interleave(in_f // groups, 0)
+    return w.to(scales.dtype).to(torch.float32).T.contiguous()
+
+
+def dequantize_layer(fmt: str, parts: dict, read, bits: int) -> torch.Tensor:
+    """A GPTQ / AWQ layer's weight [out, in] (float32) from its stored parts; read(name) -> tensor."""
+    for p in ("qweight", "qzeros", "scales"):
+        if parts.get(p) is None:
+            raise ValueError(f"{parts['qweight']} has no {p} beside it")
+    qw, qz, sc = (read(parts[p]) for p in ("qweight", "qzeros", "scales"))
+    if fmt == "awq":
+        return awq_dequantize(qw, qz, sc, bits)
+    return gptq_dequantize(qw, qz, sc, read(parts["g_idx"]) if parts.get("g_idx") else None, bits, v1=fmt == "gptq")

@@ -8,9 +8,10 @@ stage sees w = w_fp8 * scale, exactly as the checkpoint defines it. GPT-OSS's MX
 dequantized by the streaming reader (mxfp4_weights), or with model.streaming=false loaded in memory by transformers, which
 dequantizes them (its Mxfp4Config(dequantize=True), on any device). Integer weight-only compressed-tensors checkpoints in the
 `pack-quantized` format (llm-compressor's W4A16 / W8A16 models: int4 or int8 codes packed in int32 words, a scale per
-output row and group, zero points if asymmetric) are streamed too, dequantized by the reader (int_weights) to
-w = (q - z) * s in the scale's dtype. Any other weight format (AWQ, GPTQ, bitsandbytes, NVFP4, compressed-tensors with
-quantized activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
+output row and group, zero points if asymmetric), GPTQ's (AutoGPTQ / GPTQModel, 2..8 bits, either checkpoint format) and
+AWQ's (AutoAWQ's 4-bit GEMM layout) are streamed too, dequantized by the reader (int_weights) to w = (q - z) * s in the
+scale's dtype. Any other weight format (AWQ's GEMV layout, bitsandbytes, NVFP4, compressed-tensors with quantized
+activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
 quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
 leaves the weights as they are.
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from kvcompress.errors import UserError
 
-READ = "fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4, compressed-tensors pack-quantized integer weights without activation quantization"
+READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4, integer weights without activation quantization "
+        "(GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -51,8 +53,11 @@ def integer_weight_only(q: dict) -> bool:
 
 
 def stated_bits(model_dir: Path) -> int | None:
-    """The code width of an integer pack-quantized checkpoint when all its config groups state the same one."""
+    """The code width of an integer checkpoint: GPTQ's and AWQ's `bits`; compressed-tensors' when all its config groups
+    state the same one."""
     q = quantization_config(model_dir) or {}
+    if q.get("bits"):
+        return int(q["bits"])
     bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
     return bits.pop() if len(bits) == 1 else None
 
@@ -60,8 +65,9 @@ def stated_bits(model_dir: Path) -> int | None:
 def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
-    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for compressed-tensors' pack-quantized integer
-    weights without activation quantization (streamed, dequantized by int_weights); any other weight format: one-line UserError."""
+    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for integer weights without activation
+    quantization (compressed-tensors pack-quantized, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); any other weight
+    format: one-line UserError."""
     q = quantization_config(model_dir)
     if q is None:
         return None
@@ -76,6 +82,11 @@ def weight_quantization(model_dir: Path) -> str | None:
         return "fp8"
     elif method == "mxfp4":
         return "mxfp4"
+    elif method in ("gptq", "awq"):
+        from kvcompress.models.int_weights import layout
+
+        if layout(q) is not None:  # GPTQ (either checkpoint format), AWQ's 4-bit GEMM layout
+            return "int"
     elif method == "compressed-tensors":
         groups = (q.get("config_groups") or {}).values()
         weights = [g.get("weights") or {} for g in groups]

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from kvcompress.errors import UserError
 from kvcompress.models import int_weights, mxfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
-from kvcompress.models.quantized import stated_bits, weight_block_size, weight_quantization
+from kvcompress.models.quantized import quantization_config, stated_bits, weight_block_size, weight_quantization
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
 HEAD_KEEP_LAYERS = 2  # the head phase keeps lm_head's rows on the device if they take at most this many decoder layers' bytes,
@@ -85,7 +85,10 @@ class Checkpoint:
                       and (pair := mxfp4_weights.blocks_name(self.entries, k.removesuffix("_blocks")))}
         # pack-quantized integer weights (compressed-tensors): the weight's name -> its stored parts, read dequantized (int_weights)
         self.packed = int_weights.packed_names(self.entries)
-        self.bits = stated_bits(self.dir) if self.packed else None
+        # GPTQ / AWQ: the weight's name -> its stored qweight, qzeros, scales (g_idx), read dequantized in their layout
+        self.int_layout = int_weights.layout(quantization_config(self.dir)) if any(k.endswith(".qweight") for k in self.entries) else None
+        self.qweights = int_weights.qweight_names(self.entries) if self.int_layout in ("gptq", "gptq_v2", "awq") else {}
+        self.bits = stated_bits(self.dir) if self.packed or self.qweights else None
         self._packed_shapes: dict[str, list[int]] = {}
 
     def for_model(self, model) -> "Checkpoint":
@@ -119,7 +122,7 @@ class Checkpoint:
         return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries or key in self.converted or key in self.mxfp4 or key in self.packed
+        return key in self.entries or key in self.converted or key in self.mxfp4 or key in self.packed or key in self.qweights
 
     def shape(self, key: str) -> list[int]:
         if key in self.mxfp4 and key not in self.entries:
@@ -131,6 +134,10 @@ class Checkpoint:
                     raise UserError(f"checkpoint {str(self.dir)!r}: {parts['weight_packed']!r} has no weight_shape or weight_scale beside it")
                 self._packed_shapes[key] = [int(x) for x in self.read_stored(parts["weight_shape"]).tolist()]
             return list(self._packed_shapes[key])
+        if key in self.qweights and key not in self.entries:  # [out, in]: the scales' columns; GPTQ's packed rows or AWQ's rows
+            parts = self.qweights[key]
+            qw, sc = (list(self.entries[parts[p]][1]["shape"]) for p in ("qweight", "scales"))
+            return [sc[1], qw[0] if self.int_layout == "awq" else qw[0] * 32 // self.bits]
         return list(self.entries[key][1]["shape"])
 
     def stored_dtype(self, key: str) -> torch.dtype:
@@ -154,6 +161,12 @@ class Checkpoint:
                                               opt["weight_zero_point"], opt["weight_g_idx"], self.bits, lo, hi)
             except ValueError as e:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
+        if key in self.qweights and key not in self.entries:
+            try:
+                w = int_weights.dequantize_layer(self.int_layout, self.qweights[key], self.read_stored, self.bits)
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
+            return w if lo is None else w[lo:hi]
         t = self.read_stored(key, lo, hi)
         if t.dtype in FLOAT8:
             sk = scale_name(self.entries, key)
@@ -597,7 +610,7 @@ def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
     if wq == "mxfp4" and (cfg.streaming is False or cfg.streaming == "false"):
         return False  # in memory: transformers dequantizes the experts (hf_dir)
     if wq:
-        what = {"fp8": "FP8 weights", "int": "integer (pack-quantized) weights"}.get(wq, "MXFP4 experts") + ", which kvcompress reads layer by layer"
+        what = {"fp8": "FP8 weights", "int": "integer-quantized weights"}.get(wq, "MXFP4 experts") + ", which kvcompress reads layer by layer"
         if cfg.device == "auto":
             raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores {what} on one device, dequantized with their stored "
                             "scales; allowed for it: model.device=cpu or cuda:N" + (" (or model.streaming=false: in memory)" if wq == "mxfp4" else ""))

@@ -187,10 +187,16 @@ def dense_shapes(shapes: dict, hf_dir: Path) -> dict:
     """Tensor shapes with each pack-quantized weight (`<m>.weight_packed` int32 [out, words] and its parts) as the weight
     `<m>.weight` [out, in] the loader makes of it (in = words * 32 / bits, the config's code width), its parts left out."""
     packed = [k for k in shapes if k.endswith(".weight_packed")]
-    if not packed:
+    qweights = [k for k in shapes if k.endswith(".qweight")]
+    if not packed and not qweights:
         return shapes
     cfg = Path(hf_dir) / "config.json"
     q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+    if qweights:  # GPTQ [in * b / 32, out], AWQ [in, out / 8] -> [out, in] (out: the scales' columns)
+        b, awq = int(q.get("bits", 4)), str(q.get("quant_method", "")).lower() == "awq"
+        drop = {k.removesuffix("qweight") + p for k in qweights for p in ("qweight", "qzeros", "scales", "g_idx")}
+        return {k: s for k, s in shapes.items() if k not in drop} | {
+            k.removesuffix("qweight") + "weight": [shapes[k.removesuffix("qweight") + "scales"][1], shapes[k][0] * (1 if awq else 32 // b)] for k in qweights}
     bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
     b = bits.pop() if len(bits) == 1 else 4
     parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -318,7 +324,7 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
 
 
 def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
-    """A pack-quantized integer checkpoint's (compressed-tensors: W4A16 / W8A16) weights as their values, `<m>.weight` =
+    """An integer checkpoint's weights (compressed-tensors pack-quantized, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
     other checkpoint as it is."""
     try:
@@ -326,10 +332,20 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
     except ImportError:  # the bundle: int_weights.py beside this file
         import int_weights
     packed = int_weights.packed_names(raw)
-    if not packed:
-        return raw
     cfg = Path(hf_dir) / "config.json"
     q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+    fmt = int_weights.layout(q)
+    if fmt in ("gptq", "gptq_v2", "awq"):  # GPTQ's and AWQ's qweight / qzeros / scales (g_idx)
+        layers = int_weights.qweight_names(raw)
+        out = {k: t for k, t in raw.items() if not (int_weights.is_qweight_part(k) and k.rsplit(".", 1)[0] + ".weight" in layers)}
+        for name, parts in layers.items():
+            try:
+                out[name] = int_weights.dequantize_layer(fmt, parts, raw.__getitem__, int(q["bits"]))
+            except ValueError as e:
+                raise WeightsMismatch(f"{hf_dir}: {e}") from None
+        return out
+    if not packed:
+        return raw
     bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
     bits = bits.pop() if len(bits) == 1 else None
     out = {k: t for k, t in raw.items() if not int_weights.is_part(k)}
