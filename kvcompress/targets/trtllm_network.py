@@ -154,6 +154,12 @@ def check_tp(spec: dict, tp: int) -> None:
         raise WeightsMismatch(f"--tp {tp} does not divide the model's {hkv} kv heads; allowed: {ok}")
 
 
+def default_splits(spec: dict, tp: int = 1) -> int:
+    """The decode plugin's split count for a rank of a tp-way engine: network.json's splits_by_tp (the export's plan for a
+    rank's n_kv_heads / tp heads, one 8K sequence), else its splits."""
+    return int((spec.get("splits_by_tp") or {}).get(str(tp)) or spec["splits"])
+
+
 def shard(W: dict[str, np.ndarray], P: dict[str, np.ndarray], spec: dict, tp: int, rank: int) -> tuple[dict, dict]:
     """Rank `rank`'s part of the weights (load_hf_weights' names) and plugin constants for tensor parallelism over tp
     ranks: the SPLIT_AXIS tensors cut in tp equal parts along their axis (query / kv heads, intermediate columns), the
@@ -719,7 +725,7 @@ def build_engine(bundle: Path, hf_dir: Path, plugin_lib: Path, out: Path, max_ba
     P = load_plugin_params(bundle)
     W = load_hf_weights(hf_dir, spec, P)
     cap = store_capacity(spec, max_seq_len)
-    splits = splits or spec["splits"]
+    splits = splits or default_splits(spec, tp)
     ctypes.CDLL(str(plugin_lib), mode=ctypes.RTLD_GLOBAL)  # the library's static registrar adds both creators
     builder = Builder()
     dt = {"float16": trt.float16, "int32": trt.int32, "int8": trt.int8, "uint8": trt.uint8}
