@@ -201,7 +201,8 @@ class ExportConfig(Frozen):
     archs: list[Literal["sm_80", "sm_90"]] = ["sm_80", "sm_90"]
     build_engine: Literal["auto", "never", "always"] = "auto"
     shard_mb: float = Field(2000, gt=0)  # Hugging Face checkpoint shard size (MB)
-    # a source with FP8 weights (models.quantized): hf_ckpt/ keeps them as stored (keep), or writes every weight in `dtype`
+    # a source with FP8, MXFP4 or compressed-tensors pack-quantized integer weights (models.quantized): hf_ckpt/ keeps them as
+    # stored (keep), or writes every weight in `dtype`
     fp8_weights: Literal["keep", "dequantize"] = "keep"
     # the exported TensorRT-LLM checkpoint, re-measured, must match the validated KL within
     # max(rel * KL, abs)

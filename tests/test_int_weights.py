@@ -163,12 +163,15 @@ def test_an_int4_checkpoint_runs_streamed_as_its_dequantized_model(tmp_path):
     assert p3.returncode != 0 and "stores integer-quantized weights" in p3.stderr and "Traceback" not in p3.stderr and not r3.exists()
 
 
-def test_an_int4_checkpoint_exports_dequantized_weights(tmp_path):
-    """The export of an int4 source (the default kv: the custom tier, and the native tier's checkpoints) writes the
-    dequantized, folded weights in export.dtype (no integer format is written back, no weight quantization_config) and
-    every check that runs passes (the TensorRT-LLM checkpoint's re-measurement among them; the network graph's CPU check
-    is skipped for a streamed model, as for FP8 sources); the bundle ships int_weights.py for the engine builder, which
-    reads the packed source directory itself (the test above)."""
+def test_an_int4_checkpoint_exports_its_integer_weights_as_stored(tmp_path):
+    """The export of a W4A16 source (the default kv: the custom tier, and the native tier's checkpoints): hf_ckpt/ keeps the
+    source's pack-quantized weights the fold leaves alone (the MLP) byte for byte, writes the attention projections the
+    fold changes in export.dtype and lists them in the compressed-tensors config's ignore list, beside the FP8 KV-cache
+    scheme; transformers (with compressed-tensors) loads it to the weights the export validated. The TensorRT-LLM checkpoint
+    gets them dequantized (source_int_weights says which); every check that runs passes (the network graph's CPU check is
+    skipped for a streamed model, as for FP8 sources); the bundle ships int_weights.py for the engine builder."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
     ckpt, expect = _int_dir(tmp_path)
     p, run = _run(tmp_path, ckpt, "run")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -176,15 +179,26 @@ def test_an_int4_checkpoint_exports_dequantized_weights(tmp_path):
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     assert [c["check"] for c in manifest["checks"] if c["status"] == "skipped"] == [
         "custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache"]
-    assert any("re-measured" in c["check"] or "remeasur" in c["check"].lower() for c in manifest["checks"] if c["status"] == "passed"), manifest["checks"]
+    src = load_file(str(ckpt / "model.safetensors"))
     hf = {k: v for f in sorted((run / "export" / "hf_ckpt").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-    assert not any(iw.is_part(k) for k in hf) and "model.layers.0.mlp.down_proj.weight" in hf
-    torch.testing.assert_close(hf["model.layers.0.mlp.down_proj.weight"].float(), expect["model.layers.0.mlp.down_proj.weight"], atol=0.02, rtol=0.01)
-    cfg = json.loads((run / "export" / "hf_ckpt" / "config.json").read_text())
-    assert (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors" or not (cfg["quantization_config"].get("config_groups"))
+    for part in ("weight_packed", "weight_scale", "weight_shape"):
+        assert torch.equal(hf[f"model.layers.1.mlp.down_proj.{part}"], src[f"model.layers.1.mlp.down_proj.{part}"])
+    assert "model.layers.0.self_attn.q_proj.weight" in hf and "model.layers.0.self_attn.q_proj.weight_packed" not in hf
+    q = json.loads((run / "export" / "hf_ckpt" / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized" and q["kv_cache_scheme"]["type"] == "float"
+    assert {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkvo"} <= set(q["ignore"]) and "lm_head" in q["ignore"]
+    art = manifest["artifacts"]
+    assert art["hf_ckpt"]["fp8_weights_kept"] and "kept as stored" in art["hf_ckpt"]["source_int_weights"]
+    assert "written dequantized" in art["trtllm_ckpt"]["source_int_weights"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(run / "export" / "hf_ckpt"), dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
+    assert torch.equal(loaded["model.layers.1.mlp.down_proj.weight"], expect["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.q_proj.weight"].float())
     assert (run / "export" / "plugin_bundle" / "int_weights.py").is_file()
-    for a in ("hf_ckpt", "trtllm_ckpt"):
-        assert "integer (pack-quantized) weights are written dequantized" in manifest["artifacts"][a]["source_int_weights"]
+    p, run2 = _run(tmp_path, ckpt, "run_deq", "export.fp8_weights=dequantize")
+    assert p.returncode == 0, p.stderr[-3000:]
+    hf2 = {k for f in sorted((run2 / "export" / "hf_ckpt").glob("*.safetensors")) for k in load_file(str(f))}
+    assert not any(iw.is_part(k) for k in hf2) and "written dequantized" in json.loads((run2 / "export" / "manifest.json").read_text())["artifacts"]["hf_ckpt"]["source_int_weights"]
 
 
 def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_ships_it(tmp_path):

@@ -561,8 +561,8 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     dtype = DTYPES[ecfg.dtype]
     src = ModelTensors(lm)
     offset = key_norm_offset(lm.model)
-    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4") \
-        else None
+    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and (weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4")
+                                                                                           or lm.streamer.ckpt.packed) else None
     unread = KV_SCALES_UNREAD.get(str((quantization_config(keep.dir) or {}).get("quant_method", "")).lower()) if keep is not None else None
     absorbed = bool(unread) and not (hf_book.fit_info.get("fold_keys_off") or hf_book.fit_info.get("fold_values_off"))
     if absorbed:  # the server reads no stored KV scale and quantizes at 1.0: the scale goes into the fold, the stored scales are 1.0
@@ -802,12 +802,14 @@ def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
     (`source_int_weights`), and the run warns once."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
     if src is not None and weight_quantization(src) == "int":
-        note = (f"the source's integer (pack-quantized) weights are written dequantized, (q - z) * s in {dtype}, the values validate "
-                "computed with: kvcompress writes no integer weight format (re-quantize with llm-compressor where the server needs int weights)")
+        note = (f"the source's integer weights are written dequantized, (q - z) * s in {dtype}, the values validate computed with "
+                "(re-quantize them where the server needs int weights)")
+        kept = ("the source's compressed-tensors pack-quantized weights kept as stored (the attention projections the fold changes "
+                f"in {dtype}, listed in its ignore list); validate computed with the values they define")
         for a in artifacts.values():
             if a.get("tier") == "native":
-                a["source_int_weights"] = note
-        if "hf_ckpt" in artifacts:
+                a["source_int_weights"] = kept if a.get("fp8_weights_kept") else note
+        if not (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
             log.warning("export: %s", note)
     return artifacts
 

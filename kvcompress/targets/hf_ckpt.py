@@ -178,7 +178,7 @@ class HFWriter:
             plan[f"model.layers.{i}.self_attn.k_proj.k_scale"] = (torch.float32, ())
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
         # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
-        self.src, self.kept, self.kept_mx, self.unquantized = fp8_source, {}, {}, set()
+        self.src, self.kept, self.kept_mx, self.kept_int, self.unquantized = fp8_source, {}, {}, {}, set()
         if fp8_source is not None:
             self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
@@ -215,6 +215,17 @@ class HFWriter:
             module, _, leaf = k.rpartition(".")
             if leaf not in ("weight", "bias") and k not in plan and (leaf == "weight_scale" or not fbgemm):
                 others.setdefault(module, []).append(k)
+        for k, parts in src.packed.items():  # compressed-tensors pack-quantized integer weights: as stored, or folded and listed unquantized
+            if k not in plan:
+                raise UserError(f"export: the source's integer weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                                "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
+            if folded_by_export(k, plan):
+                self.unquantized.add(k.rpartition(".")[0])
+                continue
+            del plan[k]
+            self.kept_int[k] = [n for n in parts.values() if n is not None]
+            for t in self.kept_int[k]:
+                plan[t] = (src.stored_dtype(t), tuple(src.shape(t)))
         for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
             if k not in plan:
                 raise UserError(f"export: the source's MXFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
@@ -252,13 +263,14 @@ class HFWriter:
             return {"weights": str(self.dtype).removeprefix("torch."), "fp8_weights_kept": False}
         dt = str(self.dtype).removeprefix("torch.")
         listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
-        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx))) if n) or "quantized"
+        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer", len(self.kept_int))) if n) or "quantized"
         method = self.src_method()
         how = ("quantization_config rewritten from 'fbgemm_fp8' as 'compressed-tensors' (the same tensors), whose KV-cache scheme "
                "servers read" if method == "fbgemm_fp8" else f"quantization_config quant_method {method!r}")
-        out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({len(self.kept)} FP8 and "
-                                                                        f"{len(self.kept_mx)} MXFP4 tensors with their scales, {how}); the "
-                                                                        f"attention projections the fold changes in {dt}{listed}",
+        listed = listed.replace("were FP8", "were quantized")
+        counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer (pack-quantized)", len(self.kept_int))) if n)
+        out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({counts or 'no'} weights with their "
+                                                                        f"scales, {how}); the attention projections the fold changes in {dt}{listed}",
                "bytes": self.total}
         if method in KV_SCALES_UNREAD:
             out["kv_scales_unread"] = (f"{KV_SCALES_UNREAD[method]}: served with --kv-cache-dtype fp8 it would run FP8 KV at scale 1.0, which validate "
@@ -290,6 +302,18 @@ class HFWriter:
                 raise RuntimeError(f"hf_ckpt: the MXFP4 weight {key!r} was changed before writing; its stored bytes no longer define it")
             for n, r in zip(self.kept_mx[key], raw):
                 self._w(n).write(n, r)
+            return
+        if key in self.kept_int:  # a pack-quantized weight: its stored parts, if they define exactly what the validated model used
+            from kvcompress.models import int_weights
+
+            parts = self.src.packed[key]
+            raw = {p: self.src.read_stored(n) for p, n in parts.items() if n is not None}
+            value = int_weights.dequantize(raw["weight_packed"], raw["weight_scale"], raw["weight_shape"].tolist(), raw.get("weight_zero_point"),
+                                           raw.get("weight_g_idx"), self.src.bits)
+            if row != 0 or not torch.equal(value.to(t.dtype), t.detach()):
+                raise RuntimeError(f"hf_ckpt: the integer weight {key!r} was changed before writing; its stored codes no longer define it")
+            for n in self.kept_int[key]:
+                self._w(n).write(n, self.src.read_stored(n))
             return
         if key not in self.where:  # lm_head of a tied model
             return
