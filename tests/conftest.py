@@ -15,6 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def tiny_llama_dir(out: Path) -> dict:
+    """A tiny random Llama (2 layers, hidden 96, 6 heads over 2 kv heads) saved as an HF directory at `out` with the byte
+    tokenizer: the quantized-checkpoint tests rewrite its tensors in their format. Returns its state dict as saved."""
+    from safetensors.torch import load_file
+
+    from kvcompress.models.synthetic import byte_tokenizer
+
+    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = ["LlamaForCausalLM"]
+    m.save_pretrained(str(out))
+    byte_tokenizer().save_pretrained(str(out))
+    return load_file(str(out / "model.safetensors"))
+
+
+def plain_copy(src: Path, out: Path, tensors: dict) -> Path:
+    """src's HF directory at `out` with `tensors` as its weights (model.safetensors) and no quantization_config: the same
+    model written unquantized."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import plain_copy, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import int_weights as iw
 from kvcompress.models.quantized import weight_quantization
@@ -47,15 +47,8 @@ def _int_dir(tmp_path: Path, bits=4, strategy="group", group=32, symmetric=True,
     """A tiny Llama saved as an HF directory whose q/k/v/o and MLP weights are pack-quantized by the compressed-tensors
     library (lm_head and embeddings as they are), with the quantization_config llm-compressor writes. Returns the
     directory and the float32 weights the library's decompressor gives for it."""
-    from kvcompress.models.synthetic import byte_tokenizer
-    from kvcompress.models.tiny import build_tiny
-
-    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
-    m.config.architectures = ["LlamaForCausalLM"]
     out = tmp_path / name
-    m.save_pretrained(str(out))
-    byte_tokenizer().save_pretrained(str(out))
-    sd = load_file(str(out / "model.safetensors"))
+    sd = tiny_llama_dir(out)
     scheme = _scheme(bits, strategy, group, symmetric)
     new, expect = {}, {}
     for k, v in sd.items():
@@ -128,17 +121,8 @@ def test_an_int4_checkpoint_is_read_dequantized_as_transformers_loads_it(tmp_pat
 
 def _plain_copy(tmp_path: Path, ckpt: Path, expect: dict) -> Path:
     """The same model written unquantized: the int checkpoint's dequantized weights as plain tensors, no quantization_config."""
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for f in ckpt.iterdir():
-        if f.name != "model.safetensors":
-            (plain / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((plain / "config.json").read_text())
-    del cfg["quantization_config"]
-    (plain / "config.json").write_text(json.dumps(cfg))
     sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not iw.is_part(k) and not iw.is_qweight_part(k)}
-    save_file({**sd, **expect}, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    return plain
+    return plain_copy(ckpt, tmp_path / "plain", {**sd, **expect})
 
 
 def _run(tmp_path, path, name, *extra):
@@ -321,15 +305,8 @@ def test_awq_dequantization_is_the_reference_layers():
 def _qweight_dir(tmp_path: Path, fmt: str) -> tuple[Path, dict]:
     """A tiny Llama whose projections are GPTQ (4-bit, groups of 32, act order in some) or AWQ (GEMM) layers packed by auto-round,
     with the quantization_config their quantizers write; the weights auto-round's layers compute."""
-    from kvcompress.models.synthetic import byte_tokenizer
-    from kvcompress.models.tiny import build_tiny
-
-    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
-    m.config.architectures = ["LlamaForCausalLM"]
     out = tmp_path / fmt
-    m.save_pretrained(str(out))
-    byte_tokenizer().save_pretrained(str(out))
-    sd = load_file(str(out / "model.safetensors"))
+    sd = tiny_llama_dir(out)
     new, expect = {}, {}
     for j, (k, v) in enumerate(sd.items()):
         if not k.endswith("proj.weight"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import plain_copy, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint
@@ -23,15 +23,8 @@ def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | str | No
     `block` (rows and columns not multiples of it: ceil blocks), "row": one per output row ([rows, 1]), or None: one per
     tensor; input_scale: a static activation scale beside each (ModelOpt FP8). Returns the directory and the float32
     weights those float8 values and scales define, computed here independently of the reader."""
-    from kvcompress.models.synthetic import byte_tokenizer
-    from kvcompress.models.tiny import build_tiny
-
-    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
-    m.config.architectures = ["LlamaForCausalLM"]
     out = tmp_path / name
-    m.save_pretrained(str(out))
-    byte_tokenizer().save_pretrained(str(out))
-    sd = load_file(str(out / "model.safetensors"))
+    sd = tiny_llama_dir(out)
     new, expect = {}, {}
     for k, v in sd.items():
         if not k.endswith("proj.weight"):
@@ -90,19 +83,9 @@ def test_fp8_weights_are_read_dequantized(tmp_path, qcfg, block, suffix):
 def test_an_fp8_checkpoint_runs_streamed_and_model_streaming_false_is_one_line(tmp_path):
     """End to end, streamed whatever model.streaming=auto decides; the run's perplexity is the dequantized model's, which
     an in-memory run of the same weights written unquantized reproduces (before: ~10% off, every key clipped)."""
-    from kvcompress.models.synthetic import byte_tokenizer  # noqa: F401 (the directory helper's tokenizer)
-
     ckpt, expect = _quantized_dir(tmp_path, BLOCK_FP8, (64, 64))
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for f in ckpt.iterdir():
-        if f.name != "model.safetensors":
-            (plain / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((plain / "config.json").read_text())
-    del cfg["quantization_config"]
-    (plain / "config.json").write_text(json.dumps(cfg))
     sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if not k.endswith("_scale_inv")}
-    save_file({**sd, **expect}, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    plain = plain_copy(ckpt, tmp_path / "plain", {**sd, **expect})
 
     def run(path, name, *extra):
         p = run_cli("model=llama3_8b", f"model.path={path}", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke",

@@ -617,19 +617,25 @@ def test_engine_memory_counts_the_graphs_fp16_weights_and_its_cache_buffers(tmp_
     assert "on one GPU" in tn.memory_line(mem)
 
 
-def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path, monkeypatch, capsys):
-    """build_engine.py --tier custom states the engine's weights and cache, and stops with one line and exit 2 when they exceed
-    the GPU's memory (naming --tp, which divides them across GPUs); within it, it goes on to the build (faked here: TensorRT-LLM is not installable)."""
+def _build_engine_with_fake_trtllm(monkeypatch, name: str):
+    """export/build_engine.py as a module, with tensorrt_llm faked as importable (the build itself is faked by the test)."""
     import importlib.util as iu
 
-    lm = tiny_lm("llama")
-    book = fitted_book(lm, **SPEC)
-    bundle, hf = _bundle(tmp_path, lm, book)
-    spec_ = iu.spec_from_file_location("build_engine_under_test_mem", ROOT / "export" / "build_engine.py")
+    spec_ = iu.spec_from_file_location(f"build_engine_under_test_{name}", ROOT / "export" / "build_engine.py")
     be = iu.module_from_spec(spec_)
     spec_.loader.exec_module(be)
     real_find = be.importlib.util.find_spec
     monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    return be
+
+
+def test_build_engine_refuses_an_engine_larger_than_the_gpu_in_one_line(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom states the engine's weights and cache, and stops with one line and exit 2 when they exceed
+    the GPU's memory (naming --tp, which divides them across GPUs); within it, it goes on to the build (faked here: TensorRT-LLM is not installable)."""
+    lm = tiny_lm("llama")
+    book = fitted_book(lm, **SPEC)
+    bundle, hf = _bundle(tmp_path, lm, book)
+    be = _build_engine_with_fake_trtllm(monkeypatch, "mem")
     built = []
     monkeypatch.setattr(tn, "build_engine", lambda *a: built.append(a) or Path(a[3]))
     lib = tmp_path / "lib.so"
@@ -833,16 +839,10 @@ def test_engine_memory_per_tensor_parallel_rank(tmp_path):
 def test_build_engine_tp_is_checked_and_passed_to_the_build(tmp_path, monkeypatch, capsys):
     """build_engine.py --tier custom --tp N: a tp that does not divide the kv heads is refused in one line (exit 2) before any
     build; a valid one sizes the per-GPU memory at that tp and reaches the (faked) build, which is told the tp."""
-    import importlib.util as iu
-
     lm = tiny_lm("llama")
     book = fitted_book(lm, **SPEC)
     bundle, hf = _bundle(tmp_path, lm, book)
-    spec_ = iu.spec_from_file_location("build_engine_under_test_tp", ROOT / "export" / "build_engine.py")
-    be = iu.module_from_spec(spec_)
-    spec_.loader.exec_module(be)
-    real_find = be.importlib.util.find_spec
-    monkeypatch.setattr(be.importlib.util, "find_spec", lambda n, *a: object() if n == "tensorrt_llm" else real_find(n, *a))
+    be = _build_engine_with_fake_trtllm(monkeypatch, "tp")
     built = []
     monkeypatch.setattr(tn, "build_engine", lambda *a: built.append(a) or Path(a[3]))
     monkeypatch.setattr(be, "gpu_bytes", lambda: None)
