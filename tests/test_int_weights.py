@@ -351,3 +351,40 @@ def test_gptq_and_awq_checkpoints_are_read_and_run_as_their_dequantized_model(tm
         (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | {"version": "gemv"}}))
         with pytest.raises(UserError, match="quant_method='awq'"):
             weight_quantization(ckpt)
+
+
+def test_an_int4_mixture_of_experts_reads_its_experts_through_the_models_conversion(tmp_path):
+    """A W4A16 Mixtral (llm-compressor packs each expert's w1/w2/w3 as its own Linear; the router stays unquantized): the
+    streaming reader builds transformers' fused expert tensors from the dequantized per-expert weights, so a streamed run
+    measures the perplexity of the same weights written plain."""
+    from kvcompress.models.tiny import build_tiny
+    from kvcompress.models.synthetic import byte_tokenizer
+
+    m = build_tiny("mixtral", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = ["MixtralForCausalLM"]
+    ckpt = tmp_path / "mixtral_w4a16"
+    m.save_pretrained(str(ckpt))
+    byte_tokenizer().save_pretrained(str(ckpt))
+    sd = load_file(str(ckpt / "model.safetensors"))
+    scheme = _scheme(4, "group", 32, True)
+    new, expect = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k.startswith("model.layers.") and (k.endswith("proj.weight") or ".experts." in k):
+            packed, expect[k] = _compress(v, scheme)
+            new |= {k.removesuffix("weight") + p: t.contiguous() for p, t in packed.items()}
+        else:
+            new[k] = v
+    assert any(".experts.0.w1.weight" in k for k in expect), sorted(sd)[:20]
+    save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme.weights.model_dump(mode="json"),
+                                                                "input_activations": None, "output_activations": None, "format": "pack-quantized"}},
+                                  "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    p, r = _run(tmp_path, ckpt, "run_moe", "export=none")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p2, r2 = _run(tmp_path, _plain_copy(tmp_path, ckpt, expect), "run_plain", "export=none", "model.streaming=false")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
+    assert a["model"].get("streamed") and a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)

@@ -108,7 +108,8 @@ class Checkpoint:
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         meta = model.state_dict()
         groups: dict[str, list] = {}
-        for stored in sorted(self.entries, key=dot_natural_key):  # experts in index order, as transformers stacks them
+        # experts in index order, as transformers stacks them; integer weights under the names they dequantize to (read())
+        for stored in sorted({*self.entries, *self.packed, *self.qweights}, key=dot_natural_key):
             if stored in meta:
                 continue
             name, pattern = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta)
