@@ -140,7 +140,12 @@ def custom_tier(a) -> int:
         if importlib.util.find_spec("tensorrt_llm") is None:
             print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
             return 2
-        for text in tn.generate(Path(a.run), a.prompt, a.max_new_tokens):
+        try:
+            texts = tn.generate(Path(a.run), a.prompt, a.max_new_tokens)
+        except ValueError as e:  # more prompts or tokens than the engine takes, or a tensor-parallel engine not under mpirun -n tp
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for text in texts:
             print(text)
         return 0
     missing = [f"--{n.replace('_', '-')}" for n in ("bundle", "plugin_lib", "out") if not getattr(a, n)]

@@ -388,3 +388,14 @@ def test_an_int4_mixture_of_experts_reads_its_experts_through_the_models_convers
     assert p2.returncode == 0, p2.stderr[-3000:]
     a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
     assert a["model"].get("streamed") and a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+
+
+def test_the_engine_memory_counts_a_gptq_weight_at_its_dense_shape(tmp_path):
+    """engine_memory's shapes from the safetensors headers alone: a 3-bit GPTQ qweight [in * 3 / 32, out] (its words hold
+    a non-integral count of codes) is the weight [out, in]; AWQ's [in, out / 8] too; their parts are not counted."""
+    from kvcompress.targets.trtllm_network import dense_shapes
+
+    for q, shapes, want in (({"quant_method": "gptq", "bits": 3}, {"m.qweight": [9, 64], "m.qzeros": [3, 6], "m.scales": [3, 64], "m.g_idx": [96]}, [64, 96]),
+                            ({"quant_method": "awq", "bits": 4}, {"m.qweight": [96, 8], "m.qzeros": [3, 8], "m.scales": [3, 64]}, [64, 96])):
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": q}))
+        assert dense_shapes(shapes | {"n.weight": [4]}, tmp_path) == {"m.weight": want, "n.weight": [4]}

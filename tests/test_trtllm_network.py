@@ -859,3 +859,32 @@ def test_build_engine_tp_is_checked_and_passed_to_the_build(tmp_path, monkeypatc
     assert be.main() == 0 and len(built) == 1 and built[0][-1] == 2
     out = capsys.readouterr().out
     assert "on each of 2 GPUs" in out and "mpirun -n 2 python build_engine.py --tier custom --run" in out, out
+
+
+def test_build_engine_run_refuses_what_the_engine_cannot_take_in_one_line(tmp_path, monkeypatch, capsys):
+    """build_engine.py --tier custom --run: more prompts than the engine's max_batch, and a tensor-parallel engine outside
+    mpirun -n tp (TensorRT-LLM faked as importable; the checks come before any engine is loaded), end in one line, exit 2."""
+    from kvcompress.models.synthetic import byte_tokenizer
+
+    be = _build_engine_with_fake_trtllm(monkeypatch, "run")
+    hf = tmp_path / "hf"
+    byte_tokenizer().save_pretrained(str(hf))
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "rank0.engine").write_bytes(b"")
+    cfg = {"kvcompress_custom_tier": {}, "cap": 8, "max_batch": 1, "max_seq_len": 64, "hf_dir": str(hf), "plugin_lib": "", "tp": 1}
+    for extra, want in (({}, "2 sequences exceed the engine's max_batch 1"),
+                        ({"max_batch": 2, "tp": 2}, "the engine has 2 tensor-parallel ranks: run this under mpirun -n 2")):
+        (eng / "config.json").write_text(json.dumps(cfg | extra))
+        if extra:
+            import types
+
+            fake = types.ModuleType("tensorrt_llm._utils")
+            fake.mpi_world_size, fake.mpi_rank = (lambda: 1), (lambda: 0)
+            monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))
+            monkeypatch.setitem(sys.modules, "tensorrt_llm._utils", fake)
+        monkeypatch.setattr(sys, "argv", ["build_engine.py", "--tier", "custom", "--run", str(eng), "--prompt", "a", "--prompt", "b"])
+        capsys.readouterr()
+        assert be.main() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and want in err, err

@@ -41,6 +41,16 @@ SUFFIX = "weight_packed"
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
+def config_bits(q: dict | None) -> int | None:
+    """The code width a quantization_config states: GPTQ's and AWQ's `bits`; compressed-tensors' `num_bits` when all its
+    config groups state the same one; else None."""
+    q = q or {}
+    if q.get("bits"):
+        return int(q["bits"])
+    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
+    return bits.pop() if len(bits) == 1 else None
+
+
 def packed_names(entries) -> dict[str, dict[str, str | None]]:
     """{`<m>.weight`: {part: stored name or None}} for every `<m>.weight_packed` among the stored names."""
     out = {}

@@ -55,11 +55,9 @@ def integer_weight_only(q: dict) -> bool:
 def stated_bits(model_dir: Path) -> int | None:
     """The code width of an integer checkpoint: GPTQ's and AWQ's `bits`; compressed-tensors' when all its config groups
     state the same one."""
-    q = quantization_config(model_dir) or {}
-    if q.get("bits"):
-        return int(q["bits"])
-    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
-    return bits.pop() if len(bits) == 1 else None
+    from kvcompress.models.int_weights import config_bits
+
+    return config_bits(quantization_config(model_dir))
 
 
 def weight_quantization(model_dir: Path) -> str | None:

@@ -378,7 +378,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
-    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the pack-quantized integer weights
+    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the integer weights' (pack-quantized, GPTQ, AWQ)
     info = {"variant": variants[0].__dict__, "kernels": kernels}
     if book.spec.is_mixed:
         info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
@@ -696,7 +696,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
-    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the pack-quantized integer weights
+    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the integer weights' (pack-quantized, GPTQ, AWQ)
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {

@@ -304,13 +304,7 @@ class HFWriter:
                 self._w(n).write(n, r)
             return
         if key in self.kept_int:  # a pack-quantized weight: its stored parts, if they define exactly what the validated model used
-            from kvcompress.models import int_weights
-
-            parts = self.src.packed[key]
-            raw = {p: self.src.read_stored(n) for p, n in parts.items() if n is not None}
-            value = int_weights.dequantize(raw["weight_packed"], raw["weight_scale"], raw["weight_shape"].tolist(), raw.get("weight_zero_point"),
-                                           raw.get("weight_g_idx"), self.src.bits)
-            if row != 0 or not torch.equal(value.to(t.dtype), t.detach()):
+            if row != 0 or not torch.equal(self.src.read(key).to(t.dtype), t.detach()):  # the reader's dequantization of those parts
                 raise RuntimeError(f"hf_ckpt: the integer weight {key!r} was changed before writing; its stored codes no longer define it")
             for n in self.kept_int[key]:
                 self._w(n).write(n, self.src.read_stored(n))

@@ -189,24 +189,38 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
+def _int_weights():
+    """kvcompress.models.int_weights, or in the bundle the int_weights.py beside this file."""
+    try:
+        from kvcompress.models import int_weights
+    except ImportError:
+        import int_weights
+    return int_weights
+
+
+def _quantization_config(hf_dir: Path) -> dict:
+    """config.json's quantization_config of an HF directory ({} without one)."""
+    cfg = Path(hf_dir) / "config.json"
+    return (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+
+
 def dense_shapes(shapes: dict, hf_dir: Path) -> dict:
     """Tensor shapes with each pack-quantized weight (`<m>.weight_packed` int32 [out, words] and its parts) as the weight
     `<m>.weight` [out, in] the loader makes of it (in = words * 32 / bits, the config's code width), its parts left out."""
+    iw = _int_weights()
     packed = [k for k in shapes if k.endswith(".weight_packed")]
     qweights = [k for k in shapes if k.endswith(".qweight")]
     if not packed and not qweights:
         return shapes
-    cfg = Path(hf_dir) / "config.json"
-    q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
+    q = _quantization_config(hf_dir)
+    b = iw.config_bits(q) or 4
     if qweights:  # GPTQ [in * b / 32, out], AWQ [in, out / 8] -> [out, in] (out: the scales' columns)
-        b, awq = int(q.get("bits", 4)), str(q.get("quant_method", "")).lower() == "awq"
-        drop = {k.removesuffix("qweight") + p for k in qweights for p in ("qweight", "qzeros", "scales", "g_idx")}
+        awq = iw.layout(q) == "awq"
+        drop = {k.removesuffix("qweight") + p for k in qweights for p in iw.GPTQ_PARTS}
         return {k: s for k, s in shapes.items() if k not in drop} | {
-            k.removesuffix("qweight") + "weight": [shapes[k.removesuffix("qweight") + "scales"][1], shapes[k][0] * (1 if awq else 32 // b)] for k in qweights}
-    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
-    b = bits.pop() if len(bits) == 1 else 4
-    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-    out = {k: s for k, s in shapes.items() if k.rsplit(".", 1)[-1] not in parts}
+            k.removesuffix("qweight") + "weight": [shapes[k.removesuffix("qweight") + "scales"][1], shapes[k][0] if awq else shapes[k][0] * 32 // b]
+            for k in qweights}
+    out = {k: s for k, s in shapes.items() if not iw.is_part(k)}
     return out | {k.removesuffix("_packed"): [shapes[k][0], shapes[k][1] * 32 // b] for k in packed}
 
 
@@ -333,27 +347,23 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
     """An integer checkpoint's weights (compressed-tensors pack-quantized, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
     other checkpoint as it is."""
-    try:
-        from kvcompress.models import int_weights
-    except ImportError:  # the bundle: int_weights.py beside this file
-        import int_weights
+    int_weights = _int_weights()
     packed = int_weights.packed_names(raw)
-    cfg = Path(hf_dir) / "config.json"
-    q = (json.loads(cfg.read_text()).get("quantization_config") or {}) if cfg.is_file() else {}
-    fmt = int_weights.layout(q)
+    q = _quantization_config(hf_dir)
+    fmt, bits = int_weights.layout(q), int_weights.config_bits(q)
     if fmt in ("gptq", "gptq_v2", "awq"):  # GPTQ's and AWQ's qweight / qzeros / scales (g_idx)
         layers = int_weights.qweight_names(raw)
         out = {k: t for k, t in raw.items() if not (int_weights.is_qweight_part(k) and k.rsplit(".", 1)[0] + ".weight" in layers)}
         for name, parts in layers.items():
             try:
-                out[name] = int_weights.dequantize_layer(fmt, parts, raw.__getitem__, int(q["bits"]))
+                if bits is None:
+                    raise ValueError(f"its quantization_config ({fmt}) states no bits")
+                out[name] = int_weights.dequantize_layer(fmt, parts, raw.__getitem__, bits)
             except ValueError as e:
                 raise WeightsMismatch(f"{hf_dir}: {e}") from None
         return out
     if not packed:
         return raw
-    bits = {int((g.get("weights") or {}).get("num_bits", 0)) for g in (q.get("config_groups") or {}).values()}
-    bits = bits.pop() if len(bits) == 1 else None
     out = {k: t for k, t in raw.items() if not int_weights.is_part(k)}
     for name, parts in packed.items():
         if parts["weight_scale"] is None or parts["weight_shape"] is None:
@@ -803,17 +813,17 @@ def engine_step(engine_dir: Path, B: int):
     """step(ids [B], lens [B]) -> logits [B, V] float32 (torch, CPU) on a built custom-tier engine with B sequences; the
     cache buffers are allocated zeroed and bound as past and present alike. A tensor-parallel engine: this process's
     rank (engine_rank) on GPU rank mod the GPUs it sees; every rank returns the same logits (after the last all-reduce)."""
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    spec, cap, tp = cfg["kvcompress_custom_tier"], cfg["cap"], cfg.get("tp", 1)
+    if B > cfg["max_batch"]:
+        raise ValueError(f"{B} sequences exceed the engine's max_batch {cfg['max_batch']}")
+    rank = engine_rank(cfg)
     import ctypes
 
     import tensorrt as trt
     import torch
     from tensorrt_llm.runtime.session import Session, TensorInfo
 
-    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
-    spec, cap, tp = cfg["kvcompress_custom_tier"], cfg["cap"], cfg.get("tp", 1)
-    if B > cfg["max_batch"]:
-        raise ValueError(f"{B} sequences exceed the engine's max_batch {cfg['max_batch']}")
-    rank = engine_rank(cfg)
     if tp > 1:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     ctypes.CDLL(cfg["plugin_lib"], mode=ctypes.RTLD_GLOBAL)
