@@ -10,7 +10,8 @@ Custom tier (the kvcompress format; attention = the KvcAppend + KvcDecodeAttenti
     python build_engine.py --tier custom --run engine_custom --prompt "The capital of France is" --max-new-tokens 32
     python build_engine.py --tier custom --check engine_custom   # the engine against the validated decoding: PASS / FAIL
 Tensor parallel (a model too large for one GPU): --tp N builds rank0..rank<N-1>.engine (each 1/N of the heads and MLP
-columns, all-reduces after attention and MLP); --run and --check then run one process per rank:
+columns, all-reduces after attention and MLP; N above the kv heads replicates them, N / kv-heads ranks each); --run and
+--check then run one process per rank:
     python build_engine.py --tier custom --bundle export/plugin_bundle --plugin-lib libkvcompress_trt.so --out engine_custom --tp 8
     mpirun -n 8 python build_engine.py --tier custom --check engine_custom
 --check feeds the export's network-check tokens (plugin_bundle/network_check.safetensors: a prompt that crosses the fp16
@@ -215,8 +216,8 @@ def main() -> int:
     ap.add_argument("--bundle", help="custom tier: export/plugin_bundle")
     ap.add_argument("--hf-dir", help="custom tier: the model's HF directory (default: network.json's weights.hf_dir)")
     ap.add_argument("--plugin-lib", help="custom tier: libkvcompress_trt.so built for this GPU")
-    ap.add_argument("--tp", type=positive, default=1, help="custom tier: tensor-parallel GPUs (a divisor of the model's kv heads; "
-                    "--run / --check then under mpirun -n TP)")
+    ap.add_argument("--tp", type=positive, default=1, help="custom tier: tensor-parallel GPUs (a divisor of the model's kv heads, or a multiple of "
+                    "them dividing its query heads: kv heads replicated; --run / --check then under mpirun -n TP)")
     ap.add_argument("--splits", type=positive, default=None, help="custom tier: split-K count of the decode plugin (default: network.json)")
     ap.add_argument("--run", help="custom tier: an engine directory to generate with")
     ap.add_argument("--prompt", action="append", help="custom tier --run: a prompt (repeat for a batch)")

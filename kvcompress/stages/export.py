@@ -404,9 +404,10 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
     n_comp = max(1, min(g.max_position, 8192) - variant["n_sink"] - variant["window"])
     splits = plan.choose_splits(1, g.n_kv_heads, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
     spec = no.network_spec(book, variant, lm.model.config, g, lm.identity, splits, layers)
-    # a tensor-parallel rank holds n_kv_heads / tp heads: fewer CTAs a launch, so more splits fill its GPU (build_engine --tp)
-    spec["splits_by_tp"] = {str(tp): plan.choose_splits(1, g.n_kv_heads // tp, n_comp, variant["gqa"], g.head_dim, token_bytes, variant["block_t"])
-                            for tp in TP_SIZES if g.n_kv_heads % tp == 0}
+    # a tensor-parallel rank holds n_kv_heads / tp heads (one, replicated, above them): fewer CTAs a launch, so more splits fill
+    # its GPU (build_engine --tp)
+    spec["splits_by_tp"] = {str(tp): plan.choose_splits(1, tn.kv_heads_per_rank(spec, tp), n_comp, variant["gqa"], g.head_dim, token_bytes,
+                                                        variant["block_t"]) for tp in TP_SIZES if tn.tp_allowed(g.n_heads, g.n_kv_heads, tp)}
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
     info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py", "int_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,

@@ -40,8 +40,8 @@ class TorchGraph:
     def const(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(arr))
 
-    def gather(self, table, idx):
-        return table[idx.long()]
+    def gather(self, table, idx, axis: int = 0):  # IGatherLayer: table's axis replaced by idx's shape
+        return table.index_select(axis, idx.long().flatten()).reshape(*table.shape[:axis], *idx.shape, *table.shape[axis + 1:])
 
     def matmul(self, a, b, transpose_b: bool = False):
         if a.dim() != b.dim() or a.dim() < 2:  # IMatrixMultiplyLayer: equal ranks >= 2, batch dims broadcast only from 1
@@ -189,7 +189,7 @@ def empty_past(spec: dict, B: int, cap: int, tp: int = 1) -> list[list[torch.Ten
     a = spec["arch"]
     out = []
     for i in range(a["n_layers"]):
-        tails = tn.cache_tails(tn.layer_variant(spec, i), a["n_kv_heads"] // tp, a["head_dim"], cap)
+        tails = tn.cache_tails(tn.layer_variant(spec, i), tn.kv_heads_per_rank(spec, tp), a["head_dim"], cap)
         out.append([torch.zeros((B, *tails[c][0]), dtype=DT[tails[c][1]]) for c in tn.cache_names(tn.layer_variant(spec, i))])
     return out
 

@@ -26,7 +26,10 @@ and kv heads, contiguous, so its query heads read exactly its kv heads: query he
 plugin constants and cache buffers, and the r-th N-th of the MLP's intermediate columns (each expert's, and the shared
 expert's); the attention output projection and the MLP's down projection leave partial sums that an all-reduce adds
 across the ranks (TensorRT-LLM's AllReduce plugin, NCCL strategy). Embeddings, norms, routers and lm_head are
-replicated. The engines run one process per rank (mpirun -n N). The CPU oracle runs the ranks as threads with a summing
+replicated. N above the kv heads (a multiple of them dividing the query heads) replicates the kv heads: the N / H_kv
+ranks of kv head c each hold it (its projections, plugin constants and cache) and the query projection of its whole
+group, so the decode plugin runs with the G its kernels were compiled for; each rank then keeps its own N-th of the
+query heads (a gather on the head axis, `W["att_heads"]`) for its N-th of the output projection's columns. The engines run one process per rank (mpirun -n N). The CPU oracle runs the ranks as threads with a summing
 barrier in place of NCCL (network_oracle.oracle_step(tp=N)).
 
 This file is copied into the plugin bundle next to build_engine.py; it imports only numpy at
@@ -140,18 +143,35 @@ HEAD_PARAMS = ("k_scale", "k_zero", "k_zero_masked", "outlier_idx", "k_bits", "k
 # load_hf_weights' names -> the axis a rank takes its part of (dense / mixture-of-experts layers); any other name is replicated
 SPLIT_AXIS = {"wq": 0, "wk": 0, "wv": 0, "bq": 1, "bk": 1, "bv": 1, "wo": 1, "wg": 0, "wu": 0, "wd": 1, "sg": 0, "su": 0, "sd": 1}
 SPLIT_AXIS_MOE = SPLIT_AXIS | {"wg": 1, "wu": 1, "wd": 2}  # experts [E, I, hidden] and [E, hidden, I]: each expert's columns
+# the attention input projections a rank takes whole per kv head when tp > n_kv_heads (the kv head's query group with it)
+REPLICATED_KV = ("wq", "wk", "wv", "bq", "bk", "bv")
 # the HF tensors a rank holds a part of (engine_memory's count): attention projections and MLP / expert projections
 SPLIT_TENSORS = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)\.(weight|bias)$"
                            r"|\.experts\.(gate_up_proj|down_proj)$")
+# a mixture-of-experts router: a float32 constant of the graph (the routing logits in float32, _moe_mlp)
+ROUTER = re.compile(r"\.(block_sparse_moe\.gate|mlp\.gate)\.weight$")
+# ... of which a rank holds its kv heads' part, whole kv heads (min(tp, n_kv_heads)-th) when tp replicates them
+KV_INPUT_TENSORS = re.compile(r"\.(q_proj|k_proj|v_proj|qkv_proj)\.(weight|bias)$")
+
+
+def tp_allowed(n_heads: int, n_kv_heads: int, tp: int) -> bool:
+    """A tensor-parallel size the custom tier can split the attention in: whole kv heads per rank (tp divides the kv
+    heads), or replicated kv heads with whole query heads per rank (tp a multiple of the kv heads dividing the query heads)."""
+    return tp >= 1 and (n_kv_heads % tp == 0 or (tp % n_kv_heads == 0 and n_heads % tp == 0))
 
 
 def check_tp(spec: dict, tp: int) -> None:
-    """Refuse a tensor-parallel size that does not divide the model's kv heads (each rank holds whole kv heads with their
-    query heads: TensorRT-LLM's kv-head replication for tp > kv heads is not in this network)."""
-    hkv = spec["arch"]["n_kv_heads"]
-    if tp < 1 or hkv % tp:
-        ok = ", ".join(str(n) for n in range(1, hkv + 1) if hkv % n == 0)
-        raise WeightsMismatch(f"--tp {tp} does not divide the model's {hkv} kv heads; allowed: {ok}")
+    """Refuse a tensor-parallel size the attention cannot be split in (tp_allowed), naming the sizes that can."""
+    h, hkv = spec["arch"]["n_heads"], spec["arch"]["n_kv_heads"]
+    if not tp_allowed(h, hkv, tp):
+        ok = ", ".join(str(n) for n in range(1, h + 1) if tp_allowed(h, hkv, n))
+        raise WeightsMismatch(f"--tp {tp} splits neither the model's {hkv} kv heads (a divisor of {hkv}) nor its {h} query heads over "
+                              f"replicated kv heads (a multiple of {hkv} dividing {h}); allowed: {ok}")
+
+
+def kv_heads_per_rank(spec: dict, tp: int) -> int:
+    """The kv heads one rank of a tp-way engine holds (and caches): n_kv_heads / tp, one when they are replicated."""
+    return max(1, spec["arch"]["n_kv_heads"] // tp)
 
 
 def default_splits(spec: dict, tp: int = 1) -> int:
@@ -163,21 +183,32 @@ def default_splits(spec: dict, tp: int = 1) -> int:
 def shard(W: dict[str, np.ndarray], P: dict[str, np.ndarray], spec: dict, tp: int, rank: int) -> tuple[dict, dict]:
     """Rank `rank`'s part of the weights (load_hf_weights' names) and plugin constants for tensor parallelism over tp
     ranks: the SPLIT_AXIS tensors cut in tp equal parts along their axis (query / kv heads, intermediate columns), the
-    rest shared (the same arrays); HEAD_PARAMS cut along their kv-head axis."""
+    rest shared (the same arrays); HEAD_PARAMS cut along their kv-head axis. tp above the kv heads (rep = tp / n_kv_heads
+    ranks per kv head): the query, key and value projections and HEAD_PARAMS are kv head rank // rep's (its whole query
+    group), the output projection's columns the rank's own tp-th of the query heads, which W["att_heads"] (int32 indices
+    into the group's heads) picks from the attention's output."""
     if tp == 1:
         return W, P
     check_tp(spec, tp)
+    hkv, G = spec["arch"]["n_kv_heads"], spec["arch"]["n_heads"] // spec["arch"]["n_kv_heads"]
+    rep = max(1, tp // hkv)
     axes = SPLIT_AXIS_MOE if spec["arch"].get("moe") else SPLIT_AXIS
     out = {}
     for name, arr in W.items():
-        axis = axes.get(name.rsplit(".", 1)[-1]) if "." in name else None
+        short = name.rsplit(".", 1)[-1] if "." in name else None
+        axis = axes.get(short) if short else None
         if axis is None:
             out[name] = arr
             continue
-        if arr.shape[axis] % tp:
+        parts, part = (hkv, rank // rep) if rep > 1 and short in REPLICATED_KV else (tp, rank)
+        if arr.shape[axis] % parts:
             raise WeightsMismatch(f"{name} has {arr.shape[axis]} rows along its split axis {axis}, not divisible by --tp {tp}")
-        out[name] = np.ascontiguousarray(np.split(arr, tp, axis=axis)[rank])
-    return out, {n: np.ascontiguousarray(np.split(a, tp, axis=1)[rank]) if n in HEAD_PARAMS else a for n, a in P.items()}
+        out[name] = np.ascontiguousarray(np.split(arr, parts, axis=axis)[part])
+    if rep > 1:
+        own = G // rep
+        out["att_heads"] = np.arange((rank % rep) * own, (rank % rep + 1) * own, dtype=np.int32)
+    parts, part = (hkv, rank // rep) if rep > 1 else (tp, rank)
+    return out, {n: np.ascontiguousarray(np.split(a, parts, axis=1)[part]) if n in HEAD_PARAMS else a for n, a in P.items()}
 
 
 FP8_METADATA = ("_scale_inv", "_scale")  # an FP8 checkpoint's scale tensors: read to dequantize the weights, not constants of the network
@@ -228,22 +259,28 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     """Device bytes the custom-tier engine needs at least on each of its tp GPUs:
     weights: every text-decoder tensor of the HF directory as an fp16 constant (2 bytes per element whatever its stored
     dtype: load_hf_weights casts bf16 and dequantizes FP8 to fp16; FP8 scale tensors are not constants; a tied head
-    counted once), read from the safetensors headers, the projections a rank holds a tp-th of (SPLIT_TENSORS) divided by tp;
+    counted once; a mixture of experts' routers 4 bytes, float32), read from the safetensors headers, the projections a rank holds a tp-th of (SPLIT_TENSORS) divided by tp
+    (the query, key and value projections by min(tp, n_kv_heads): a rank above the kv heads holds its kv head's whole group);
     cache: the past buffers of max_batch sequences of max_seq_len tokens (engine_io at tp; present aliases past).
     TensorRT's activations and workspace come on top."""
     shapes = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
-    weights = 2 * sum(int(np.prod(s)) // (tp if SPLIT_TENSORS.search(k) else 1) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
+    kv_tp = min(tp, spec["arch"]["n_kv_heads"])
+
+    def part(k: str) -> int:
+        return (kv_tp if KV_INPUT_TENSORS.search(k) else tp) if SPLIT_TENSORS.search(k) else 1
+
+    weights = sum(int(np.prod(s)) // part(k) * (4 if ROUTER.search(k) else 2) for k, s in shapes.items() if not k.endswith(FP8_METADATA))
     per_seq = sum(int(np.prod(tail)) * np.dtype(dt).itemsize for tail, dt in engine_io(spec, store_capacity(spec, max_seq_len), tp).values())
     return {"weights_bytes": weights, "cache_bytes": per_seq * max_batch, "max_batch": max_batch, "max_seq_len": max_seq_len, "tp": tp}
 
 
 def fewest_gpus(spec: dict, hf_dir: Path, max_seq_len: int, gpu_bytes: float, sizes=(1, 2, 4, 8)) -> dict:
-    """engine_memory of one sequence at the smallest tensor-parallel size in `sizes` (those dividing the kv heads) whose
-    per-GPU weights and cache fit gpu_bytes, with "fits": True; else at the largest such size, "fits": False."""
-    for tp in (t for t in sizes if spec["arch"]["n_kv_heads"] % t == 0):
+    """engine_memory of one sequence at the smallest tensor-parallel size in `sizes` (those the attention splits in,
+    tp_allowed) whose per-GPU weights and cache fit gpu_bytes, with "fits": True; else at the largest such size, "fits": False."""
+    for tp in (t for t in sizes if tp_allowed(spec["arch"]["n_heads"], spec["arch"]["n_kv_heads"], t)):
         mem = engine_memory(spec, hf_dir, 1, max_seq_len, tp)
         if mem["weights_bytes"] + mem["cache_bytes"] <= gpu_bytes:
             return mem | {"fits": True}
@@ -577,7 +614,8 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
     tp > 1: one rank's step, W and P its part (`shard`), past its heads' buffers; g.allreduce adds the ranks' partial
     sums after the attention's and the MLP's output projections."""
     a = spec["arch"]
-    H, HKV, D, L = a["n_heads"] // tp, a["n_kv_heads"] // tp, a["head_dim"], a["n_layers"]
+    HKV, D, L = kv_heads_per_rank(spec, tp), a["head_dim"], a["n_layers"]
+    H = HKV * (a["n_heads"] // a["n_kv_heads"])  # the query heads of its kv heads (a whole group when tp replicates them)
     eps = float(a["rms_eps"])
     cos_t, sin_t = rope_tables(np.asarray(spec["rope_inv_freq"], np.float32), n_pos, float(spec.get("rope_scale", 1.0)))
     R = g.const(rotate_half_matrix(D))
@@ -608,7 +646,10 @@ def decoder_step(g, spec: dict, W: dict[str, np.ndarray], P: dict[str, np.ndarra
         new = g.plugin("KvcAppend", [k, vv, *wr, *past[i], lens], {"H": HKV, "D": D, "cap": cap}, len(cache_names(v)), ns)
         att = g.plugin("KvcDecodeAttention", [q, *rd, *new, lens1],
                        {"H": HKV, "G": H // HKV, "D": D, "splits": splits, "cap": cap, "sm_scale": float(D) ** -0.5}, 1, ns)[0]
-        att = g.reshape(g.cast(att, "float16"), (0, H * D))
+        att = g.cast(att, "float16")
+        if "att_heads" in W:  # replicated kv heads: the rank's own query heads of the group, for its columns of wo
+            att = g.gather(att, g.const(W["att_heads"]), axis=1)
+        att = g.reshape(att, (0, W[f"{i}.wo"].shape[1]))
         x = g.add(x, _reduce(g, g.matmul(att, g.const(W[f"{i}.wo"]), transpose_b=True), tp))
         h = _rms_norm(g, x, W[f"{i}.ln2"], eps)
         moe = a.get("moe")
@@ -638,8 +679,8 @@ class TrtGraph:
         self.keep.append(arr)  # TensorRT reads the weights at build time; keep them alive until then
         return self.net.add_constant(arr.shape, self.trt.Weights(arr)).get_output(0)
 
-    def gather(self, table, idx):
-        return self.net.add_gather(table, idx, 0).get_output(0)
+    def gather(self, table, idx, axis: int = 0):
+        return self.net.add_gather(table, idx, axis).get_output(0)
 
     def matmul(self, a, b, transpose_b: bool = False):
         op = self.trt.MatrixOperation
@@ -712,7 +753,7 @@ def engine_io(spec: dict, cap: int, tp: int = 1) -> dict[str, tuple[tuple, str]]
     a = spec["arch"]
     io = {"input_ids": ((), "int32"), "lens": ((), "int32")}
     for i in range(a["n_layers"]):
-        for c, (tail, dt) in cache_tails(layer_variant(spec, i), a["n_kv_heads"] // tp, a["head_dim"], cap).items():
+        for c, (tail, dt) in cache_tails(layer_variant(spec, i), kv_heads_per_rank(spec, tp), a["head_dim"], cap).items():
             io[f"past.{i}.{c}"] = (tail, dt)
     return io
 
