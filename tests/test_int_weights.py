@@ -238,9 +238,10 @@ def test_integer_formats_it_does_not_read_are_one_line(tmp_path):
 # The reference: auto-round 0.16.1 (dev extra), whose torch GPTQ QuantLinear packs and runs the GPTQ layout and whose AWQ
 # exporter packs and dequantizes AutoAWQ's GEMM layout.
 
-def _gptq_layer(out_f: int, in_f: int, bits: int, group: int, act_order: bool, seed: int = 0):
-    """auto-round's GPTQ layer (checkpoint format "gptq": zero points stored minus one) of random scales and zero points,
-    and the weight [out, in] its own forward computes (the identity through it)."""
+def _gptq_layer(out_f: int, in_f: int, bits: int, group: int, act_order: bool, seed: int = 0, sym: bool = False):
+    """auto-round's GPTQ layer (checkpoint format "gptq": zero points stored minus one) of random scales and zero points
+    (sym: every zero point the midpoint 2^(b-1), as GPTQ's sym=True writes), and the weight [out, in] its own forward
+    computes (the identity through it)."""
     from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
 
     g = torch.Generator().manual_seed(seed)
@@ -248,7 +249,7 @@ def _gptq_layer(out_f: int, in_f: int, bits: int, group: int, act_order: bool, s
     torch.nn.init.normal_(lin.weight, std=0.05, generator=g)
     groups = in_f // group
     scales = torch.rand(out_f, groups, generator=g) * 0.02 + 0.005
-    zeros = torch.randint(1, 2**bits, (out_f, groups), generator=g)
+    zeros = torch.full((out_f, groups), 2 ** (bits - 1)) if sym else torch.randint(1, 2**bits, (out_f, groups), generator=g)
     ql = QuantLinear(bits, group, in_f, out_f, bias=False, g_idx=act_order)
     if act_order:
         ql.g_idx = (torch.arange(in_f) // group)[torch.randperm(in_f, generator=g)].to(torch.int32)
@@ -302,10 +303,10 @@ def test_awq_dequantization_is_the_reference_layers():
     assert not torch.equal(plain, ref)
 
 
-def _qweight_dir(tmp_path: Path, fmt: str) -> tuple[Path, dict]:
-    """A tiny Llama whose projections are GPTQ (4-bit, groups of 32, act order in some) or AWQ (GEMM) layers packed by auto-round,
-    with the quantization_config their quantizers write; the weights auto-round's layers compute."""
-    out = tmp_path / fmt
+def _qweight_dir(tmp_path: Path, fmt: str, sym: bool = False) -> tuple[Path, dict]:
+    """A tiny Llama whose projections are GPTQ (4-bit, groups of 32, act order in some; sym: symmetric, no act order) or AWQ
+    (GEMM) layers packed by auto-round, with the quantization_config their quantizers write; the weights auto-round's layers compute."""
+    out = tmp_path / (fmt + ("_sym" if sym else ""))
     sd = tiny_llama_dir(out)
     new, expect = {}, {}
     for j, (k, v) in enumerate(sd.items()):
@@ -313,11 +314,12 @@ def _qweight_dir(tmp_path: Path, fmt: str) -> tuple[Path, dict]:
             new[k] = v
             continue
         # act order where the reference's forward takes it (its g_idx path keeps only in_features outputs: out <= in)
-        parts, expect[k] = _gptq_layer(*v.shape, 4, 32, v.shape[0] <= v.shape[1], seed=j) if fmt == "gptq" else _awq_layer(*v.shape, 32, seed=j)
+        parts, expect[k] = (_gptq_layer(*v.shape, 4, 32, v.shape[0] <= v.shape[1] and not sym, seed=j, sym=sym) if fmt == "gptq" else
+                            _awq_layer(*v.shape, 32, seed=j))
         new |= {k.removesuffix("weight") + p: t.contiguous() for p, t in parts.items()}
     save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": not sym, "sym": sym, "checkpoint_format": "gptq"}
                                   if fmt == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"})
     (out / "config.json").write_text(json.dumps(cfg))
     return out, expect
@@ -341,7 +343,26 @@ def test_gptq_and_awq_checkpoints_are_read_and_run_as_their_dequantized_model(tm
     p, r = _run(tmp_path, ckpt, "run_q")  # with the export: every check that runs passes
     assert p.returncode == 0, p.stderr[-3000:]
     manifest = json.loads((r / "export" / "manifest.json").read_text())
-    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]) and "source_int_weights" in manifest["artifacts"]["hf_ckpt"]
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
+    hf_note = manifest["artifacts"]["hf_ckpt"]["source_int_weights"]
+    hf = {k: v for f in sorted((r / "export" / "hf_ckpt").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    if fmt == "gptq":  # activation order: hf_ckpt has them dequantized, and says why
+        assert "written dequantized" in hf_note and "activation order" in hf_note and not any(iw.is_part(k) for k in hf)
+    else:  # AWQ: written as compressed-tensors pack-quantized with zero points, the attention the fold changes in export.dtype
+        assert "written as compressed-tensors pack-quantized" in hf_note, hf_note
+        q = json.loads((r / "export" / "hf_ckpt" / "config.json").read_text())["quantization_config"]
+        assert q["quant_method"] == "compressed-tensors" and q["kv_cache_scheme"]["type"] == "float"
+        assert {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}.items() <= q["config_groups"]["group_0"]["weights"].items()
+        assert {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkvo"} | {"lm_head"} == set(q["ignore"])
+        assert "model.layers.1.mlp.down_proj.weight_zero_point" in hf and "model.layers.0.self_attn.q_proj.weight" in hf
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQ
+        from compressed_tensors.quantization import QuantizationScheme
+
+        scheme = QuantizationScheme(targets=["Linear"], weights=q["config_groups"]["group_0"]["weights"])
+        out = Checkpoint(r / "export" / "hf_ckpt")  # kvcompress's reader and the library's decompressor: the source's weights
+        for k in [k for k in expect if ".mlp." in k]:
+            m = k.removesuffix("weight")
+            assert torch.equal(out.read(k), expect[k]) and torch.equal(PQ.decompress({p: hf[m + p] for p in iw.PARTS[:4]}, scheme)["weight"].float(), expect[k])
     p2, r2 = _run(tmp_path, _plain_copy(tmp_path, ckpt, expect), "run_plain", "export=none", "model.streaming=false")
     assert p2.returncode == 0, p2.stderr[-3000:]
     a, b = (json.loads((d / "report.json").read_text()) for d in (r, r2))
@@ -399,3 +420,78 @@ def test_the_engine_memory_counts_a_gptq_weight_at_its_dense_shape(tmp_path):
                             ({"quant_method": "awq", "bits": 4}, {"m.qweight": [96, 8], "m.qzeros": [3, 8], "m.scales": [3, 64]}, [64, 96])):
         (tmp_path / "config.json").write_text(json.dumps({"quantization_config": q}))
         assert dense_shapes(shapes | {"n.weight": [4]}, tmp_path) == {"m.weight": want, "n.weight": [4]}
+
+
+def test_pack_is_unpacks_inverse():
+    """pack writes the bitstream unpack reads (codes straddling words at 3 and 5 bits) and refuses codes wider than the width."""
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 3, 4, 5, 8):
+        codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (7, 45), generator=g).to(torch.int8)
+        assert torch.equal(iw.unpack(iw.pack(codes, bits), bits, 45), codes)
+    with pytest.raises(ValueError, match="outside -8..7"):
+        iw.pack(torch.tensor([[8]]), 4)
+
+
+@pytest.mark.parametrize("fmt,bits", [("gptq", 4), ("gptq", 8), ("gptq_v2", 4), ("awq", 4)])
+def test_gptq_and_awq_layers_repack_as_pack_quantized_bit_for_bit(fmt, bits):
+    """repack: a GPTQ / AWQ layer as compressed-tensors pack-quantized tensors whose decompression (the compressed-tensors
+    library's own, and int_weights.dequantize) is the source layer's weight bit for bit; AWQ's are the tensors the
+    library's own AutoAWQ converter writes. A symmetric GPTQ layer (zero points all at the midpoint) needs no zero points;
+    activation order and a non-midpoint zero point in a layer called symmetric are refused."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as PQ
+
+    parts, ref = _gptq_layer(64, 96, bits, 32, False) if fmt != "awq" else _awq_layer(64, 96, 32)
+    if fmt == "gptq_v2":  # the v2 format stores the zero points themselves: write them so
+        z = iw._unsigned(parts["qzeros"], bits, 64) + 1
+        parts = parts | {"qzeros": iw.pack(z - (1 << (bits - 1)), bits)}
+    names = {p: p for p in parts}
+    got = iw.repack(fmt, names, parts.__getitem__, bits, symmetric=False)
+    assert torch.equal(iw.dequantize(got["weight_packed"], got["weight_scale"], got["weight_shape"], got["weight_zero_point"]), ref)
+    scheme = _scheme(bits, "group", 32, False)
+    assert torch.equal(PQ.decompress(dict(got), scheme)["weight"].float(), ref)
+    shapes = iw.repacked_shapes(64, 96, 3, bits, False, parts["scales"].dtype)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in got.items()} == shapes
+    if fmt == "awq":
+        from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+        lib = AutoAWQConverter(bits=4, group_size=32).process({f"m.{k}": v for k, v in parts.items()})
+        assert set(lib) == {f"m.{k}" for k in got} and all(torch.equal(lib[f"m.{k}"], v) for k, v in got.items())
+    with pytest.raises(ValueError, match="zero points other than"):
+        iw.repack(fmt, names, parts.__getitem__, bits, symmetric=True)
+    if fmt == "gptq":
+        mid = torch.full((3, 64 * bits // 32), 0, dtype=torch.int32)  # v1 stores zero - 1: the midpoint minus one, packed
+        sym = parts | {"qzeros": iw.pack(torch.full((3, 64), (1 << (bits - 1)) - 1 - (1 << (bits - 1)), dtype=torch.int8), bits)}
+        assert sym["qzeros"].shape == mid.shape
+        s = iw.repack(fmt, names, sym.__getitem__, bits, symmetric=True)
+        assert "weight_zero_point" not in s and torch.equal(
+            iw.dequantize(s["weight_packed"], s["weight_scale"], s["weight_shape"]), iw.gptq_dequantize(sym["qweight"], sym["qzeros"], sym["scales"], None, bits))
+        assert torch.equal(PQ.decompress(dict(s), _scheme(bits, "group", 32, True))["weight"].float(), iw.dequantize(s["weight_packed"], s["weight_scale"], s["weight_shape"]))
+        ordered = parts | {"g_idx": (torch.arange(96) // 32)[torch.randperm(96, generator=torch.Generator().manual_seed(0))].to(torch.int32)}
+        with pytest.raises(ValueError, match="activation order"):
+            iw.repack(fmt, {p: p for p in ordered}, ordered.__getitem__, bits, symmetric=False)
+        in_order = parts | {"g_idx": (torch.arange(96) // 32).to(torch.int32)}  # a g_idx that keeps group order is no obstacle
+        assert torch.equal(iw.repack(fmt, {p: p for p in in_order}, in_order.__getitem__, bits, symmetric=False)["weight_packed"], got["weight_packed"])
+
+
+def test_a_symmetric_gptq_checkpoint_exports_pack_quantized_as_transformers_loads_it(tmp_path):
+    """GPTQ (sym, no activation order): hf_ckpt writes its MLP layers as compressed-tensors pack-quantized, symmetric (no
+    zero points), the same codes and scales, beside the FP8 KV-cache scheme; transformers with compressed-tensors loads it
+    to the source's weights (the MLP) and the folded attention the export validated."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    ckpt, expect = _qweight_dir(tmp_path, "gptq", sym=True)
+    p, run = _run(tmp_path, ckpt, "run", "kv=native_fp8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
+    art = manifest["artifacts"]["hf_ckpt"]
+    assert "gptq repacked as pack-quantized" in art["weights"] and "written as compressed-tensors pack-quantized" in art["source_int_weights"]
+    out = run / "export" / "hf_ckpt"
+    hf = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert "model.layers.1.mlp.up_proj.weight_packed" in hf and not any(k.endswith(("weight_zero_point", "qweight")) for k in hf)
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["config_groups"]["group_0"]["weights"]["symmetric"] is True and q["kv_cache_scheme"]["type"] == "float"
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
+    for k in [k for k in expect if ".mlp." in k]:
+        assert torch.equal(loaded[k], expect[k]), k
+    assert torch.equal(loaded["model.layers.0.self_attn.k_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"].float())

@@ -82,6 +82,23 @@ def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     return (codes - (1 << (bits - 1))).to(torch.int8)
 
 
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [rows, ceil(cols * bits / 32)] of signed codes [rows, cols] in [-2^(b-1), 2^(b-1)): unpack's inverse
+    (offset-binary, each row one little-endian bitstream)."""
+    rows, cols = codes.shape
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+        raise ValueError(f"codes outside {lo}..{hi} do not fit {bits} bits")
+    words = math.ceil(cols * bits / 32)
+    start = torch.arange(cols, dtype=torch.int64) * bits
+    v = (codes.to(torch.int64) + (1 << (bits - 1))) << (start % 32)  # a code's bits, shifted into its first word (may spill into the next)
+    out = torch.zeros(rows, words + 1, dtype=torch.int64)
+    out.index_add_(1, start // 32, v & 0xFFFFFFFF)  # the codes' bit ranges are disjoint: adding is or-ing
+    out.index_add_(1, start // 32 + 1, v >> 32)
+    out = out[:, :words]
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
 def num_bits(packed_shape, cols: int, stated: int | None = None) -> int:
     """The code width: `stated` (the quantization_config's, when all its groups agree) if it fits the packed shape, else the
     one width the shape allows; a ValueError when neither decides."""
@@ -174,19 +191,19 @@ def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.to(scales.dtype).to(torch.float32)
 
 
+def _awq_codes(t: torch.Tensor, out_f: int) -> torch.Tensor:
+    """The unsigned 4-bit codes [rows, out] of AWQ GEMM words [rows, out / 8] (output column 8w + j in nibble AWQ_NIBBLE[j])."""
+    cols = (torch.arange(out_f // 8)[:, None] * 8 + torch.tensor(AWQ_NIBBLE)[None, :]).reshape(-1)  # the nibble holding each column
+    return _unsigned(t, 4, t.shape[1] * 8)[:, cols]
+
+
 def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """w [out, in] float32, (q - z) * s rounded to the scales' dtype, of an AWQ (GEMM) layer."""
     if bits != 4:
         raise ValueError(f"AWQ's GEMM layout is 4-bit; this one is {bits}")
     groups, out_f = scales.shape
     in_f = qweight.shape[0]
-    order = torch.tensor(AWQ_NIBBLE)
-    cols = (torch.arange(out_f // 8)[:, None] * 8 + order[None, :]).reshape(-1)  # the nibble holding each output column
-
-    def nibbles(t):
-        return _unsigned(t, 4, t.shape[1] * 8)[:, cols]
-
-    q, z = nibbles(qweight), nibbles(qzeros)  # [in, out], [groups, out]
+    q, z = _awq_codes(qweight, out_f), _awq_codes(qzeros, out_f)  # [in, out], [groups, out]
     w = (q - z.repeat_interleave(in_f // groups, 0)).to(torch.float32) * scales.to(torch.float32).repeat_interleave(in_f // groups, 0)
     return w.to(scales.dtype).to(torch.float32).T.contiguous()
 
@@ -200,3 +217,78 @@ def dequantize_layer(fmt: str, parts: dict, read, bits: int) -> torch.Tensor:
     if fmt == "awq":
         return awq_dequantize(qw, qz, sc, bits)
     return gptq_dequantize(qw, qz, sc, read(parts["g_idx"]) if parts.get("g_idx") else None, bits, v1=fmt == "gptq")
+
+
+# --------------------------------------------------------------------------------------- GPTQ / AWQ as pack-quantized
+
+REPACK_BITS = (4, 8)  # the code widths servers run compressed-tensors' pack-quantized weights at (vLLM's WNA16 kernels)
+
+
+def repack_obstacle(q: dict | None) -> str | None:
+    """Why a GPTQ / AWQ checkpoint's layers are not written as compressed-tensors pack-quantized by the export (None: they
+    are): a code width servers do not run, or GPTQ's activation order (compressed-tensors removed weight_g_idx)."""
+    q = q or {}
+    fmt, bits = layout(q), config_bits(q)
+    if fmt not in ("gptq", "gptq_v2", "awq"):
+        return f"quant_method {q.get('quant_method')!r} is not GPTQ or AWQ"
+    if bits not in REPACK_BITS:
+        return f"{bits}-bit codes (servers run pack-quantized weights at {' or '.join(map(str, REPACK_BITS))} bits)"
+    if fmt != "awq" and q.get("desc_act"):
+        return "GPTQ's activation order (desc_act: compressed-tensors, which vLLM reads, no longer stores a column-to-group map)"
+    return None
+
+
+def repack_symmetric(q: dict) -> bool:
+    """Whether the pack-quantized layers are written symmetric (no zero points): GPTQ's `sym`, AWQ without `zero_point`."""
+    return not q.get("zero_point", True) if layout(q) == "awq" else bool(q.get("sym", True))
+
+
+def pack_quantized_config(q: dict, ignore: list[str]) -> dict:
+    """compressed-tensors' quantization_config of a GPTQ / AWQ checkpoint's layers written pack-quantized (repack): every
+    Linear outside `ignore`, the source's code width, group size (-1 or none: per channel) and symmetry."""
+    gs = int(q.get("group_size") or -1)
+    weights = {"num_bits": config_bits(q), "type": "int", "symmetric": repack_symmetric(q), "strategy": "group" if gs > 0 else "channel",
+               "group_size": gs if gs > 0 else None, "dynamic": False, "actorder": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None,
+                                          "format": "pack-quantized"}},
+            "ignore": list(ignore)}
+
+
+def repacked_shapes(out_f: int, in_f: int, groups: int, bits: int, symmetric: bool, scale_dtype: torch.dtype) -> dict[str, tuple]:
+    """{part: (dtype, shape)} of a layer written pack-quantized (repack's tensors)."""
+    out = {"weight_packed": (torch.int32, (out_f, math.ceil(in_f * bits / 32))), "weight_scale": (scale_dtype, (out_f, groups)),
+           "weight_shape": (torch.int64, (2,))}
+    if not symmetric:
+        out["weight_zero_point"] = (torch.int32, (math.ceil(out_f * bits / 32), groups))
+    return out
+
+
+def repack(fmt: str, parts: dict, read, bits: int, symmetric: bool) -> dict[str, torch.Tensor]:
+    """A GPTQ / AWQ layer as compressed-tensors pack-quantized tensors (weight_packed, weight_scale, weight_zero_point
+    unless symmetric, weight_shape): the same codes, zero points and scales shifted to the signed range, so that
+    `dequantize` of them is `dequantize_layer` of the source, bit for bit. A ValueError where that cannot be: columns
+    not in group order (activation order), a zero point outside the signed range (GPTQ's v1 format stores zero - 1 and
+    cannot hold 0), or one that is not the midpoint in a symmetric layer."""
+    for p in ("qweight", "qzeros", "scales"):
+        if parts.get(p) is None:
+            raise ValueError(f"{parts['qweight']} has no {p} beside it")
+    qw, qz, sc = (read(parts[p]) for p in ("qweight", "qzeros", "scales"))
+    groups, out_f = sc.shape
+    mid = 1 << (bits - 1)
+    if fmt == "awq":
+        in_f = qw.shape[0]
+        q, z = _awq_codes(qw, out_f).T, _awq_codes(qz, out_f)  # [out, in], [groups, out]
+    else:
+        in_f = qw.shape[0] * 32 // bits
+        q, z = _unsigned(qw.T.contiguous(), bits, in_f), _unsigned(qz, bits, out_f) + (1 if fmt == "gptq" else 0)
+        if parts.get("g_idx") is not None and not torch.equal(read(parts["g_idx"]).to(torch.int64), torch.arange(in_f) // (in_f // groups)):
+            raise ValueError(f"{parts['qweight']}: its g_idx puts columns out of group order (activation order)")
+    out = {"weight_packed": pack(q - mid, bits), "weight_scale": sc.T.contiguous(), "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
+    if symmetric:
+        if bool((z != mid).any()):
+            raise ValueError(f"{parts['qweight']}: zero points other than {mid} in a layer its config calls symmetric")
+        return out
+    if int(z.max()) >= 2 * mid:
+        raise ValueError(f"{parts['qweight']}: a zero point of {int(z.max())} does not fit {bits} bits")
+    return out | {"weight_zero_point": pack((z - mid).contiguous(), bits).T.contiguous()}

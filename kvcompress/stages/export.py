@@ -35,6 +35,7 @@ from kvcompress.fold import absorb_kv_scale, check_range, fold_layer, guard_laye
 from kvcompress.hashing import file_fingerprint
 from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES, Geometry
+from kvcompress.models import int_weights
 from kvcompress.models.fused import unfuse
 from kvcompress.models.quantized import quantization_config, weight_quantization
 from kvcompress.scalebook import ScaleBook
@@ -563,7 +564,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     src = ModelTensors(lm)
     offset = key_norm_offset(lm.model)
     keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and (weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4")
-                                                                                           or lm.streamer.ckpt.packed) else None
+                                                                                           or lm.streamer.ckpt.packed or _repackable(lm.streamer.ckpt)) else None
     unread = KV_SCALES_UNREAD.get(str((quantization_config(keep.dir) or {}).get("quant_method", "")).lower()) if keep is not None else None
     absorbed = bool(unread) and not (hf_book.fit_info.get("fold_keys_off") or hf_book.fit_info.get("fold_values_off"))
     if absorbed:  # the server reads no stored KV scale and quantizes at 1.0: the scale goes into the fold, the stored scales are 1.0
@@ -798,20 +799,33 @@ def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, 
     }
 
 
+def _repackable(ckpt) -> bool:
+    """A GPTQ / AWQ source hf_ckpt writes as compressed-tensors pack-quantized (int_weights.repack_obstacle says why not)."""
+    return bool(ckpt.qweights) and int_weights.repack_obstacle(quantization_config(ckpt.dir)) is None
+
+
 def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
-    """A source with pack-quantized integer weights (models.int_weights) is written dequantized: each checkpoint says so
-    (`source_int_weights`), and the run warns once."""
+    """A source with integer weights (models.int_weights): where a checkpoint writes them dequantized, or keeps them
+    (hf_ckpt: compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized), it says so (`source_int_weights`);
+    the run warns once when hf_ckpt has them dequantized."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
     if src is not None and weight_quantization(src) == "int":
+        q = quantization_config(src) or {}
+        why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None
         note = (f"the source's integer weights are written dequantized, (q - z) * s in {dtype}, the values validate computed with "
                 "(re-quantize them where the server needs int weights)")
         kept = ("the source's compressed-tensors pack-quantized weights kept as stored (the attention projections the fold changes "
                 f"in {dtype}, listed in its ignore list); validate computed with the values they define")
-        for a in artifacts.values():
+        if int_weights.layout(q) != "pack-quantized":
+            kept = (f"the source's {q.get('quant_method')} integer weights written as compressed-tensors pack-quantized, the same codes, zero "
+                    f"points and scales (checked to dequantize to the validated weights; the attention projections the fold changes in {dtype}, "
+                    "listed in its ignore list)")
+        hf_note = note + (f"; not written pack-quantized: {why}" if why else "")
+        for name, a in artifacts.items():
             if a.get("tier") == "native":
-                a["source_int_weights"] = kept if a.get("fp8_weights_kept") else note
+                a["source_int_weights"] = kept if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
         if not (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
-            log.warning("export: %s", note)
+            log.warning("export: %s", hf_note)
     return artifacts
 
 

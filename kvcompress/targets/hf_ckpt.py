@@ -32,6 +32,7 @@ import torch
 
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.errors import UserError
+from kvcompress.models import int_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.fused import fuse
 
@@ -179,6 +180,7 @@ class HFWriter:
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
         # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
         self.src, self.kept, self.kept_mx, self.kept_int, self.unquantized = fp8_source, {}, {}, {}, set()
+        self.repacked: dict[str, dict[str, str]] = {}  # a GPTQ / AWQ weight -> its pack-quantized tensors' names (int_weights.repack)
         if fp8_source is not None:
             self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
@@ -226,6 +228,23 @@ class HFWriter:
             self.kept_int[k] = [n for n in parts.values() if n is not None]
             for t in self.kept_int[k]:
                 plan[t] = (src.stored_dtype(t), tuple(src.shape(t)))
+        from kvcompress.models.quantized import quantization_config
+
+        sym = int_weights.repack_symmetric(quantization_config(src.dir) or {}) if src.qweights else False
+        for k, parts in src.qweights.items():  # GPTQ / AWQ integer weights: written pack-quantized (the same codes), or folded and listed
+            if k not in plan:
+                raise UserError(f"export: the source's integer weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                                "cannot be written quantized; allowed for this model: export.fp8_weights=dequantize")
+            if folded_by_export(k, plan):
+                self.unquantized.add(k.rpartition(".")[0])
+                continue
+            del plan[k]
+            m = k.removesuffix("weight")
+            (out_f, in_f), groups = src.shape(k), src.shape(parts["scales"])[0]
+            shapes = int_weights.repacked_shapes(out_f, in_f, groups, src.bits, sym, src.stored_dtype(parts["scales"]))
+            self.repacked[k] = {part: m + part for part in shapes}
+            plan |= {m + part: v for part, v in shapes.items()}
+        self.repack_symmetric = sym
         for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
             if k not in plan:
                 raise UserError(f"export: the source's MXFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
@@ -263,12 +282,16 @@ class HFWriter:
             return {"weights": str(self.dtype).removeprefix("torch."), "fp8_weights_kept": False}
         dt = str(self.dtype).removeprefix("torch.")
         listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
-        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer", len(self.kept_int))) if n) or "quantized"
+        n_int = len(self.kept_int) + len(self.repacked)
+        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer", n_int)) if n) or "quantized"
         method = self.src_method()
         how = ("quantization_config rewritten from 'fbgemm_fp8' as 'compressed-tensors' (the same tensors), whose KV-cache scheme "
-               "servers read" if method == "fbgemm_fp8" else f"quantization_config quant_method {method!r}")
+               "servers read" if method == "fbgemm_fp8" else
+               f"quantization_config rewritten from {method!r} as 'compressed-tensors' pack-quantized (the same codes, zero points and scales), "
+               "whose KV-cache scheme servers read" if self.repacked else f"quantization_config quant_method {method!r}")
         listed = listed.replace("were FP8", "were quantized")
-        counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer (pack-quantized)", len(self.kept_int))) if n)
+        counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer (pack-quantized)", len(self.kept_int)),
+                                                          (f"integer ({method} repacked as pack-quantized)", len(self.repacked))) if n)
         out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({counts or 'no'} weights with their "
                                                                         f"scales, {how}); the attention projections the fold changes in {dt}{listed}",
                "bytes": self.total}
@@ -277,6 +300,14 @@ class HFWriter:
                                        "did not measure; serve this checkpoint with its KV cache unquantized (--kv-cache-dtype auto) or check it first "
                                        "(check_hf_ckpt.py)")
         return out
+
+    def _plain_linears(self) -> list[str]:
+        """The Linear modules written unquantized (lm_head, the attention projections the fold changes, any the source left
+        unquantized): compressed-tensors' `ignore` when its config targets every Linear."""
+        plain = {"lm_head"} | set(self.unquantized)
+        if self.model is not None:
+            plain |= {n for n, mod in self.model.named_modules() if isinstance(mod, torch.nn.Linear) and f"{n}.weight" in self.where}
+        return sorted(plain)
 
     def src_method(self) -> str:
         from kvcompress.models.quantized import quantization_config
@@ -302,6 +333,18 @@ class HFWriter:
                 raise RuntimeError(f"hf_ckpt: the MXFP4 weight {key!r} was changed before writing; its stored bytes no longer define it")
             for n, r in zip(self.kept_mx[key], raw):
                 self._w(n).write(n, r)
+            return
+        if key in self.repacked:  # a GPTQ / AWQ weight: its codes, zero points and scales as pack-quantized tensors, if they define exactly it
+            try:
+                parts = int_weights.repack(self.src.int_layout, self.src.qweights[key], self.src.read_stored, self.src.bits, self.repack_symmetric)
+            except ValueError as e:
+                raise UserError(f"export: {e}: not writable as compressed-tensors pack-quantized; allowed for this model: "
+                                "export.fp8_weights=dequantize") from None
+            w = int_weights.dequantize(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"], parts.get("weight_zero_point"))
+            if row != 0 or not torch.equal(w.to(t.dtype), t.detach()):
+                raise RuntimeError(f"hf_ckpt: the integer weight {key!r} was changed before writing; its repacked codes no longer define it")
+            for part, n in self.repacked[key].items():
+                self._w(n).write(n, parts[part])
             return
         if key in self.kept_int:  # a pack-quantized weight: its stored parts, if they define exactly what the validated model used
             if row != 0 or not torch.equal(self.src.read(key).to(t.dtype), t.detach()):  # the reader's dequantization of those parts
@@ -341,7 +384,10 @@ class HFWriter:
             src_q, src_hq = quantization_config(self.src.dir), json.loads(hqp.read_text()) if hqp.is_file() else None
             if self.src.text_decoder:  # a multimodal source written as its text decoder: its module lists under the text model's names
                 src_q, src_hq = _text_decoder_lists(src_q), src_hq and {**src_hq, "quantization": _text_decoder_lists(src_hq.get("quantization") or {})}
-            cfg["quantization_config"], hq = fp8_weight_configs(src_q, src_hq, sorted(self.unquantized))
+            if int_weights.layout(src_q) in ("gptq", "gptq_v2", "awq"):  # written pack-quantized: compressed-tensors' config, every other Linear ignored
+                cfg["quantization_config"], hq = int_weights.pack_quantized_config(src_q, self._plain_linears()) | {"kv_cache_scheme": dict(CT_KV_FP8)}, None
+            else:
+                cfg["quantization_config"], hq = fp8_weight_configs(src_q, src_hq, sorted(self.unquantized))
         atomic_write_json(self.dir / "config.json", cfg)
         if hq is not None:
             atomic_write_json(self.dir / "hf_quant_config.json", hq)
