@@ -105,6 +105,21 @@ def run_cli(*args: str, cache_dir: Path | None = None, cwd: Path | None = None, 
     )
 
 
+def run_cli_batch(runs: list[tuple[list[str], Path | None]], workdir: Path, timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """run_cli for each (args, cache_dir) of `runs`, for one interpreter start (tests/cli_batch.py: a forked child per run from
+    a process that imported the CLI's modules once): the same exit code, stdout and stderr as `python -m kvcompress ARGS`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases = [{"args": list(args), "env": {"KVCOMPRESS_CACHE": str(cache)} if cache is not None else {},
+              "out": str(workdir / f"{i}.out"), "err": str(workdir / f"{i}.err")} for i, (args, cache) in enumerate(runs)]
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py")], input=json.dumps(cases), capture_output=True, text=True,
+                       cwd=ROOT, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"tests/cli_batch.py failed ({p.returncode}): {p.stderr[-3000:]}")
+    codes = json.loads(p.stdout.strip().splitlines()[-1])
+    return [subprocess.CompletedProcess([sys.executable, "-m", "kvcompress", *c["args"]], code, Path(c["out"]).read_text(), Path(c["err"]).read_text())
+            for c, code in zip(cases, codes)]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_batch
 
 TINY = ["model=tiny_llama", "calib=smoke", "eval=smoke"]
 
@@ -57,13 +57,32 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_one_line_nonzero_no_artifacts(tmp_path, args, needle):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n")
-    args = [a.replace("EMPTY", str(empty)) for a in args]
-    run_dir = tmp_path / "run"
-    p = run_cli(*TINY[:1], *args, f"hydra.run.dir={run_dir}", cache_dir=tmp_path / "cache")
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Every BAD case run as `python -m kvcompress` would run it, all for one interpreter start (conftest.run_cli_batch); the
+    first two also as real `python -m kvcompress` processes (test_the_batched_cli_runs_are_the_cli_runs)."""
+    runs, dirs = [], []
+    for i, (args, _) in enumerate(BAD):
+        d = tmp_path_factory.mktemp(f"bad{i}")
+        empty = d / "empty.txt"
+        empty.write_text("  \n")
+        runs.append(([*TINY[:1], *(a.replace("EMPTY", str(empty)) for a in args), f"hydra.run.dir={d / 'run'}"], d / "cache"))
+        dirs.append(d)
+    return list(zip(run_cli_batch(runs, tmp_path_factory.mktemp("batch")), dirs, runs))
+
+
+def test_the_batched_cli_runs_are_the_cli_runs(bad_runs):
+    """run_cli_batch gives what `python -m kvcompress` gives: the same exit code, stdout and stderr for two bad inputs."""
+    for p, _, (args, cache) in bad_runs[:2]:
+        real = run_cli(*args, cache_dir=cache)
+        assert (real.returncode, real.stdout, real.stderr) == (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_one_line_nonzero_no_artifacts(bad_runs, i):
+    needle = BAD[i][1]
+    p, d, _ = bad_runs[i]
+    run_dir = d / "run"
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, p.stderr
