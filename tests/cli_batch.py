@@ -1,10 +1,10 @@
-"""Many `python -m kvcompress ARGS` runs for one interpreter start (tests' run_cli_batch): this process imports what the CLI
+"""Many `python -m kvcompress ARGS` (or `python SCRIPT ARGS`) runs for one interpreter start (tests' run_cli_batch): this process imports what the CLI
 imports, then forks one child per run, which executes kvcompress/__main__.py as `python -m kvcompress` does (runpy, run_name
 "__main__", sys.argv set) with its stdout and stderr in files, its exit code as the interpreter would give it (SystemExit's
 code; an uncaught exception's traceback on stderr and 1). Each child starts from the same freshly imported state, never
 from another run's: only the imports are shared, which is most of a short run's time (torch, transformers, hydra).
 
-Input (stdin, JSON): [{"args": [...], "env": {...}, "out": "<file>", "err": "<file>"}, ...]. Output (stdout, JSON): the exit codes."""
+Input (stdin, JSON): [{"args": [...], "script": "<path>" or absent, "env": {...}, "out": "<file>", "err": "<file>"}, ...]. Output (stdout, JSON): the exit codes."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,15 @@ def child(case: dict) -> int:
         os.dup2(f, fd)
         os.close(f)
     os.environ.update(case.get("env") or {})
-    sys.argv = ["kvcompress", *case["args"]]
+    script = case.get("script")
+    sys.argv = [script or "kvcompress", *case["args"]]
     code = 0
     try:
-        runpy.run_module("kvcompress", run_name="__main__", alter_sys=True)
+        if script:  # python SCRIPT ARGS: the script's directory first on sys.path
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("kvcompress", run_name="__main__", alter_sys=True)
     except SystemExit as e:  # what the interpreter does with it
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0

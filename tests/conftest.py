@@ -105,18 +105,21 @@ def run_cli(*args: str, cache_dir: Path | None = None, cwd: Path | None = None, 
     )
 
 
-def run_cli_batch(runs: list[tuple[list[str], Path | None]], workdir: Path, timeout: int = 900) -> list[subprocess.CompletedProcess]:
+def run_cli_batch(runs: list[tuple[list[str], Path | None]], workdir: Path, timeout: int = 900, script: str | None = None) -> list[subprocess.CompletedProcess]:
     """run_cli for each (args, cache_dir) of `runs`, for one interpreter start (tests/cli_batch.py: a forked child per run from
-    a process that imported the CLI's modules once): the same exit code, stdout and stderr as `python -m kvcompress ARGS`."""
+    a process that imported the CLI's modules once): the same exit code, stdout and stderr as `python -m kvcompress ARGS`
+    (script="first": as `python ARGS[0] ARGS[1:]`, the script's path relative to the repository)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cases = [{"args": list(args), "env": {"KVCOMPRESS_CACHE": str(cache)} if cache is not None else {},
               "out": str(workdir / f"{i}.out"), "err": str(workdir / f"{i}.err")} for i, (args, cache) in enumerate(runs)]
+    if script == "first":  # each run's script is its first argument
+        cases = [c | {"script": c["args"][0], "args": c["args"][1:]} for c in cases]
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py")], input=json.dumps(cases), capture_output=True, text=True,
                        cwd=ROOT, timeout=timeout)
     if p.returncode:
         raise RuntimeError(f"tests/cli_batch.py failed ({p.returncode}): {p.stderr[-3000:]}")
     codes = json.loads(p.stdout.strip().splitlines()[-1])
-    return [subprocess.CompletedProcess([sys.executable, "-m", "kvcompress", *c["args"]], code, Path(c["out"]).read_text(), Path(c["err"]).read_text())
+    return [subprocess.CompletedProcess([sys.executable, *([c["script"]] if c.get("script") else ["-m", "kvcompress"]), *c["args"]], code, Path(c["out"]).read_text(), Path(c["err"]).read_text())
             for c, code in zip(cases, codes)]
 
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,10 +28,26 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_script_bad_name_is_one_line(args, needle):
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Every BAD case as `python SCRIPT ARGS` would run it, all for one interpreter start (conftest.run_cli_batch), with the
+    modification times of README.md and the results from before them."""
     before = {p: p.stat().st_mtime_ns for p in [ROOT / "README.md", *(ROOT / "docs" / "results").glob("*.json")]}
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return run_cli_batch([(args, None) for args, _ in BAD], tmp_path_factory.mktemp("batch"), script="first"), before
+
+
+def test_the_batched_script_runs_are_the_script_runs(bad_runs):
+    """run_cli_batch gives what `python SCRIPT ARGS` gives for the first case: the same exit code, stdout and stderr."""
+    real = subprocess.run([sys.executable, *BAD[0][0]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = bad_runs[0][0]
+    assert (real.returncode, real.stdout, real.stderr) == (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[" ".join(a) for a, _ in BAD])
+def test_script_bad_name_is_one_line(bad_runs, i):
+    needle = BAD[i][1]
+    runs, before = bad_runs
+    p = runs[i]
     assert p.returncode == 2, p.stderr
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and needle in errors[0], p.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, SMOKE_CALIB, run_cli
+from conftest import ROOT, SMOKE_CALIB, run_cli, run_cli_batch
 from kvcompress.config import ModelConfig
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import streaming
@@ -232,10 +232,11 @@ def test_auto_streams_only_when_weights_exceed_the_device(tmp_path, monkeypatch)
     assert not streaming.should_stream(cfg.model_copy(update={"device": "auto"}), d)  # several GPUs: accelerate, not streaming
 
 
-def test_streaming_config_errors_are_one_line():
-    for over, needle in ((["model=tiny_llama", "model.streaming=true"], "needs a checkpoint directory"),
-                         (["model=llama3_8b", "model.path=/nonexistent", "model.streaming=true", "model.device=auto"], "streaming runs on one device")):
-        r = run_cli(*over, "calib=smoke", "eval=smoke", "export=none")
+def test_streaming_config_errors_are_one_line(tmp_path):
+    cases = ((["model=tiny_llama", "model.streaming=true"], "needs a checkpoint directory"),
+             (["model=llama3_8b", "model.path=/nonexistent", "model.streaming=true", "model.device=auto"], "streaming runs on one device"))
+    runs = run_cli_batch([([*over, "calib=smoke", "eval=smoke", "export=none"], None) for over, _ in cases], tmp_path / "batch")
+    for r, (_, needle) in zip(runs, cases):
         assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1
 
@@ -375,19 +376,22 @@ def test_long_context_model_configs_calibrate_on_long_windows(model):
         assert compose("config", overrides=[]).calib.name == "default"  # the embedded model keeps its calibration
 
 
-@pytest.mark.parametrize("case", ["bert", "bin_only", "not_json"])
-def test_a_directory_that_is_not_a_supported_model_is_one_line(tmp_path, case):
-    d = tmp_path / "m"
-    d.mkdir()
-    cfg = {"model_type": "bert", "architectures": ["BertModel"]} if case == "bert" else {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    (d / "config.json").write_text("{not json" if case == "not_json" else json.dumps(cfg))
-    (d / ("pytorch_model.bin" if case == "bin_only" else "model.safetensors")).write_bytes(b"\0" * 16)
-    needle = {"bert": "model_type='bert' model, not a decoder-only causal LM", "bin_only": "no *.safetensors weights", "not_json": "config.json is not a JSON object"}[case]
-    for mode in ("true", "false"):
-        r = run_cli("model=llama3_8b", f"model.path={d}", "model.device=cpu", f"model.streaming={mode}", "export=none", f"hydra.run.dir={tmp_path / 'run'}")
+def test_a_directory_that_is_not_a_supported_model_is_one_line(tmp_path):
+    runs, needles = [], []
+    for case in ("bert", "bin_only", "not_json"):
+        d = tmp_path / case
+        d.mkdir()
+        cfg = {"model_type": "bert", "architectures": ["BertModel"]} if case == "bert" else {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+        (d / "config.json").write_text("{not json" if case == "not_json" else json.dumps(cfg))
+        (d / ("pytorch_model.bin" if case == "bin_only" else "model.safetensors")).write_bytes(b"\0" * 16)
+        needle = {"bert": "model_type='bert' model, not a decoder-only causal LM", "bin_only": "no *.safetensors weights", "not_json": "config.json is not a JSON object"}[case]
+        for mode in ("true", "false"):
+            runs.append((["model=llama3_8b", f"model.path={d}", "model.device=cpu", f"model.streaming={mode}", "export=none", f"hydra.run.dir={tmp_path / 'run'}"], None))
+            needles.append(needle)
+    for r, needle in zip(run_cli_batch(runs, tmp_path / "batch"), needles):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode != 0 and len(lines) == 1 and needle in lines[0], r.stderr
-        assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
