@@ -217,21 +217,12 @@ class HFWriter:
             module, _, leaf = k.rpartition(".")
             if leaf not in ("weight", "bias") and k not in plan and (leaf == "weight_scale" or not fbgemm):
                 others.setdefault(module, []).append(k)
-        for k, parts in src.packed.items():  # compressed-tensors pack-quantized integer weights: as stored, or folded and listed unquantized
-            if k not in plan:
-                raise UserError(f"export: the source's integer weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
-                                "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
-            if folded_by_export(k, plan):
-                self.unquantized.add(k.rpartition(".")[0])
-                continue
-            del plan[k]
-            self.kept_int[k] = [n for n in parts.values() if n is not None]
-            for t in self.kept_int[k]:
-                plan[t] = (src.stored_dtype(t), tuple(src.shape(t)))
         from kvcompress.models.quantized import quantization_config
 
         sym = int_weights.repack_symmetric(quantization_config(src.dir) or {}) if src.qweights else False
-        for k, parts in src.qweights.items():  # GPTQ / AWQ integer weights: written pack-quantized (the same codes), or folded and listed
+        # integer weights: compressed-tensors' pack-quantized as stored, GPTQ / AWQ written pack-quantized (the same codes); or
+        # folded by the export and listed unquantized
+        for k, parts in [*src.packed.items(), *src.qweights.items()]:
             if k not in plan:
                 raise UserError(f"export: the source's integer weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
                                 "cannot be written quantized; allowed for this model: export.fp8_weights=dequantize")
@@ -239,6 +230,10 @@ class HFWriter:
                 self.unquantized.add(k.rpartition(".")[0])
                 continue
             del plan[k]
+            if k in src.packed:
+                self.kept_int[k] = [n for n in parts.values() if n is not None]
+                plan |= {t: (src.stored_dtype(t), tuple(src.shape(t))) for t in self.kept_int[k]}
+                continue
             m = k.removesuffix("weight")
             (out_f, in_f), groups = src.shape(k), src.shape(parts["scales"])[0]
             shapes = int_weights.repacked_shapes(out_f, in_f, groups, src.bits, sym, src.stored_dtype(parts["scales"]))
