@@ -299,7 +299,7 @@ class HFWriter:
     def _plain_linears(self) -> list[str]:
         """The Linear modules written unquantized (lm_head, the attention projections the fold changes, any the source left
         unquantized): compressed-tensors' `ignore` when its config targets every Linear."""
-        plain = {"lm_head"} | set(self.unquantized)
+        plain = set(self.unquantized) | ({"lm_head"} if "lm_head.weight" not in self.repacked else set())  # GPTQModel can quantize the head
         if self.model is not None:
             plain |= {n for n, mod in self.model.named_modules() if isinstance(mod, torch.nn.Linear) and f"{n}.weight" in self.where}
         return sorted(plain)
