@@ -109,7 +109,7 @@ def test_an_fp8_checkpoint_runs_streamed_and_model_streaming_false_is_one_line(t
 
 @pytest.mark.parametrize("qcfg,name", [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'awq'"),  # AWQ's GEMV layout (GEMM is read: test_int_weights)
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo='NVFP4'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "quant_algo='NVFP4'"),  # 16-column blocks are read (test_nvfp4_weights)
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "'compressed-tensors'"),
 ])
 def test_other_weight_formats_are_one_line(tmp_path, qcfg, name):

@@ -10,7 +10,9 @@ dequantizes them (its Mxfp4Config(dequantize=True), on any device). Integer weig
 `pack-quantized` format (llm-compressor's W4A16 / W8A16 models: int4 or int8 codes packed in int32 words, a scale per
 output row and group, zero points if asymmetric), GPTQ's (AutoGPTQ / GPTQModel, 2..8 bits, either checkpoint format) and
 AWQ's (AutoAWQ's 4-bit GEMM layout) are streamed too, dequantized by the reader (int_weights) to w = (q - z) * s in the
-scale's dtype. Any other weight format (AWQ's GEMV layout, bitsandbytes, NVFP4, compressed-tensors with quantized
+scale's dtype; so are Model Optimizer's NVFP4 checkpoints (nvfp4_weights: e2m1 codes times fp8 block scales times a global
+scale), their activations then computed unquantized, as for FP8. Any other weight format (AWQ's GEMV layout, bitsandbytes,
+NVFP4 in other layouts or block sizes, compressed-tensors with quantized
 activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
 quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
@@ -23,8 +25,8 @@ from pathlib import Path
 
 from kvcompress.errors import UserError
 
-READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8, compressed-tensors 8-bit float, mxfp4, integer weights without activation quantization "
-        "(GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
+READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8 and NVFP4, compressed-tensors 8-bit float, mxfp4, integer weights without activation "
+        "quantization (GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -64,7 +66,8 @@ def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
     memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for integer weights without activation
-    quantization (compressed-tensors pack-quantized, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); any other weight
+    quantization (compressed-tensors pack-quantized, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); "nvfp4" for Model
+    Optimizer's NVFP4 weights in blocks of 16 (streamed, dequantized by nvfp4_weights); any other weight
     format: one-line UserError."""
     q = quantization_config(model_dir)
     if q is None:
@@ -76,6 +79,8 @@ def weight_quantization(model_dir: Path) -> str | None:
             return None  # KV cache only (kvcompress's own hf_ckpt, ModelOpt's KV-only export)
         if str(algo).upper() == "FP8":
             return "fp8"
+        if str(algo).upper() in ("NVFP4", "W4A16_NVFP4") and int(q.get("group_size") or 16) == 16:  # 16-column blocks (models.nvfp4_weights)
+            return "nvfp4"
     elif method in ("fp8", "fbgemm_fp8"):  # fbgemm_fp8: Meta's Llama 3.1 405B FP8 (one scale per output row)
         return "fp8"
     elif method == "mxfp4":

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
-from kvcompress.models import int_weights, mxfp4_weights
+from kvcompress.models import int_weights, mxfp4_weights, nvfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.quantized import quantization_config, stated_bits, weight_block_size, weight_quantization
 
@@ -89,6 +89,8 @@ class Checkpoint:
         self.int_layout = int_weights.layout(quantization_config(self.dir)) if any(k.endswith(".qweight") for k in self.entries) else None
         self.qweights = int_weights.qweight_names(self.entries) if self.int_layout in ("gptq", "gptq_v2", "awq") else {}
         self.bits = stated_bits(self.dir) if self.packed or self.qweights else None
+        # NVFP4 weights (ModelOpt): the weight's name (its codes are stored under it) -> its stored scales, read dequantized
+        self.nvfp4 = nvfp4_weights.packed_names(self.entries)
         self._packed_shapes: dict[str, list[int]] = {}
 
     def for_model(self, model) -> "Checkpoint":
@@ -135,6 +137,8 @@ class Checkpoint:
                     raise UserError(f"checkpoint {str(self.dir)!r}: {parts['weight_packed']!r} has no weight_shape or weight_scale beside it")
                 self._packed_shapes[key] = [int(x) for x in self.read_stored(parts["weight_shape"]).tolist()]
             return list(self._packed_shapes[key])
+        if key in self.nvfp4:
+            return nvfp4_weights.shape(list(self.entries[key][1]["shape"]))
         if key in self.qweights and key not in self.entries:  # [out, in]: the scales' columns; GPTQ's packed rows or AWQ's rows
             parts = self.qweights[key]
             qw, sc = (list(self.entries[parts[p]][1]["shape"]) for p in ("qweight", "scales"))
@@ -168,6 +172,13 @@ class Checkpoint:
             except ValueError as e:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
             return w if lo is None else w[lo:hi]
+        if key in self.nvfp4:
+            m = key.removesuffix("weight")
+            try:
+                return nvfp4_weights.dequantize(self.read_stored(key, lo, hi), self.read_stored(m + "weight_scale", lo, hi),
+                                                self.read_stored(m + "weight_scale_2"))
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         t = self.read_stored(key, lo, hi)
         if t.dtype in FLOAT8:
             sk = scale_name(self.entries, key)
@@ -611,7 +622,7 @@ def should_stream(cfg, model_dir: Path, text_decoder: bool = False) -> bool:
     if wq == "mxfp4" and (cfg.streaming is False or cfg.streaming == "false"):
         return False  # in memory: transformers dequantizes the experts (hf_dir)
     if wq:
-        what = {"fp8": "FP8 weights", "int": "integer-quantized weights"}.get(wq, "MXFP4 experts") + ", which kvcompress reads layer by layer"
+        what = {"fp8": "FP8 weights", "int": "integer-quantized weights", "nvfp4": "NVFP4 weights"}.get(wq, "MXFP4 experts") + ", which kvcompress reads layer by layer"
         if cfg.device == "auto":
             raise UserError(f"model.device=auto: model.path={str(model_dir)!r} stores {what} on one device, dequantized with their stored "
                             "scales; allowed for it: model.device=cpu or cuda:N" + (" (or model.streaming=false: in memory)" if wq == "mxfp4" else ""))

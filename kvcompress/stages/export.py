@@ -378,8 +378,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
-    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
-    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the integer weights' (pack-quantized, GPTQ, AWQ)
+    _copy_weight_readers(out)
     info = {"variant": variants[0].__dict__, "kernels": kernels}
     if book.spec.is_mixed:
         info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
@@ -411,7 +410,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                                         variant["block_t"]) for tp in TP_SIZES if tn.tp_allowed(g.n_heads, g.n_kv_heads, tp)}
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
-    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", "fp8_weights.py", "int_weights.py"], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", *WEIGHT_READERS], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
             "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
@@ -563,7 +562,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     dtype = DTYPES[ecfg.dtype]
     src = ModelTensors(lm)
     offset = key_norm_offset(lm.model)
-    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and (weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4")
+    keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and (weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4", "nvfp4")
                                                                                            or lm.streamer.ckpt.packed or _repackable(lm.streamer.ckpt)) else None
     unread = KV_SCALES_UNREAD.get(str((quantization_config(keep.dir) or {}).get("quant_method", "")).lower()) if keep is not None else None
     absorbed = bool(unread) and not (hf_book.fit_info.get("fold_keys_off") or hf_book.fit_info.get("fold_values_off"))
@@ -697,8 +696,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     _note_int_source(lm, artifacts, ecfg.dtype)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
-    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", out / "fp8_weights.py")  # its FP8-weight loader's dequantization
-    shutil.copy(ROOT / "kvcompress" / "models" / "int_weights.py", out / "int_weights.py")  # and the integer weights' (pack-quantized, GPTQ, AWQ)
+    _copy_weight_readers(out)
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {
@@ -799,6 +797,16 @@ def _hf_artifact(ecfg, hf_book: ScaleBook, v_hf: dict, c_hf: dict, guard: dict, 
     }
 
 
+# the weight readers build_engine.py's loader (trtllm_network.py) imports beside it in the bundle: FP8, integer (pack-quantized,
+# GPTQ, AWQ) and NVFP4 sources' dequantization
+WEIGHT_READERS = ("fp8_weights.py", "int_weights.py", "nvfp4_weights.py")
+
+
+def _copy_weight_readers(out: Path) -> None:
+    for f in WEIGHT_READERS:
+        shutil.copy(ROOT / "kvcompress" / "models" / f, out / f)
+
+
 def _repackable(ckpt) -> bool:
     """A GPTQ / AWQ source hf_ckpt writes as compressed-tensors pack-quantized (int_weights.repack_obstacle says why not)."""
     return bool(ckpt.qweights) and int_weights.repack_obstacle(quantization_config(ckpt.dir)) is None
@@ -809,6 +817,18 @@ def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
     (hf_ckpt: compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized), it says so (`source_int_weights`);
     the run warns once when hf_ckpt has them dequantized."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
+    if src is not None and weight_quantization(src) == "nvfp4":
+        algo = str((quantization_config(src) or {}).get("quant_algo")).upper()
+        acts = ("; validate ran the activations unquantized, where an NVFP4 server quantizes each Linear's input to FP4 as well "
+                "(quant_algo NVFP4): the K/V it caches differ from the validated ones by that noise") if algo == "NVFP4" else ""
+        note = f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale x global scale in {dtype}, the values validate computed with"
+        kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
+                f"changes in {dtype}, in exclude_modules); validate computed with the values they define")
+        for a in artifacts.values():
+            if a.get("tier") == "native":
+                a["source_nvfp4_weights"] = (kept if a.get("fp8_weights_kept") else note) + acts
+        if acts:
+            log.warning("export: %s", acts.removeprefix("; "))
     if src is not None and weight_quantization(src) == "int":
         q = quantization_config(src) or {}
         why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None

@@ -52,6 +52,10 @@ def config_quantization(hf_quant: dict) -> dict:
     out = {"ignore": list(q.get("exclude_modules") or []), "kv_cache_scheme": dict(fp8), "producer": hf_quant["producer"], "quant_method": "modelopt"}
     if q.get("quant_algo") == "FP8":
         out |= {"quant_algo": "FP8", "config_groups": {"group_0": {"input_activations": dict(fp8), "weights": dict(fp8), "targets": ["Linear"]}}}
+    if q.get("quant_algo") in ("NVFP4", "W4A16_NVFP4"):  # NVFP4 weights (and, for NVFP4, activations) in blocks of group_size
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": q.get("group_size", 16)}
+        group = {"input_activations": dict(fp4)} if q["quant_algo"] == "NVFP4" else {}
+        out |= {"quant_algo": q["quant_algo"], "config_groups": {"group_0": group | {"weights": dict(fp4), "targets": ["Linear"]}}}
     return out
 
 
@@ -91,8 +95,10 @@ def fp8_weight_configs(src_qcfg: dict, src_hf_quant: dict | None, unquantized: l
     if method == "modelopt":
         q = (src_hf_quant or {}).get("quantization") or {}
         excl = list(q.get("exclude_modules") or src_qcfg.get("exclude_modules") or src_qcfg.get("ignore") or [])
-        hq = {"producer": PRODUCER, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
-                                                     "exclude_modules": excl + [m for m in unquantized if m not in excl]}}
+        algo = str(q.get("quant_algo") or src_qcfg.get("quant_algo") or "FP8").upper()  # FP8, or NVFP4 with its block size
+        hq = {"producer": PRODUCER, "quantization": {"quant_algo": algo, **({"group_size": int(q.get("group_size") or src_qcfg.get("group_size") or 16)}
+                                                                           if "NVFP4" in algo else {}),
+                                                     "kv_cache_quant_algo": "FP8", "exclude_modules": excl + [m for m in unquantized if m not in excl]}}
         return config_quantization(hq), hq
     if method not in DEFAULT_UNCONVERTED:
         raise ValueError(f"no FP8-weight export for quant_method={method!r}")
@@ -181,6 +187,7 @@ class HFWriter:
         # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
         self.src, self.kept, self.kept_mx, self.kept_int, self.unquantized = fp8_source, {}, {}, {}, set()
         self.repacked: dict[str, dict[str, str]] = {}  # a GPTQ / AWQ weight -> its pack-quantized tensors' names (int_weights.repack)
+        self.kept_nv: dict[str, list[str]] = {}  # an NVFP4 weight kept as stored -> its scales (nvfp4_weights)
         if fp8_source is not None:
             self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
@@ -206,7 +213,8 @@ class HFWriter:
         """Plan the source's float8 weights: kept as stored with their scale tensors (self.kept: weight -> its other
         tensors), or, where the fold changes them, written in export.dtype (self.unquantized: their modules)."""
         src = self.src
-        fp8 = [k for k in src.entries if src.stored_dtype(k) in FLOAT8]
+        nv_parts = {p for parts in src.nvfp4.values() for p in parts}  # NVFP4's float8 block scales are not FP8 weights
+        fp8 = [k for k in src.entries if src.stored_dtype(k) in FLOAT8 and k not in nv_parts]
         missing = [k for k in fp8 if k not in plan]
         if missing:
             raise UserError(f"export: the source's FP8 weight {missing[0]!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
@@ -240,6 +248,15 @@ class HFWriter:
             self.repacked[k] = {part: m + part for part in shapes}
             plan |= {m + part: v for part, v in shapes.items()}
         self.repack_symmetric = sym
+        for k, parts in src.nvfp4.items():  # NVFP4 weights: codes and scales as stored, or folded by the export and listed unquantized
+            if k not in plan:
+                raise UserError(f"export: the source's NVFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                                "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
+            if folded_by_export(k, plan):
+                self.unquantized.add(k.rpartition(".")[0])
+                continue
+            self.kept_nv[k] = parts
+            plan |= {t: (src.stored_dtype(t), tuple(src.shape(t) if t != k else src.entries[k][1]["shape"])) for t in (k, *parts)}
         for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
             if k not in plan:
                 raise UserError(f"export: the source's MXFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
@@ -278,14 +295,15 @@ class HFWriter:
         dt = str(self.dtype).removeprefix("torch.")
         listed = f"; {len(self.unquantized)} of them were FP8 and are listed as unquantized modules" if self.unquantized else ""
         n_int = len(self.kept_int) + len(self.repacked)
-        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer", n_int)) if n) or "quantized"
+        kinds = " and ".join(k for k, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("NVFP4", len(self.kept_nv)), ("integer", n_int)) if n) or "quantized"
         method = self.src_method()
         how = ("quantization_config rewritten from 'fbgemm_fp8' as 'compressed-tensors' (the same tensors), whose KV-cache scheme "
                "servers read" if method == "fbgemm_fp8" else
                f"quantization_config rewritten from {method!r} as 'compressed-tensors' pack-quantized (the same codes, zero points and scales), "
                "whose KV-cache scheme servers read" if self.repacked else f"quantization_config quant_method {method!r}")
         listed = listed.replace("were FP8", "were quantized")
-        counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("integer (pack-quantized)", len(self.kept_int)),
+        counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("NVFP4", len(self.kept_nv)),
+                                                          ("integer (pack-quantized)", len(self.kept_int)),
                                                           (f"integer ({method} repacked as pack-quantized)", len(self.repacked))) if n)
         out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({counts or 'no'} weights with their "
                                                                         f"scales, {how}); the attention projections the fold changes in {dt}{listed}",
@@ -340,6 +358,12 @@ class HFWriter:
                 raise RuntimeError(f"hf_ckpt: the integer weight {key!r} was changed before writing; its repacked codes no longer define it")
             for part, n in self.repacked[key].items():
                 self._w(n).write(n, parts[part])
+            return
+        if key in self.kept_nv:  # an NVFP4 weight: its stored codes and scales, if they define exactly what the validated model used
+            if row != 0 or not torch.equal(self.src.read(key).to(t.dtype), t.detach()):  # the reader's dequantization of those bytes
+                raise RuntimeError(f"hf_ckpt: the NVFP4 weight {key!r} was changed before writing; its stored codes no longer define it")
+            for n in (key, *self.kept_nv[key]):
+                self._w(n).write(n, self.src.read_stored(n))
             return
         if key in self.kept_int:  # a pack-quantized weight: its stored parts, if they define exactly what the validated model used
             if row != 0 or not torch.equal(self.src.read(key).to(t.dtype), t.detach()):  # the reader's dequantization of those parts

@@ -263,9 +263,12 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     (the query, key and value projections by min(tp, n_kv_heads): a rank above the kv heads holds its kv head's whole group);
     cache: the past buffers of max_batch sequences of max_seq_len tokens (engine_io at tp; present aliases past).
     TensorRT's activations and workspace come on top."""
-    shapes = {}
+    headers = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        shapes |= {k: v["shape"] for k, v in _safetensors_header(f).items() if k != "__metadata__"}
+        headers |= {k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"}
+    nv = _nvfp4_weights().packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
+    drop = {p for parts in nv.values() for p in parts}
+    shapes = {k: (v["shape"][:-1] + [v["shape"][-1] * 2] if k in nv else v["shape"]) for k, v in headers.items() if k not in drop}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     kv_tp = min(tp, spec["arch"]["n_kv_heads"])
 
@@ -380,6 +383,34 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
     return out
 
 
+def _nvfp4_weights():
+    """kvcompress.models.nvfp4_weights, or in the bundle the nvfp4_weights.py beside this file."""
+    try:
+        from kvcompress.models import nvfp4_weights
+    except ImportError:
+        import nvfp4_weights
+    return nvfp4_weights
+
+
+def dequantize_nvfp4(raw: dict, hf_dir: Path) -> dict:
+    """A Model Optimizer NVFP4 checkpoint's weights as float32 values (nvfp4_weights.py, copied beside this file in the
+    bundle), their scales and input scales dropped; any other checkpoint as it is. Before dequantize_fp8: the block scales
+    are float8 tensors that are not weights."""
+    nv = _nvfp4_weights()
+    layers = nv.packed_names(raw)
+    if not layers:
+        return raw
+    drop = {p for parts in layers.values() for p in parts}
+    out = {k: t for k, t in raw.items() if k not in drop}
+    for name in layers:
+        m = name.removesuffix("weight")
+        try:
+            out[name] = nv.dequantize(raw[name], raw[m + "weight_scale"], raw[m + "weight_scale_2"])
+        except ValueError as e:
+            raise WeightsMismatch(f"{hf_dir}: {name}: {e}") from None
+    return out
+
+
 def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
     """An integer checkpoint's weights (compressed-tensors pack-quantized, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
@@ -425,7 +456,7 @@ def load_hf_weights(hf_dir: Path, spec: dict, params: dict | None = None) -> dic
     raw = {}
     for f in files:
         raw.update(load_file(str(f)))
-    raw = text_decoder_tensors(dequantize_packed(dequantize_fp8(raw, hf_dir), hf_dir))
+    raw = text_decoder_tensors(dequantize_packed(dequantize_fp8(dequantize_nvfp4(raw, hf_dir), hf_dir), hf_dir))
     a = spec["arch"]
     p = "model."
     for name in [n for n in raw if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:  # Phi-3/Phi-4: fused rows q|k|v, gate|up
