@@ -146,6 +146,43 @@ def tiny_llama_dir(out: Path) -> dict:
     return load_file(str(out / "model.safetensors"))
 
 
+def quantized_tiny_dir(out: Path, quantize, quantization_config: dict) -> tuple[Path, dict]:
+    """tiny_llama_dir at `out` with each q/k/v/o and MLP projection's weight replaced by the tensors quantize(name, weight)
+    returns (a dict of stored name -> tensor, and the float32 weight they define), config.json given
+    `quantization_config`. Returns the directory and {weight name: the weight its tensors define}."""
+    from safetensors.torch import save_file
+
+    sd = tiny_llama_dir(out)
+    new, expect = {}, {}
+    for k, v in sd.items():
+        if not k.endswith("proj.weight"):
+            new[k] = v
+            continue
+        stored, expect[k] = quantize(k, v)
+        new |= stored
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"quantization_config": quantization_config}))
+    return out, expect
+
+
+def bundle_loader(tmp_path: Path, modules: list[str], ckpt: Path, function: str, key: str) -> float:
+    """trtllm_network.<function>(the checkpoint's tensors, its directory)[key]'s sum (float64), run in a fresh interpreter with
+    kvcompress blocked and only `modules` (paths under kvcompress/) beside trtllm_network.py: as build_engine.py runs it
+    from the plugin bundle on a GPU host."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    for f in ["targets/trtllm_network.py", *modules]:
+        (bundle / Path(f).name).write_bytes((ROOT / "kvcompress" / f).read_bytes())
+    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
+            "from safetensors.torch import load_file; from pathlib import Path; "
+            f"o = tn.{function}(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
+            f"print(float(o[{key!r}].double().sum()))")
+    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return float(p.stdout)
+
+
 def plain_copy(src: Path, out: Path, tensors: dict) -> Path:
     """src's HF directory at `out` with `tensors` as its weights (model.safetensors) and no quantization_config: the same
     model written unquantized."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import plain_copy, run_cli, tiny_llama_dir
+from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import int_weights as iw
 from kvcompress.models.quantized import weight_quantization
@@ -47,24 +47,17 @@ def _int_dir(tmp_path: Path, bits=4, strategy="group", group=32, symmetric=True,
     """A tiny Llama saved as an HF directory whose q/k/v/o and MLP weights are pack-quantized by the compressed-tensors
     library (lm_head and embeddings as they are), with the quantization_config llm-compressor writes. Returns the
     directory and the float32 weights the library's decompressor gives for it."""
-    out = tmp_path / name
-    sd = tiny_llama_dir(out)
     scheme = _scheme(bits, strategy, group, symmetric)
-    new, expect = {}, {}
-    for k, v in sd.items():
-        if not k.endswith("proj.weight"):
-            new[k] = v
-            continue
-        packed, expect[k] = _compress(v, scheme)
-        new |= {k.removesuffix("weight") + p: t.contiguous() for p, t in packed.items()}
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme.weights.model_dump(mode="json"),
-                                                                "input_activations": None, "output_activations": None, "format": "pack-quantized"}},
-                                  "ignore": ["lm_head"]}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out, expect
+
+    def quantize(k, v):
+        packed, w = _compress(v, scheme)
+        return {k.removesuffix("weight") + p: t.contiguous() for p, t in packed.items()}, w
+
+    return quantized_tiny_dir(tmp_path / name, quantize, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme.weights.model_dump(mode="json"), "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ["lm_head"]})
 
 
 @pytest.mark.parametrize("bits,strategy,group,symmetric,dtype", [
@@ -190,11 +183,7 @@ def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_
     weights come out as the library's decompression, their parts dropped, and engine_memory counts them as the fp16
     weights the loader makes; in the bundle, without kvcompress installed, through the int_weights.py copied beside
     trtllm_network.py."""
-    import shutil
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     from kvcompress.targets.trtllm_network import dequantize_packed, engine_memory
 
     ckpt, expect = _int_dir(tmp_path, 4, "group", 32, False)
@@ -206,17 +195,8 @@ def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_
     spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
             "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
     assert engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    for f in (ROOT / "kvcompress" / "targets" / "trtllm_network.py", ROOT / "kvcompress" / "models" / "fp8_weights.py", ROOT / "kvcompress" / "models" / "int_weights.py"):
-        shutil.copy(f, bundle)
-    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
-            "from safetensors.torch import load_file; from pathlib import Path; "
-            "o = tn.dequantize_packed(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
-            "print(float(o['model.layers.0.self_attn.k_proj.weight'].double().sum()))")
-    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert float(p.stdout) == float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
+    assert bundle_loader(tmp_path, ["models/fp8_weights.py", "models/int_weights.py"], ckpt, "dequantize_packed",
+                         "model.layers.0.self_attn.k_proj.weight") == float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
 
 
 def test_integer_formats_it_does_not_read_are_one_line(tmp_path):

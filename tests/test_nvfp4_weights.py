@@ -4,16 +4,13 @@ dev extra), streamed end to end, and exported: hf_ckpt keeps them as stored, the
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import ROOT, plain_copy, run_cli, tiny_llama_dir
+from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
@@ -32,22 +29,14 @@ def _nvfp4_dir(tmp_path: Path) -> tuple[Path, dict]:
     """A tiny Llama whose q/k/v/o and MLP projections are NVFP4 as Model Optimizer's export stores them (codes under the
     weight's name, weight_scale, weight_scale_2, input_scale), with its config.json and hf_quant_config.json; and the
     float32 weights Model Optimizer's dequantization gives."""
-    out = tmp_path / "nvfp4"
-    sd = tiny_llama_dir(out)
-    new, expect = {}, {}
-    for k, v in sd.items():
-        if not k.endswith("proj.weight"):
-            new[k] = v
-            continue
+    def quantize(k, v):
         m = k.removesuffix("weight")
-        codes, s, s2, expect[k] = _quantize(v)
-        new |= {k: codes, m + "weight_scale": s, m + "weight_scale_2": s2, m + "input_scale": torch.tensor(0.02)}
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
-    (out / "config.json").write_text(json.dumps(cfg))
-    (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.47.0"},
-                                                          "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+        codes, s, s2, w = _quantize(v)
+        return {k: codes, m + "weight_scale": s, m + "weight_scale_2": s2, m + "input_scale": torch.tensor(0.02)}, w
+
+    q = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    out, expect = quantized_tiny_dir(tmp_path / "nvfp4", quantize, {"quant_method": "modelopt", **q})
+    (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.47.0"}, "quantization": q}))
     return out, expect
 
 
@@ -88,17 +77,8 @@ def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
     spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
             "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
     assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    for f in ("targets/trtllm_network.py", "models/nvfp4_weights.py"):
-        shutil.copy(ROOT / "kvcompress" / f, bundle)
-    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
-            "from safetensors.torch import load_file; from pathlib import Path; "
-            "o = tn.dequantize_nvfp4(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
-            "print(float(o['model.layers.0.self_attn.k_proj.weight'].double().sum()))")
-    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert float(p.stdout) == float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
+    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", "model.layers.0.self_attn.k_proj.weight") == float(
+        expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | {"group_size": 32}}))
     with pytest.raises(UserError, match="quant_algo='NVFP4'"):

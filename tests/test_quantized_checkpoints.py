@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import plain_copy, run_cli, tiny_llama_dir
+from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli
 from kvcompress.errors import UserError
 from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint
@@ -23,41 +23,35 @@ def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | str | No
     `block` (rows and columns not multiples of it: ceil blocks), "row": one per output row ([rows, 1]), or None: one per
     tensor; input_scale: a static activation scale beside each (ModelOpt FP8). Returns the directory and the float32
     weights those float8 values and scales define, computed here independently of the reader."""
-    out = tmp_path / name
-    sd = tiny_llama_dir(out)
-    new, expect = {}, {}
-    for k, v in sd.items():
-        if not k.endswith("proj.weight"):
-            new[k] = v
-            continue
+    seen = []
+
+    def quantize(k, v):
         o, i = v.shape
+        new = {}
+        seen.append(k)
         if input_scale:
-            new[k.removesuffix("weight") + "input_scale"] = torch.tensor(0.02 + 0.001 * len(new))
+            new[k.removesuffix("weight") + "input_scale"] = torch.tensor(0.02 + 0.001 * len(seen))
         if block is None:
             s = v.abs().max() / 448.0
             q = (v / s).to(torch.float8_e4m3fn)
             new[k], new[k + scale_suffix] = q, s.reshape(1).float()
-            expect[k] = q.float() * s
-        elif block == "row":
+            return new, q.float() * s
+        if block == "row":
             s = v.abs().amax(1, keepdim=True) / 448.0
             q = (v / s).to(torch.float8_e4m3fn)
             new[k], new[k + scale_suffix] = q, s.float()
-            expect[k] = q.float() * s
-        else:
-            b0, b1 = block
-            s = torch.zeros(math.ceil(o / b0), math.ceil(i / b1))
-            for r in range(s.shape[0]):
-                for c in range(s.shape[1]):
-                    s[r, c] = v[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1].abs().max() / 448.0
-            full = s.repeat_interleave(b0, 0)[:o].repeat_interleave(b1, 1)[:, :i]
-            q = (v / full).to(torch.float8_e4m3fn)
-            new[k], new[k + scale_suffix] = q, s
-            expect[k] = q.float() * full
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out, expect
+            return new, q.float() * s
+        b0, b1 = block
+        s = torch.zeros(math.ceil(o / b0), math.ceil(i / b1))
+        for r in range(s.shape[0]):
+            for c in range(s.shape[1]):
+                s[r, c] = v[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1].abs().max() / 448.0
+        full = s.repeat_interleave(b0, 0)[:o].repeat_interleave(b1, 1)[:, :i]
+        q = (v / full).to(torch.float8_e4m3fn)
+        new[k], new[k + scale_suffix] = q, s
+        return new, q.float() * full
+
+    return quantized_tiny_dir(tmp_path / name, quantize, qcfg)
 
 
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}
@@ -139,11 +133,7 @@ def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_pa
     """build_engine.py --tier custom reads the model's own HF directory (trtllm_network.load_hf_weights): FP8 weights come
     out as the values their scales define, the scale tensors dropped; in the bundle, without kvcompress installed,
     through the fp8_weights.py copied beside trtllm_network.py."""
-    import shutil
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     from kvcompress.targets.trtllm_network import dequantize_fp8
 
     ckpt, expect = _quantized_dir(tmp_path, BLOCK_FP8, (64, 64))
@@ -158,17 +148,8 @@ def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_pa
     spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
             "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
     assert engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", bundle)
-    shutil.copy(ROOT / "kvcompress" / "models" / "fp8_weights.py", bundle)
-    code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
-            "from safetensors.torch import load_file; from pathlib import Path; "
-            "o = tn.dequantize_fp8(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
-            "print(float(o['model.layers.0.self_attn.k_proj.weight'].double().sum()))")
-    p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert float(p.stdout) == pytest.approx(float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum()), rel=1e-12)
+    assert bundle_loader(tmp_path, ["models/fp8_weights.py"], ckpt, "dequantize_fp8", "model.layers.0.self_attn.k_proj.weight") == pytest.approx(
+        float(expect["model.layers.0.self_attn.k_proj.weight"].double().sum()), rel=1e-12)
 
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

@@ -228,35 +228,30 @@ class HFWriter:
         from kvcompress.models.quantized import quantization_config
 
         sym = int_weights.repack_symmetric(quantization_config(src.dir) or {}) if src.qweights else False
-        # integer weights: compressed-tensors' pack-quantized as stored, GPTQ / AWQ written pack-quantized (the same codes); or
-        # folded by the export and listed unquantized
-        for k, parts in [*src.packed.items(), *src.qweights.items()]:
+        # integer weights (compressed-tensors' pack-quantized as stored, GPTQ / AWQ written pack-quantized: the same codes) and
+        # NVFP4 weights (codes and scales as stored); or, where the export folds them, written in export.dtype and listed unquantized
+        for k, parts in [*src.packed.items(), *src.qweights.items(), *src.nvfp4.items()]:
+            kind = "NVFP4" if k in src.nvfp4 else "integer"
             if k not in plan:
-                raise UserError(f"export: the source's integer weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
+                raise UserError(f"export: the source's {kind} weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
                                 "cannot be written quantized; allowed for this model: export.fp8_weights=dequantize")
             if folded_by_export(k, plan):
                 self.unquantized.add(k.rpartition(".")[0])
                 continue
             del plan[k]
-            if k in src.packed:
+            if k in src.nvfp4:
+                self.kept_nv[k] = parts
+                plan |= {t: (src.stored_dtype(t), tuple(src.entries[t][1]["shape"])) for t in (k, *parts)}
+            elif k in src.packed:
                 self.kept_int[k] = [n for n in parts.values() if n is not None]
                 plan |= {t: (src.stored_dtype(t), tuple(src.shape(t))) for t in self.kept_int[k]}
-                continue
-            m = k.removesuffix("weight")
-            (out_f, in_f), groups = src.shape(k), src.shape(parts["scales"])[0]
-            shapes = int_weights.repacked_shapes(out_f, in_f, groups, src.bits, sym, src.stored_dtype(parts["scales"]))
-            self.repacked[k] = {part: m + part for part in shapes}
-            plan |= {m + part: v for part, v in shapes.items()}
+            else:
+                m = k.removesuffix("weight")
+                (out_f, in_f), groups = src.shape(k), src.shape(parts["scales"])[0]
+                shapes = int_weights.repacked_shapes(out_f, in_f, groups, src.bits, sym, src.stored_dtype(parts["scales"]))
+                self.repacked[k] = {part: m + part for part in shapes}
+                plan |= {m + part: v for part, v in shapes.items()}
         self.repack_symmetric = sym
-        for k, parts in src.nvfp4.items():  # NVFP4 weights: codes and scales as stored, or folded by the export and listed unquantized
-            if k not in plan:
-                raise UserError(f"export: the source's NVFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
-                                "cannot be copied as stored; allowed for this model: export.fp8_weights=dequantize")
-            if folded_by_export(k, plan):
-                self.unquantized.add(k.rpartition(".")[0])
-                continue
-            self.kept_nv[k] = parts
-            plan |= {t: (src.stored_dtype(t), tuple(src.shape(t) if t != k else src.entries[k][1]["shape"])) for t in (k, *parts)}
         for k, stored in src.mxfp4.items():  # GPT-OSS's MXFP4 experts (the fold never changes them): blocks and scales as stored
             if k not in plan:
                 raise UserError(f"export: the source's MXFP4 weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
