@@ -90,8 +90,8 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     memory; the export (the default kv: custom and native tiers) passes every check that runs; hf_ckpt keeps the NVFP4
     codes and scales the fold leaves alone as stored (the folded attention in float16, in exclude_modules; config.json's
     quantization_config is what Model Optimizer's own converter derives from the written hf_quant_config.json), the
-    TensorRT-LLM checkpoint has them dequantized; each says so, with the activations caveat (an NVFP4 server quantizes
-    them to FP4); model.streaming=false is one line."""
+    TensorRT-LLM checkpoint has them dequantized; each says so, hf_ckpt with the activations caveat (its NVFP4 server
+    quantizes the kept layers' inputs to FP4, which validate does not); model.streaming=false is one line."""
     ckpt, expect = _nvfp4_dir(tmp_path)
     common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]")
     p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
@@ -109,7 +109,8 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     arts = manifest["artifacts"]
     assert "written dequantized" in arts["trtllm_ckpt"]["source_nvfp4_weights"] and "kept as stored" in arts["hf_ckpt"]["source_nvfp4_weights"]
-    assert all("activations unquantized" in arts[a]["source_nvfp4_weights"] for a in ("hf_ckpt", "trtllm_ckpt"))
+    assert "quantizes its input to FP4" in arts["hf_ckpt"]["source_nvfp4_weights"]  # the served W4A4 model: not what validate ran
+    assert "activations unquantized as validate ran them" in arts["trtllm_ckpt"]["source_nvfp4_weights"]
     # hf_ckpt: the MLP's codes and scales as stored, the folded attention in float16 and excluded, ModelOpt's NVFP4 config
     hf_dir = tmp_path / "run" / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}

@@ -819,16 +819,18 @@ def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
     if src is not None and weight_quantization(src) == "nvfp4":
         algo = str((quantization_config(src) or {}).get("quant_algo")).upper()
-        acts = ("; validate ran the activations unquantized, where an NVFP4 server quantizes each Linear's input to FP4 as well "
-                "(quant_algo NVFP4): the K/V it caches differ from the validated ones by that noise") if algo == "NVFP4" else ""
-        note = f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale x global scale in {dtype}, the values validate computed with"
+        note = (f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale x global scale in {dtype}, the values "
+                "validate computed with, activations unquantized as validate ran them")
         kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
                 f"changes in {dtype}, in exclude_modules); validate computed with the values they define")
+        acts = ("; served as quant_algo NVFP4, each kept layer also quantizes its input to FP4 (block scales from the stored input_scale), "
+                "which validate and this checkpoint's re-measurement ran unquantized (as trtllm_ckpt and the custom tier serve them): the "
+                "K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated here)") if algo == "NVFP4" else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
-                a["source_nvfp4_weights"] = (kept if a.get("fp8_weights_kept") else note) + acts
-        if acts:
-            log.warning("export: %s", acts.removeprefix("; "))
+                a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
+        if acts and (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
+            log.warning("export: hf_ckpt%s", acts.removeprefix(";"))
     if src is not None and weight_quantization(src) == "int":
         q = quantization_config(src) or {}
         why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None
