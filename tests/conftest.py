@@ -132,15 +132,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def tiny_llama_dir(out: Path) -> dict:
-    """A tiny random Llama (2 layers, hidden 96, 6 heads over 2 kv heads) saved as an HF directory at `out` with the byte
-    tokenizer: the quantized-checkpoint tests rewrite its tensors in their format. Returns its state dict as saved."""
+def tiny_llama_dir(out: Path, arch: str = "llama") -> dict:
+    """A tiny random Llama (2 layers, hidden 96, 6 heads over 2 kv heads; arch="mixtral": with Mixtral's experts) saved as an
+    HF directory at `out` with the byte tokenizer: the quantized-checkpoint tests rewrite its tensors in their format.
+    Returns its state dict as saved."""
     from safetensors.torch import load_file
 
     from kvcompress.models.synthetic import byte_tokenizer
 
-    m = build_tiny("llama", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
-    m.config.architectures = ["LlamaForCausalLM"]
+    m = build_tiny(arch, layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
+    m.config.architectures = [{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]]
     m.save_pretrained(str(out))
     byte_tokenizer().save_pretrained(str(out))
     return load_file(str(out / "model.safetensors"))

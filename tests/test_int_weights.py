@@ -358,15 +358,8 @@ def test_an_int4_mixture_of_experts_reads_its_experts_through_the_models_convers
     """A W4A16 Mixtral (llm-compressor packs each expert's w1/w2/w3 as its own Linear; the router stays unquantized): the
     streaming reader builds transformers' fused expert tensors from the dequantized per-expert weights, so a streamed run
     measures the perplexity of the same weights written plain."""
-    from kvcompress.models.tiny import build_tiny
-    from kvcompress.models.synthetic import byte_tokenizer
-
-    m = build_tiny("mixtral", layers=2, hidden=96, heads=6, kv_heads=2, head_dim=32)
-    m.config.architectures = ["MixtralForCausalLM"]
     ckpt = tmp_path / "mixtral_w4a16"
-    m.save_pretrained(str(ckpt))
-    byte_tokenizer().save_pretrained(str(ckpt))
-    sd = load_file(str(ckpt / "model.safetensors"))
+    sd = tiny_llama_dir(ckpt, "mixtral")
     scheme = _scheme(4, "group", 32, True)
     new, expect = {}, {}
     for k, v in sd.items():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli
+from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
@@ -131,3 +131,49 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     assert (tmp_path / "run" / "export" / "plugin_bundle" / "nvfp4_weights.py").is_file()
     p3 = run_cli(*common, f"model.path={ckpt}", "model.streaming=false", "export=none", f"hydra.run.dir={tmp_path / 'run3'}")
     assert p3.returncode != 0 and "model.streaming=false" in p3.stderr and "NVFP4 weights" in p3.stderr and "Traceback" not in p3.stderr
+
+
+def test_an_nvfp4_mixture_of_experts_reads_its_experts_through_the_models_conversion(tmp_path):
+    """An NVFP4 Mixtral (each expert's w1/w2/w3 stored as its own NVFP4 Linear, the router unquantized): the streaming
+    reader builds transformers' fused expert tensors from the dequantized per-expert weights (their scales are not taken
+    for experts), so a streamed run measures the perplexity of the same weights written plain."""
+    ckpt = tmp_path / "mixtral_nvfp4"
+    sd = tiny_llama_dir(ckpt, "mixtral")
+    new, expect = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k.startswith("model.layers.") and (k.endswith("proj.weight") or ".experts." in k):
+            mod = k.removesuffix("weight")
+            codes, s, s2, expect[k] = _quantize(v)
+            new |= {k: codes, mod + "weight_scale": s, mod + "weight_scale_2": s2, mod + "input_scale": torch.tensor(0.02)}
+        else:
+            new[k] = v
+    assert any(".experts.0.w1.weight" in k for k in expect), sorted(sd)[:20]
+    save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*block_sparse_moe.gate"]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]", "export=none")
+    p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain_sd = {k: v for k, v in sd.items() if k not in expect} | expect
+    plain = plain_copy(ckpt, tmp_path / "plain", plain_sd)
+    p2 = run_cli(*common, f"model.path={plain}", "model.streaming=false", f"hydra.run.dir={tmp_path / 'run_plain'}", cache_dir=tmp_path / "cache")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("run", "run_plain"))
+    assert a["model"].get("streamed") and a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4"])
+def test_the_kept_nvfp4_config_is_model_optimizers(algo):
+    """hf_ckpt's config.json quantization_config for a kept NVFP4 source (weights and activations, or weights only) is what
+    Model Optimizer's own converter derives from the hf_quant_config.json written beside it."""
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+
+    from kvcompress.targets.hf_ckpt import fp8_weight_configs
+
+    src = {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}
+    cfg, hq = fp8_weight_configs(src, {"producer": {"name": "modelopt"}, "quantization": {k: v for k, v in src.items() if k != "quant_method"}},
+                                 ["model.layers.0.self_attn.q_proj"])
+    assert hq["quantization"]["quant_algo"] == algo and hq["quantization"]["exclude_modules"] == ["lm_head", "model.layers.0.self_attn.q_proj"]
+    assert convert_hf_quant_config_format(hq) == cfg
+    assert ("input_activations" in cfg["config_groups"]["group_0"]) == (algo == "NVFP4")
