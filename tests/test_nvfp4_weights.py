@@ -91,7 +91,8 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     codes and scales the fold leaves alone as stored (the folded attention in float16, in exclude_modules; config.json's
     quantization_config is what Model Optimizer's own converter derives from the written hf_quant_config.json), the
     TensorRT-LLM checkpoint has them dequantized; each says so, hf_ckpt with the activations caveat (its NVFP4 server
-    quantizes the kept layers' inputs to FP4, which validate does not); model.streaming=false is one line."""
+    quantizes the kept layers' inputs to FP4, which validate does not); export.fp8_weights=dequantize writes hf_ckpt
+    dequantized; model.streaming=false is one line."""
     ckpt, expect = _nvfp4_dir(tmp_path)
     common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]")
     p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
@@ -129,6 +130,14 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     t = load_file(str(next((tmp_path / "run" / "export" / "trtllm_ckpt" / "tp1").glob("*.safetensors"))))
     assert t["transformer.layers.1.mlp.proj.weight"].dtype == torch.float16
     assert (tmp_path / "run" / "export" / "plugin_bundle" / "nvfp4_weights.py").is_file()
+    # export.fp8_weights=dequantize: hf_ckpt dequantized too (served as validated), and the note says so
+    p4 = run_cli(*common, f"model.path={ckpt}", "kv=native_fp8", "export.fp8_weights=dequantize", f"hydra.run.dir={tmp_path / 'run4'}",
+                 cache_dir=tmp_path / "cache")
+    assert p4.returncode == 0, p4.stderr[-3000:]
+    m4 = json.loads((tmp_path / "run4" / "export" / "manifest.json").read_text())
+    assert "written dequantized" in m4["artifacts"]["hf_ckpt"]["source_nvfp4_weights"] and not m4["artifacts"]["hf_ckpt"]["fp8_weights_kept"]
+    hf4 = {k: v for f in sorted((tmp_path / "run4" / "export" / "hf_ckpt").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert hf4["model.layers.1.mlp.down_proj.weight"].dtype == torch.float16 and not any(k.endswith("weight_scale_2") for k in hf4)
     p3 = run_cli(*common, f"model.path={ckpt}", "model.streaming=false", "export=none", f"hydra.run.dir={tmp_path / 'run3'}")
     assert p3.returncode != 0 and "model.streaming=false" in p3.stderr and "NVFP4 weights" in p3.stderr and "Traceback" not in p3.stderr
 

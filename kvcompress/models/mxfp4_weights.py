@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from kvcompress.models.nvfp4_weights import E2M1  # the e2m1 code values, shared with NVFP4
 
 
 def blocks_name(entries, key: str) -> tuple[str, str] | None:

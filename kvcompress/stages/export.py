@@ -693,7 +693,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         artifacts["trtllm_ckpt"]["pre_blackwell_fallback"] = ("NVFP4 KV needs a Blackwell GPU (sm_100+); on Hopper/Ampere serve hf_ckpt/ (FP8 KV, validated above) "
                                                               "or re-export with export.native_kv=FP8")
     artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard, hf_fold.weights)
-    _note_int_source(lm, artifacts, ecfg.dtype)
+    _note_source_weights(lm, artifacts, ecfg.dtype)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
     shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
     _copy_weight_readers(out)
@@ -812,10 +812,11 @@ def _repackable(ckpt) -> bool:
     return bool(ckpt.qweights) and int_weights.repack_obstacle(quantization_config(ckpt.dir)) is None
 
 
-def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
-    """A source with integer weights (models.int_weights): where a checkpoint writes them dequantized, or keeps them
-    (hf_ckpt: compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized), it says so (`source_int_weights`);
-    the run warns once when hf_ckpt has them dequantized."""
+def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
+    """A source with NVFP4 or integer weights (models.nvfp4_weights, models.int_weights): each native checkpoint says whether
+    it keeps them (hf_ckpt: NVFP4 and compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized) or writes
+    them dequantized (`source_nvfp4_weights`, `source_int_weights`); the run warns once where hf_ckpt would be served
+    otherwise than validated (NVFP4 activations) or has integer weights dequantized."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
     if src is not None and weight_quantization(src) == "nvfp4":
         algo = str((quantization_config(src) or {}).get("quant_algo")).upper()
@@ -825,7 +826,8 @@ def _note_int_source(lm, artifacts: dict, dtype: str) -> dict:
                 f"changes in {dtype}, in exclude_modules); validate computed with the values they define")
         acts = ("; served as quant_algo NVFP4, each kept layer also quantizes its input to FP4 (block scales from the stored input_scale), "
                 "which validate and this checkpoint's re-measurement ran unquantized (as trtllm_ckpt and the custom tier serve them): the "
-                "K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated here)") if algo == "NVFP4" else ""
+                "K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize "
+                "writes them dequantized, served as validated)") if algo == "NVFP4" else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
                 a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
@@ -868,7 +870,7 @@ def _hf_only_manifest(run, out: Path, checks: Checks, report: dict, hf_book: Sca
     manifest = {
         "format_version": FORMAT_VERSION,
         "run": str(run.dir),
-        "artifacts": _note_int_source(lm, {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard, weights)}, run.cfg.export.dtype),
+        "artifacts": _note_source_weights(lm, {"hf_ckpt": _hf_artifact(run.cfg.export, hf_book, v_hf, c_hf, guard, weights)}, run.cfg.export.dtype),
         **_text_decoder_note(lm),
         "not_written": {"trtllm_ckpt": f"{export_route(lm.model)[1]}; serve hf_ckpt/, which TensorRT-LLM's PyTorch backend and vLLM run with "
                                        "the model's own code"},

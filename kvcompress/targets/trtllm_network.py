@@ -220,13 +220,15 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
-def _int_weights():
-    """kvcompress.models.int_weights, or in the bundle the int_weights.py beside this file."""
+def _reader(name: str):
+    """kvcompress.models.<name> (a weight format's reader: fp8_weights, int_weights, nvfp4_weights), or in the bundle the
+    <name>.py copied beside this file (export.WEIGHT_READERS)."""
+    import importlib
+
     try:
-        from kvcompress.models import int_weights
+        return importlib.import_module(f"kvcompress.models.{name}")
     except ImportError:
-        import int_weights
-    return int_weights
+        return importlib.import_module(name)
 
 
 def _quantization_config(hf_dir: Path) -> dict:
@@ -238,7 +240,7 @@ def _quantization_config(hf_dir: Path) -> dict:
 def dense_shapes(shapes: dict, hf_dir: Path) -> dict:
     """Tensor shapes with each pack-quantized weight (`<m>.weight_packed` int32 [out, words] and its parts) as the weight
     `<m>.weight` [out, in] the loader makes of it (in = words * 32 / bits, the config's code width), its parts left out."""
-    iw = _int_weights()
+    iw = _reader("int_weights")
     packed = [k for k in shapes if k.endswith(".weight_packed")]
     qweights = [k for k in shapes if k.endswith(".qweight")]
     if not packed and not qweights:
@@ -266,9 +268,10 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     headers = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         headers |= {k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"}
-    nv = _nvfp4_weights().packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
+    nvfp4 = _reader("nvfp4_weights")
+    nv = nvfp4.packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
     drop = {p for parts in nv.values() for p in parts}
-    shapes = {k: (v["shape"][:-1] + [v["shape"][-1] * 2] if k in nv else v["shape"]) for k, v in headers.items() if k not in drop}
+    shapes = {k: (nvfp4.shape(v["shape"]) if k in nv else v["shape"]) for k, v in headers.items() if k not in drop}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     kv_tp = min(tp, spec["arch"]["n_kv_heads"])
 
@@ -365,10 +368,8 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
 
     if not any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in raw.values()):
         return raw
-    try:
-        from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
-    except ImportError:  # the bundle: fp8_weights.py beside this file
-        from fp8_weights import FLOAT8, dequantize, scale_name
+    fp8 = _reader("fp8_weights")
+    FLOAT8, dequantize, scale_name = fp8.FLOAT8, fp8.dequantize, fp8.scale_name
     cfg = Path(hf_dir) / "config.json"
     block = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("weight_block_size") if cfg.is_file() else None
     out = {}
@@ -383,20 +384,11 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
     return out
 
 
-def _nvfp4_weights():
-    """kvcompress.models.nvfp4_weights, or in the bundle the nvfp4_weights.py beside this file."""
-    try:
-        from kvcompress.models import nvfp4_weights
-    except ImportError:
-        import nvfp4_weights
-    return nvfp4_weights
-
-
 def dequantize_nvfp4(raw: dict, hf_dir: Path) -> dict:
     """A Model Optimizer NVFP4 checkpoint's weights as float32 values (nvfp4_weights.py, copied beside this file in the
     bundle), their scales and input scales dropped; any other checkpoint as it is. Before dequantize_fp8: the block scales
     are float8 tensors that are not weights."""
-    nv = _nvfp4_weights()
+    nv = _reader("nvfp4_weights")
     layers = nv.packed_names(raw)
     if not layers:
         return raw
@@ -415,7 +407,7 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
     """An integer checkpoint's weights (compressed-tensors pack-quantized, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
     other checkpoint as it is."""
-    int_weights = _int_weights()
+    int_weights = _reader("int_weights")
     packed = int_weights.packed_names(raw)
     q = _quantization_config(hf_dir)
     fmt, bits = int_weights.layout(q), int_weights.config_bits(q)
