@@ -142,24 +142,32 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     assert p3.returncode != 0 and "model.streaming=false" in p3.stderr and "NVFP4 weights" in p3.stderr and "Traceback" not in p3.stderr
 
 
-def test_an_nvfp4_mixture_of_experts_reads_its_experts_through_the_models_conversion(tmp_path):
-    """An NVFP4 Mixtral (each expert's w1/w2/w3 stored as its own NVFP4 Linear, the router unquantized): the streaming
-    reader builds transformers' fused expert tensors from the dequantized per-expert weights (their scales are not taken
-    for experts), so a streamed run measures the perplexity of the same weights written plain."""
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_an_nvfp4_mixture_of_experts_reads_its_experts_through_the_models_conversion(tmp_path, layout):
+    """An NVFP4 Mixtral (each expert's w1/w2/w3 stored as its own NVFP4 Linear, the router unquantized; Model Optimizer's or
+    compressed-tensors' layout): the streaming reader builds transformers' fused expert tensors from the dequantized
+    per-expert weights (their scales are not taken for experts), so a streamed run measures the perplexity of the same
+    weights written plain."""
     ckpt = tmp_path / "mixtral_nvfp4"
     sd = tiny_llama_dir(ckpt, "mixtral")
     new, expect = {}, {}
     for k, v in sd.items():
         if v.dim() == 2 and k.startswith("model.layers.") and (k.endswith("proj.weight") or ".experts." in k):
             mod = k.removesuffix("weight")
-            codes, s, s2, expect[k] = _quantize(v)
-            new |= {k: codes, mod + "weight_scale": s, mod + "weight_scale_2": s2, mod + "input_scale": torch.tensor(0.02)}
+            if layout == "modelopt":
+                codes, s, s2, expect[k] = _quantize(v)
+                new |= {k: codes, mod + "weight_scale": s, mod + "weight_scale_2": s2, mod + "input_scale": torch.tensor(0.02)}
+            else:
+                c, _ = _ct_quantize(v, "NVFP4A16")
+                new |= {mod + n: t for n, t in c.items()}
+                expect[k] = nv.dequantize(c["weight_packed"], c["weight_scale"], c["weight_global_scale"], reciprocal=True)
         else:
             new[k] = v
     assert any(".experts.0.w1.weight" in k for k in expect), sorted(sd)[:20]
     save_file(new, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*block_sparse_moe.gate"]}
+    cfg["quantization_config"] = ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*block_sparse_moe.gate"]}
+                                  if layout == "modelopt" else _ct_config("NVFP4A16", ["lm_head", "re:.*block_sparse_moe.gate$"]))
     (ckpt / "config.json").write_text(json.dumps(cfg))
     common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]", "export=none")
     p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
@@ -186,3 +194,122 @@ def test_the_kept_nvfp4_config_is_model_optimizers(algo):
     assert hq["quantization"]["quant_algo"] == algo and hq["quantization"]["exclude_modules"] == ["lm_head", "model.layers.0.self_attn.q_proj"]
     assert convert_hf_quant_config_format(hq) == cfg
     assert ("input_activations" in cfg["config_groups"]["group_0"]) == (algo == "NVFP4")
+
+
+# --- compressed-tensors' nvfp4-pack-quantized layout (llm-compressor's NVFP4 / NVFP4A16 exports) ---
+
+def _ct_quantize(w: torch.Tensor, scheme_name: str):
+    """compressed-tensors' own NVFP4 tensors of w (its global scale and fp8 block scales from its qparams helpers, codes from
+    its compressor) and its own decompression (bfloat16)."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    gs = generate_gparam(w.min(), w.max()).reshape(1)
+    blocks = w.float().reshape(w.shape[0], -1, nv.BLOCK)
+    s, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale=gs)
+    c = NVFP4PackedCompressor.compress({"weight": w.float(), "weight_scale": s, "weight_global_scale": gs}, scheme)
+    return c, NVFP4PackedCompressor.decompress(dict(c), scheme)["weight"]
+
+
+def _ct_nvfp4_dir(tmp_path: Path, scheme_name: str = "NVFP4") -> tuple[Path, dict]:
+    """A tiny Llama whose q/k/v/o and MLP projections are NVFP4 as compressed-tensors stores them (weight_packed,
+    weight_scale, weight_global_scale; input_global_scale under the NVFP4 scheme), config.json's quantization_config the
+    library's own QuantizationConfig of the preset scheme; and the float32 weights kvcompress's reader gives."""
+    def quantize(k, v):
+        m = k.removesuffix("weight")
+        c, _ = _ct_quantize(v, scheme_name)
+        stored = {m + n: t for n, t in c.items()} | ({m + "input_global_scale": torch.tensor([1234.5])} if scheme_name == "NVFP4" else {})
+        return stored, nv.dequantize(c["weight_packed"], c["weight_scale"], c["weight_global_scale"], reciprocal=True)
+
+    return quantized_tiny_dir(tmp_path / f"ct_{scheme_name}", quantize, _ct_config(scheme_name, ["lm_head"]))
+
+
+def _ct_config(scheme_name: str, ignore: list[str]) -> dict:
+    """config.json's quantization_config as compressed-tensors' own QuantizationConfig gives it for a preset NVFP4 scheme."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    return QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(scheme_name, ["Linear"])}, format="nvfp4-pack-quantized",
+                              ignore=ignore, quantization_status="compressed").model_dump(mode="json")
+
+
+@pytest.mark.parametrize("scheme_name", ["NVFP4", "NVFP4A16"])
+def test_compressed_tensors_nvfp4_is_read_as_the_library_decompresses_it(tmp_path, scheme_name):
+    """compressed-tensors' layout (codes in weight_packed, the global scale stored inverted): kvcompress's float32 values round
+    to the library's own bfloat16 decompression bit for bit; the streaming reader, the integer reader (which leaves these
+    uint8 weight_packed alone), the custom tier's loader as the bundle ships it and the engine's memory all see the [out, in]
+    weight; an asymmetric or other-block config is refused in one line."""
+    from kvcompress.models import int_weights
+    from kvcompress.targets import trtllm_network as tn
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * 0.05
+    c, ref = _ct_quantize(w, scheme_name)
+    ours = nv.dequantize(c["weight_packed"], c["weight_scale"], c["weight_global_scale"], reciprocal=True)
+    assert torch.equal(ours.to(ref.dtype), ref) and float((ours - w).abs().max()) < 0.25 * float(w.abs().max())
+    assert not torch.equal(nv.dequantize(c["weight_packed"], c["weight_scale"], c["weight_global_scale"]).to(ref.dtype), ref)  # multiplied: wrong
+    ckpt, expect = _ct_nvfp4_dir(tmp_path, scheme_name)
+    assert weight_quantization(ckpt) == "nvfp4"
+    c = Checkpoint(ckpt)
+    assert not c.packed and set(c.nvfp4) == set(expect) and all(p["layout"] == "compressed-tensors" for p in c.nvfp4.values())
+    for k, w in expect.items():
+        assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
+    raw = load_file(str(ckpt / "model.safetensors"))
+    assert not int_weights.packed_names(raw)
+    out = tn.dequantize_packed(tn.dequantize_nvfp4(raw, ckpt), ckpt)
+    assert not any(k.rsplit(".", 1)[-1] in nv.CT_PARTS for k in out)
+    for k, w in expect.items():
+        assert torch.equal(out[k], w)
+    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
+            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
+    assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", key) == float(expect[key].double().sum())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for change in ({"symmetric": False}, {"group_size": 32}):
+        q = json.loads(json.dumps(cfg["quantization_config"]))
+        q["config_groups"]["group_0"]["weights"] |= change
+        (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": q}))
+        with pytest.raises(UserError, match="quant_method='compressed-tensors'"):
+            weight_quantization(ckpt)
+
+
+def test_a_compressed_tensors_nvfp4_checkpoint_exports_its_weights_as_stored(tmp_path):
+    """End to end, streamed (the NVFP4 scheme: W4A4): hf_ckpt keeps the codes and scales the fold leaves alone as stored, its
+    config the source's with the folded attention added to `ignore` and the FP8 KV cache scheme; transformers with
+    compressed-tensors loads it (decompressed) to the validated weights (to its bfloat16 rounding); the TensorRT-LLM checkpoint has them
+    dequantized; the notes say so, hf_ckpt's with the activations caveat."""
+    ckpt, expect = _ct_nvfp4_dir(tmp_path)
+    common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]")
+    p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = (tmp_path / "run" / "__main__.log").read_text()
+    assert "WARNING" in log and "compressed-tensors NVFP4 (input_activations)" in log  # the served W4A4 model is not what validate ran
+    manifest = json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
+    arts = manifest["artifacts"]
+    assert "kept as stored" in arts["hf_ckpt"]["source_nvfp4_weights"] and "its ignore list" in arts["hf_ckpt"]["source_nvfp4_weights"]
+    assert "input_global_scale" in arts["hf_ckpt"]["source_nvfp4_weights"]
+    assert "/ global scale" in arts["trtllm_ckpt"]["source_nvfp4_weights"]
+    hf_dir = tmp_path / "run" / "export" / "hf_ckpt"
+    hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    src = load_file(str(ckpt / "model.safetensors"))
+    for part in nv.CT_PARTS:
+        k = f"model.layers.1.mlp.down_proj.{part}"
+        assert hf[k].dtype == src[k].dtype and torch.equal(_bytes(hf[k]), _bytes(src[k])), k
+    assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float16 and "model.layers.0.self_attn.q_proj.weight_packed" not in hf
+    q_src = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    q = json.loads((hf_dir / "config.json").read_text())["quantization_config"]
+    attn = {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkvo"}
+    assert q["config_groups"] == q_src["config_groups"] and q["format"] == "nvfp4-pack-quantized" and attn | {"lm_head"} <= set(q["ignore"])
+    assert q["kv_cache_scheme"]["num_bits"] == 8 and q["kv_cache_scheme"]["type"] == "float"
+    assert not (hf_dir / "hf_quant_config.json").exists()
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    m = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    for k in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+        assert torch.equal(m.get_parameter(k).detach(), expect[k].to(torch.bfloat16)), k
+    t = load_file(str(next((tmp_path / "run" / "export" / "trtllm_ckpt" / "tp1").glob("*.safetensors"))))
+    assert t["transformer.layers.1.mlp.proj.weight"].dtype == torch.float16

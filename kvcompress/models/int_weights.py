@@ -52,10 +52,11 @@ def config_bits(q: dict | None) -> int | None:
 
 
 def packed_names(entries) -> dict[str, dict[str, str | None]]:
-    """{`<m>.weight`: {part: stored name or None}} for every `<m>.weight_packed` among the stored names."""
+    """{`<m>.weight`: {part: stored name or None}} for every `<m>.weight_packed` among the stored names, except compressed-tensors'
+    NVFP4 weights (uint8 codes under the same name, with a `<m>.weight_global_scale` no integer weight has: nvfp4_weights)."""
     out = {}
     for k in entries:
-        if k.endswith("." + SUFFIX):
+        if k.endswith("." + SUFFIX) and k[: -len(SUFFIX)] + "weight_global_scale" not in entries:
             m = k[: -len(SUFFIX)]
             out[m + "weight"] = {p: (m + p if m + p in entries else None) for p in PARTS}
     return out

@@ -11,7 +11,8 @@ dequantizes them (its Mxfp4Config(dequantize=True), on any device). Integer weig
 output row and group, zero points if asymmetric), GPTQ's (AutoGPTQ / GPTQModel, 2..8 bits, either checkpoint format) and
 AWQ's (AutoAWQ's 4-bit GEMM layout) are streamed too, dequantized by the reader (int_weights) to w = (q - z) * s in the
 scale's dtype; so are Model Optimizer's NVFP4 checkpoints (nvfp4_weights: e2m1 codes times fp8 block scales times a global
-scale), their activations then computed unquantized, as for FP8. Any other weight format (AWQ's GEMV layout, bitsandbytes,
+scale), and compressed-tensors' NVFP4 (`nvfp4-pack-quantized`, llm-compressor's NVFP4 and NVFP4A16 exports: the same codes
+and block scales, the global scale stored inverted), their activations then computed unquantized, as for FP8. Any other weight format (AWQ's GEMV layout, bitsandbytes,
 NVFP4 in other layouts or block sizes, compressed-tensors with quantized
 activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from kvcompress.errors import UserError
 
-READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8 and NVFP4, compressed-tensors 8-bit float, mxfp4, integer weights without activation "
-        "quantization (GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
+READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8 and NVFP4, compressed-tensors 8-bit float and nvfp4-pack-quantized, mxfp4, integer "
+        "weights without activation quantization (GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -54,6 +55,29 @@ def integer_weight_only(q: dict) -> bool:
         and not g.get("input_activations") and not g.get("output_activations") for g in groups)
 
 
+def ct_nvfp4(q: dict) -> bool:
+    """A compressed-tensors config whose every group stores weights as symmetric NVFP4 in the nvfp4-pack-quantized format (4-bit
+    floats, blocks of 16), activations unquantized or NVFP4 too (llm-compressor's NVFP4A16 and NVFP4 schemes): what
+    nvfp4_weights reads."""
+    groups = list((q.get("config_groups") or {}).values())
+
+    def fp4(a: dict | None) -> bool:
+        return (a or {}).get("type") == "float" and int((a or {}).get("num_bits", 0)) == 4 and int((a or {}).get("group_size") or 0) == 16
+
+    return bool(groups) and all(
+        fp4(g.get("weights")) and (g.get("weights") or {}).get("symmetric", True) and (g.get("format") or q.get("format")) == "nvfp4-pack-quantized"
+        and (not g.get("input_activations") or fp4(g["input_activations"])) and not g.get("output_activations") for g in groups)
+
+
+def nvfp4_activations(model_dir: Path) -> bool:
+    """An NVFP4 checkpoint whose servers also quantize the quantized layers' inputs to FP4 (ModelOpt quant_algo NVFP4, not
+    W4A16_NVFP4; compressed-tensors' NVFP4 scheme, not NVFP4A16), which validate runs unquantized."""
+    q = quantization_config(model_dir) or {}
+    if str(q.get("quant_method", "")).lower() == "modelopt":
+        return str(q.get("quant_algo")).upper() == "NVFP4"
+    return any(g.get("input_activations") for g in (q.get("config_groups") or {}).values())
+
+
 def stated_bits(model_dir: Path) -> int | None:
     """The code width of an integer checkpoint: GPTQ's and AWQ's `bits`; compressed-tensors' when all its config groups
     state the same one."""
@@ -67,7 +91,7 @@ def weight_quantization(model_dir: Path) -> str | None:
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
     memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for integer weights without activation
     quantization (compressed-tensors pack-quantized, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); "nvfp4" for Model
-    Optimizer's NVFP4 weights in blocks of 16 (streamed, dequantized by nvfp4_weights); any other weight
+    Optimizer's and compressed-tensors' NVFP4 weights in blocks of 16 (streamed, dequantized by nvfp4_weights); any other weight
     format: one-line UserError."""
     q = quantization_config(model_dir)
     if q is None:
@@ -97,6 +121,8 @@ def weight_quantization(model_dir: Path) -> str | None:
             return "fp8"
         if weights and integer_weight_only(q):
             return "int"
+        if weights and ct_nvfp4(q):
+            return "nvfp4"
     raise UserError(f"model.path={str(model_dir)!r} stores its weights quantized (quantization_config quant_method={method or '?'!r}"
                     f"{', quant_algo=' + repr(q.get('quant_algo')) if q.get('quant_algo') else ''}); kvcompress reads unquantized weights "
                     f"and FP8 ones ({READ}): point it at the unquantized checkpoint")

@@ -89,7 +89,7 @@ class Checkpoint:
         self.int_layout = int_weights.layout(quantization_config(self.dir)) if any(k.endswith(".qweight") for k in self.entries) else None
         self.qweights = int_weights.qweight_names(self.entries) if self.int_layout in ("gptq", "gptq_v2", "awq") else {}
         self.bits = stated_bits(self.dir) if self.packed or self.qweights else None
-        # NVFP4 weights (ModelOpt): the weight's name (its codes are stored under it) -> its stored scales, read dequantized
+        # NVFP4 weights (ModelOpt's, compressed-tensors'): the weight's name -> its stored codes and scales, read dequantized
         self.nvfp4 = nvfp4_weights.packed_names(self.entries)
         self._packed_shapes: dict[str, list[int]] = {}
 
@@ -111,7 +111,7 @@ class Checkpoint:
         meta = model.state_dict()
         groups: dict[str, list] = {}
         # experts in index order, as transformers stacks them; integer weights under the names they dequantize to (read())
-        for stored in sorted({*self.entries, *self.packed, *self.qweights}, key=dot_natural_key):
+        for stored in sorted({*self.entries, *self.packed, *self.qweights, *self.nvfp4}, key=dot_natural_key):
             if stored in meta:
                 continue
             name, pattern = rename_source_key(stored, renamings, converters, model.base_model_prefix, meta)
@@ -125,7 +125,7 @@ class Checkpoint:
         return sum(f.stat().st_size for f in {e[0] for e in self.entries.values()})
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries or key in self.converted or key in self.mxfp4 or key in self.packed or key in self.qweights
+        return key in self.entries or key in self.converted or key in self.mxfp4 or key in self.packed or key in self.qweights or key in self.nvfp4
 
     def shape(self, key: str) -> list[int]:
         if key in self.mxfp4 and key not in self.entries:
@@ -138,7 +138,7 @@ class Checkpoint:
                 self._packed_shapes[key] = [int(x) for x in self.read_stored(parts["weight_shape"]).tolist()]
             return list(self._packed_shapes[key])
         if key in self.nvfp4:
-            return nvfp4_weights.shape(list(self.entries[key][1]["shape"]))
+            return nvfp4_weights.shape(list(self.entries[self.nvfp4[key]["codes"]][1]["shape"]))
         if key in self.qweights and key not in self.entries:  # [out, in]: the scales' columns; GPTQ's packed rows or AWQ's rows
             parts = self.qweights[key]
             qw, sc = (list(self.entries[parts[p]][1]["shape"]) for p in ("qweight", "scales"))
@@ -173,10 +173,8 @@ class Checkpoint:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
             return w if lo is None else w[lo:hi]
         if key in self.nvfp4:
-            m = key.removesuffix("weight")
             try:
-                return nvfp4_weights.dequantize(self.read_stored(key, lo, hi), self.read_stored(m + "weight_scale", lo, hi),
-                                                self.read_stored(m + "weight_scale_2"))
+                return nvfp4_weights.read(self.nvfp4[key], self.read_stored, lo, hi)
             except ValueError as e:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         t = self.read_stored(key, lo, hi)

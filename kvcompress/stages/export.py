@@ -37,7 +37,7 @@ from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES, Geometry
 from kvcompress.models import int_weights
 from kvcompress.models.fused import unfuse
-from kvcompress.models.quantized import quantization_config, weight_quantization
+from kvcompress.models.quantized import nvfp4_activations, quantization_config, weight_quantization
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
@@ -819,15 +819,16 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
     otherwise than validated (NVFP4 activations) or has integer weights dequantized."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
     if src is not None and weight_quantization(src) == "nvfp4":
-        algo = str((quantization_config(src) or {}).get("quant_algo")).upper()
-        note = (f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale x global scale in {dtype}, the values "
+        ct = str((quantization_config(src) or {}).get("quant_method")) == "compressed-tensors"
+        note = (f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale {'/' if ct else 'x'} global scale in {dtype}, the values "
                 "validate computed with, activations unquantized as validate ran them")
         kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
-                f"changes in {dtype}, in exclude_modules); validate computed with the values they define")
-        acts = ("; served as quant_algo NVFP4, each kept layer also quantizes its input to FP4 (block scales from the stored input_scale), "
+                f"changes in {dtype}, in {'its ignore list' if ct else 'exclude_modules'}); validate computed with the values they define")
+        acts = (f"; served as {'compressed-tensors NVFP4 (input_activations)' if ct else 'quant_algo NVFP4'}, each kept layer also quantizes its input "
+                f"to FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'}), "
                 "which validate and this checkpoint's re-measurement ran unquantized (as trtllm_ckpt and the custom tier serve them): the "
                 "K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize "
-                "writes them dequantized, served as validated)") if algo == "NVFP4" else ""
+                "writes them dequantized, served as validated)") if nvfp4_activations(src) else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
                 a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note

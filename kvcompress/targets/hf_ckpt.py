@@ -32,7 +32,7 @@ import torch
 
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.errors import UserError
-from kvcompress.models import int_weights
+from kvcompress.models import int_weights, nvfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.fused import fuse
 
@@ -187,7 +187,7 @@ class HFWriter:
         # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
         self.src, self.kept, self.kept_mx, self.kept_int, self.unquantized = fp8_source, {}, {}, {}, set()
         self.repacked: dict[str, dict[str, str]] = {}  # a GPTQ / AWQ weight -> its pack-quantized tensors' names (int_weights.repack)
-        self.kept_nv: dict[str, list[str]] = {}  # an NVFP4 weight kept as stored -> its scales (nvfp4_weights)
+        self.kept_nv: dict[str, list[str]] = {}  # an NVFP4 weight kept as stored -> its stored codes and scales (nvfp4_weights.stored)
         if fp8_source is not None:
             self._plan_fp8(plan)
         shards, cur, size = [], {}, 0
@@ -213,7 +213,7 @@ class HFWriter:
         """Plan the source's float8 weights: kept as stored with their scale tensors (self.kept: weight -> its other
         tensors), or, where the fold changes them, written in export.dtype (self.unquantized: their modules)."""
         src = self.src
-        nv_parts = {p for parts in src.nvfp4.values() for p in parts}  # NVFP4's float8 block scales are not FP8 weights
+        nv_parts = {p for parts in src.nvfp4.values() for p in nvfp4_weights.stored(parts)}  # NVFP4's float8 block scales are not FP8 weights
         fp8 = [k for k in src.entries if src.stored_dtype(k) in FLOAT8 and k not in nv_parts]
         missing = [k for k in fp8 if k not in plan]
         if missing:
@@ -240,8 +240,8 @@ class HFWriter:
                 continue
             del plan[k]
             if k in src.nvfp4:
-                self.kept_nv[k] = parts
-                plan |= {t: (src.stored_dtype(t), tuple(src.entries[t][1]["shape"])) for t in (k, *parts)}
+                self.kept_nv[k] = nvfp4_weights.stored(parts)
+                plan |= {t: (src.stored_dtype(t), tuple(src.entries[t][1]["shape"])) for t in self.kept_nv[k]}
             elif k in src.packed:
                 self.kept_int[k] = [n for n in parts.values() if n is not None]
                 plan |= {t: (src.stored_dtype(t), tuple(src.shape(t))) for t in self.kept_int[k]}
@@ -357,7 +357,7 @@ class HFWriter:
         if key in self.kept_nv:  # an NVFP4 weight: its stored codes and scales, if they define exactly what the validated model used
             if row != 0 or not torch.equal(self.src.read(key).to(t.dtype), t.detach()):  # the reader's dequantization of those bytes
                 raise RuntimeError(f"hf_ckpt: the NVFP4 weight {key!r} was changed before writing; its stored codes no longer define it")
-            for n in (key, *self.kept_nv[key]):
+            for n in self.kept_nv[key]:
                 self._w(n).write(n, self.src.read_stored(n))
             return
         if key in self.kept_int:  # a pack-quantized weight: its stored parts, if they define exactly what the validated model used

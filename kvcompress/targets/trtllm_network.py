@@ -270,8 +270,8 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
         headers |= {k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"}
     nvfp4 = _reader("nvfp4_weights")
     nv = nvfp4.packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
-    drop = {p for parts in nv.values() for p in parts}
-    shapes = {k: (nvfp4.shape(v["shape"]) if k in nv else v["shape"]) for k, v in headers.items() if k not in drop}
+    drop = {p for parts in nv.values() for p in nvfp4.stored(parts)}
+    shapes = {k: v["shape"] for k, v in headers.items() if k not in drop} | {k: nvfp4.shape(headers[p["codes"]]["shape"]) for k, p in nv.items()}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     kv_tp = min(tp, spec["arch"]["n_kv_heads"])
 
@@ -385,19 +385,18 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
 
 
 def dequantize_nvfp4(raw: dict, hf_dir: Path) -> dict:
-    """A Model Optimizer NVFP4 checkpoint's weights as float32 values (nvfp4_weights.py, copied beside this file in the
-    bundle), their scales and input scales dropped; any other checkpoint as it is. Before dequantize_fp8: the block scales
-    are float8 tensors that are not weights."""
+    """An NVFP4 checkpoint's weights (Model Optimizer's or compressed-tensors' layout) as float32 values (nvfp4_weights.py,
+    copied beside this file in the bundle), their codes' other names, scales and input scales dropped; any other checkpoint
+    as it is. Before dequantize_fp8: the block scales are float8 tensors that are not weights."""
     nv = _reader("nvfp4_weights")
     layers = nv.packed_names(raw)
     if not layers:
         return raw
-    drop = {p for parts in layers.values() for p in parts}
+    drop = {p for parts in layers.values() for p in nv.stored(parts)}
     out = {k: t for k, t in raw.items() if k not in drop}
-    for name in layers:
-        m = name.removesuffix("weight")
+    for name, parts in layers.items():
         try:
-            out[name] = nv.dequantize(raw[name], raw[m + "weight_scale"], raw[m + "weight_scale_2"])
+            out[name] = nv.read(parts, lambda k, lo=None, hi=None: raw[k])
         except ValueError as e:
             raise WeightsMismatch(f"{hf_dir}: {name}: {e}") from None
     return out
