@@ -59,26 +59,34 @@ def test_dequantize_is_model_optimizers():
         nv.dequantize(codes, s[:, :3], s2)
 
 
-def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
-    """The streaming reader and the custom tier's loader (trtllm_network.dequantize_nvfp4, as the bundle ships it: without
-    kvcompress installed) read Model Optimizer's values at the weight's [out, in] shape, the scales dropped; the engine's
-    memory counts the fp16 weight the loader makes; another block size is refused in one line."""
+def _reads_as(tmp_path: Path, ckpt: Path, expect: dict, parts: tuple[str, ...]) -> None:
+    """The streaming reader (whole and rows) and the custom tier's loader (trtllm_network's dequantize_nvfp4, then its integer
+    and FP8 passes; and as the bundle ships it, without kvcompress installed) read `expect` at the weights' [out, in] shape,
+    none of `parts` left; the engine's memory counts the fp16 weights the loader makes."""
     from kvcompress.targets import trtllm_network as tn
 
-    ckpt, expect = _nvfp4_dir(tmp_path)
-    assert weight_quantization(ckpt) == "nvfp4"
     c = Checkpoint(ckpt)
     for k, w in expect.items():
-        assert c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
-    out = tn.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt)
-    assert not any(k.rsplit(".", 1)[-1] in nv.PARTS for k in out)
+        assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
+    out = tn.dequantize_fp8(tn.dequantize_packed(tn.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt), ckpt), ckpt)
+    assert not any(k.rsplit(".", 1)[-1] in parts for k in out)
     for k, w in expect.items():
         assert torch.equal(out[k], w)
     spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
             "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
     assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", "model.layers.0.self_attn.k_proj.weight") == float(
-        expect["model.layers.0.self_attn.k_proj.weight"].double().sum())
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", key) == float(expect[key].double().sum())
+
+
+def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
+    """The streaming reader and the custom tier's loader (trtllm_network.dequantize_nvfp4, as the bundle ships it: without
+    kvcompress installed) read Model Optimizer's values at the weight's [out, in] shape, the scales dropped; the engine's
+    memory counts the fp16 weight the loader makes; another block size is refused in one line."""
+
+    ckpt, expect = _nvfp4_dir(tmp_path)
+    assert weight_quantization(ckpt) == "nvfp4"
+    _reads_as(tmp_path, ckpt, expect, nv.PARTS)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | {"group_size": 32}}))
     with pytest.raises(UserError, match="quant_algo='NVFP4'"):
@@ -241,7 +249,6 @@ def test_compressed_tensors_nvfp4_is_read_as_the_library_decompresses_it(tmp_pat
     uint8 weight_packed alone), the custom tier's loader as the bundle ships it and the engine's memory all see the [out, in]
     weight; an asymmetric or other-block config is refused in one line."""
     from kvcompress.models import int_weights
-    from kvcompress.targets import trtllm_network as tn
 
     torch.manual_seed(0)
     w = torch.randn(40, 96) * 0.05
@@ -253,19 +260,8 @@ def test_compressed_tensors_nvfp4_is_read_as_the_library_decompresses_it(tmp_pat
     assert weight_quantization(ckpt) == "nvfp4"
     c = Checkpoint(ckpt)
     assert not c.packed and set(c.nvfp4) == set(expect) and all(p["layout"] == "compressed-tensors" for p in c.nvfp4.values())
-    for k, w in expect.items():
-        assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
-    raw = load_file(str(ckpt / "model.safetensors"))
-    assert not int_weights.packed_names(raw)
-    out = tn.dequantize_packed(tn.dequantize_nvfp4(raw, ckpt), ckpt)
-    assert not any(k.rsplit(".", 1)[-1] in nv.CT_PARTS for k in out)
-    for k, w in expect.items():
-        assert torch.equal(out[k], w)
-    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
-            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
-    assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    key = "model.layers.1.mlp.up_proj.weight"
-    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", key) == float(expect[key].double().sum())
+    assert not int_weights.packed_names(load_file(str(ckpt / "model.safetensors")))
+    _reads_as(tmp_path, ckpt, expect, nv.CT_PARTS)
     cfg = json.loads((ckpt / "config.json").read_text())
     for change in ({"symmetric": False}, {"group_size": 32}):
         q = json.loads(json.dumps(cfg["quantization_config"]))
