@@ -167,6 +167,43 @@ def quantized_tiny_dir(out: Path, quantize, quantization_config: dict) -> tuple[
     return out, expect
 
 
+def loader_reads_as(tmp_path: Path, ckpt: Path, expect: dict, modules: list[str], function: str) -> dict:
+    """The custom tier's weight loader (trtllm_network: NVFP4, FP8 and integer dequantization in load_hf_weights' order) gives
+    `expect` ({weight name: float32 value}) for the checkpoint's tensors, and so does trtllm_network.<function> as the bundle
+    ships it (only `modules` beside it, kvcompress blocked); engine_memory counts the loader's tensors as fp16 constants.
+    Returns the loader's tensors."""
+    from safetensors.torch import load_file
+
+    from kvcompress.targets import trtllm_network as tn
+
+    out = tn.dequantize_packed(tn.dequantize_fp8(tn.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt), ckpt), ckpt)
+    for k, w in expect.items():
+        assert torch.equal(out[k], w), k
+    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
+            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
+    assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert bundle_loader(tmp_path, modules, ckpt, function, key) == float(expect[key].double().sum())
+    return out
+
+
+def refuses_weight_configs(ckpt: Path, changes: list[dict]) -> None:
+    """Each of `changes` to the checkpoint's config_groups.group_0.weights makes its weights a format kvcompress refuses, in
+    one line naming the quant_method."""
+    from kvcompress.errors import UserError
+    from kvcompress.models.quantized import weight_quantization
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for change in changes:
+        q = json.loads(json.dumps(cfg["quantization_config"]))
+        q["config_groups"]["group_0"]["weights"] |= change
+        (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": q}))
+        with pytest.raises(UserError, match=f"quant_method={q['quant_method']!r}") as e:
+            weight_quantization(ckpt)
+        assert "\n" not in str(e.value), change
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
 def bundle_loader(tmp_path: Path, modules: list[str], ckpt: Path, function: str, key: str) -> float:
     """trtllm_network.<function>(the checkpoint's tensors, its directory)[key]'s sum (float64), run in a fresh interpreter with
     kvcompress blocked and only `modules` (paths under kvcompress/) beside trtllm_network.py: as build_engine.py runs it

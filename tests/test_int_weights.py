@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli, tiny_llama_dir
+from conftest import bundle_loader, loader_reads_as, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import int_weights as iw
 from kvcompress.models.quantized import weight_quantization
@@ -200,8 +200,8 @@ def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_
 
 
 def test_integer_formats_it_does_not_read_are_one_line(tmp_path):
-    """Integer weights with quantized activations (W8A8: the served model quantizes activations, which validate would not
-    model) and other compressed-tensors formats are refused in one line before anything loads."""
+    """Packed integer weights with quantized activations (pack-quantized W8A8 is not what llm-compressor writes) and
+    int-quantized codes of other widths are refused in one line before anything loads."""
     ckpt, _ = _int_dir(tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())
     for change, what in ((lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "W8A8"),
@@ -212,6 +212,105 @@ def test_integer_formats_it_does_not_read_are_one_line(tmp_path):
         with pytest.raises(UserError) as e:
             weight_quantization(ckpt)
         assert "'compressed-tensors'" in str(e.value) and "point it at the unquantized checkpoint" in str(e.value) and "\n" not in str(e.value), what
+
+
+# ------------------------------------------------------------------------------- compressed-tensors int-quantized (W8A8)
+# llm-compressor's W8A8 int8 exports: int8 codes unpacked under the weight's name beside weight_scale (weight_zero_point if
+# asymmetric); the reference is the library's own IntQuantizationCompressor.
+
+def _int8_compress(w: torch.Tensor, scheme) -> tuple[dict, torch.Tensor]:
+    """The library's int-quantized tensors of w (min-max scales per row or group, bf16) and its decompression (float32)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor as IQ
+
+    a = scheme.weights
+    wg = w.float().reshape(w.shape[0], w.shape[1] // (a.group_size or w.shape[1]), -1)
+    if a.symmetric:
+        sd = {"weight_scale": (wg.abs().amax(-1) / 127).clamp_min(1e-6).to(torch.bfloat16)}
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        sc = ((hi - lo) / 255).clamp_min(1e-6).to(torch.bfloat16)
+        sd = {"weight_scale": sc, "weight_zero_point": (-128 - torch.round(lo / sc.float())).clamp(-128, 127).to(torch.int8)}
+    c = IQ.compress({"weight": w.to(torch.bfloat16), **sd}, scheme)
+    return c, IQ.decompress(dict(c), scheme)["weight"].float()
+
+
+def _w8a8_dir(tmp_path: Path, scheme=None, name="w8a8", static_inputs: bool = False) -> tuple[Path, dict]:
+    """A tiny Llama whose q/k/v/o and MLP weights are int-quantized by the compressed-tensors library (the W8A8 preset unless
+    `scheme`; static_inputs: its activations per tensor with a stored input_scale), config.json's quantization_config the
+    library's own QuantizationConfig; and the weights its decompressor gives."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+
+    scheme = scheme or preset_name_to_scheme("W8A8", ["Linear"])
+    if static_inputs:
+        scheme = scheme.model_copy(update={"input_activations": QuantizationArgs(num_bits=8, type="int", strategy="tensor", dynamic=False)})
+
+    def quantize(k, v):
+        c, w = _int8_compress(v, scheme)
+        extra = {"input_scale": torch.tensor([0.02], dtype=torch.bfloat16)} if static_inputs else {}
+        return {k.removesuffix("weight") + n: t.contiguous() for n, t in (c | extra).items()}, w
+
+    q = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized", ignore=["lm_head"], quantization_status="compressed")
+    return quantized_tiny_dir(tmp_path / name, quantize, q.model_dump(mode="json"))
+
+
+def test_int_quantized_int8_weights_are_read_as_the_library_decompresses_them(tmp_path):
+    """W8A8 (per-row scales) and an asymmetric per-group int8 weight-only config: the streaming reader (whole and rows) and
+    the custom tier's loader (its whole dequantize chain, and as the bundle ships it) give the library's decompression bit
+    for bit at [out, in], the scales and zero points dropped; the engine's memory counts the fp16 weights. int8 codes under
+    other configs and int-quantized at other widths stay refused in one line."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    asym = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="group", group_size=16))
+    for scheme, name in ((None, "w8a8"), (asym, "w8a16_asym")):
+        ckpt, expect = _w8a8_dir(tmp_path, scheme, name)
+        assert weight_quantization(ckpt) == "int"
+        c = Checkpoint(ckpt)
+        assert set(c.int8) == set(expect) and not c.packed
+        for k, w in expect.items():
+            assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 5, 17), w[5:17])
+        (tmp_path / f"loader_{name}").mkdir()
+        out = loader_reads_as(tmp_path / f"loader_{name}", ckpt, expect, ["models/fp8_weights.py", "models/int_weights.py"], "dequantize_packed")
+        assert set(out) == {k for k in load_file(str(ckpt / "model.safetensors")) if not k.endswith(("weight_scale", "weight_zero_point"))}
+    refuses_weight_configs(ckpt, [{"num_bits": 4}, {"strategy": "block"}])
+
+
+def test_a_w8a8_checkpoint_runs_streamed_and_exports_its_int8_weights_as_stored(tmp_path):
+    """End to end, streamed: the run's perplexity is that of the same weights written plain; hf_ckpt keeps the int8 codes and
+    scales the fold leaves alone as stored, the source's config with the folded attention in `ignore` and the FP8
+    kv_cache_scheme, and transformers with compressed-tensors loads it (decompressed) to the validated weights; trtllm_ckpt
+    has them dequantized; hf_ckpt's note and the log carry the W8A8 caveat (its server quantizes the kept layers' inputs to
+    int8 per token, which validate does not)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    ckpt, expect = _w8a8_dir(tmp_path, static_inputs=True)
+    p, run = _run(tmp_path, ckpt, "run", "kv=native_int8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain = plain_copy(ckpt, tmp_path / "plain", {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items()
+                                                  if k not in expect and not k.endswith(("weight_scale", "input_scale"))} | expect)
+    p2, run2 = _run(tmp_path, plain, "run_plain", "kv=native_int8", "export=none", "model.streaming=false")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (run, run2))
+    assert a["model"].get("streamed") and a["quality"]["ppl_baseline"] == pytest.approx(b["quality"]["ppl_baseline"], rel=1e-6)
+    manifest = json.loads((run / "export" / "manifest.json").read_text())
+    assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
+    art = manifest["artifacts"]
+    assert "int-quantized int8 codes" in art["hf_ckpt"]["source_int_weights"] and "int8 per token" in art["hf_ckpt"]["source_int_weights"]
+    assert "written dequantized" in art["trtllm_ckpt"]["source_int_weights"]
+    assert "compressed-tensors W8A8 (input_activations)" in (run / "__main__.log").read_text()
+    src = load_file(str(ckpt / "model.safetensors"))
+    hf_dir = run / "export" / "hf_ckpt"
+    hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    for part in ("weight", "weight_scale", "input_scale"):  # the static activation scale travels with the weight
+        k = f"model.layers.1.mlp.down_proj.{part}"
+        assert hf[k].dtype == src[k].dtype and torch.equal(hf[k], src[k]), k
+    assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float16 and "model.layers.0.self_attn.q_proj.weight_scale" not in hf
+    q_src, q = (json.loads((d / "config.json").read_text())["quantization_config"] for d in (ckpt, hf_dir))
+    assert q["config_groups"] == q_src["config_groups"] and q["format"] == "int-quantized" and q["kv_cache_scheme"]["type"] == "float"
+    assert {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkvo"} | {"lm_head"} <= set(q["ignore"])
+    loaded = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    assert torch.equal(loaded.get_parameter("model.layers.1.mlp.down_proj.weight").detach(), expect["model.layers.1.mlp.down_proj.weight"])
+    t = load_file(str(next((run / "export" / "trtllm_ckpt" / "tp1").glob("*.safetensors"))))
+    assert t["transformer.layers.1.mlp.proj.weight"].dtype == torch.float16
 
 
 # ------------------------------------------------------------------------------------------------ GPTQ and AWQ

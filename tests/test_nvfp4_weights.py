@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli, tiny_llama_dir
+from conftest import loader_reads_as, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
@@ -60,23 +60,13 @@ def test_dequantize_is_model_optimizers():
 
 
 def _reads_as(tmp_path: Path, ckpt: Path, expect: dict, parts: tuple[str, ...]) -> None:
-    """The streaming reader (whole and rows) and the custom tier's loader (trtllm_network's dequantize_nvfp4, then its integer
-    and FP8 passes; and as the bundle ships it, without kvcompress installed) read `expect` at the weights' [out, in] shape,
-    none of `parts` left; the engine's memory counts the fp16 weights the loader makes."""
-    from kvcompress.targets import trtllm_network as tn
-
+    """The streaming reader (whole and rows) and the custom tier's loader (conftest.loader_reads_as) read `expect` at the
+    weights' [out, in] shape, none of `parts` left."""
     c = Checkpoint(ckpt)
     for k, w in expect.items():
         assert k in c and c.shape(k) == list(w.shape) and torch.equal(c.read(k), w) and torch.equal(c.read(k, 3, 11), w[3:11])
-    out = tn.dequantize_fp8(tn.dequantize_packed(tn.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt), ckpt), ckpt)
+    out = loader_reads_as(tmp_path, ckpt, expect, ["models/nvfp4_weights.py"], "dequantize_nvfp4")
     assert not any(k.rsplit(".", 1)[-1] in parts for k in out)
-    for k, w in expect.items():
-        assert torch.equal(out[k], w)
-    spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
-            "arch": {"n_layers": 0, "n_kv_heads": 1, "head_dim": 64}}
-    assert tn.engine_memory(spec, ckpt, 1, 8)["weights_bytes"] == 2 * sum(t.numel() for t in out.values())
-    key = "model.layers.1.mlp.up_proj.weight"
-    assert bundle_loader(tmp_path, ["models/nvfp4_weights.py"], ckpt, "dequantize_nvfp4", key) == float(expect[key].double().sum())
 
 
 def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
@@ -262,13 +252,7 @@ def test_compressed_tensors_nvfp4_is_read_as_the_library_decompresses_it(tmp_pat
     assert not c.packed and set(c.nvfp4) == set(expect) and all(p["layout"] == "compressed-tensors" for p in c.nvfp4.values())
     assert not int_weights.packed_names(load_file(str(ckpt / "model.safetensors")))
     _reads_as(tmp_path, ckpt, expect, nv.CT_PARTS)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    for change in ({"symmetric": False}, {"group_size": 32}):
-        q = json.loads(json.dumps(cfg["quantization_config"]))
-        q["config_groups"]["group_0"]["weights"] |= change
-        (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": q}))
-        with pytest.raises(UserError, match="quant_method='compressed-tensors'"):
-            weight_quantization(ckpt)
+    refuses_weight_configs(ckpt, [{"symmetric": False}, {"group_size": 32}])
 
 
 def test_a_compressed_tensors_nvfp4_checkpoint_exports_its_weights_as_stored(tmp_path):

@@ -11,6 +11,11 @@ e.g. the `*-quantized.w4a16` models): each quantized Linear stores, instead of `
 * `<m>.weight_shape` int [2]: (out, in);
 * `<m>.weight_g_idx` int32 [in] (optional, GPTQ's activation order): the group of each input column.
 
+compressed-tensors' `int-quantized` format (llm-compressor's W8A8 int8 exports, e.g. the `*-quantized.w8a8` models, and
+8-bit weight-only ones) stores the same codes unpacked: `<m>.weight` int8 [out, in] (signed, no offset) beside
+`<m>.weight_scale` (per row, group or tensor, as above) and, if asymmetric, `<m>.weight_zero_point` int8 [out, groups];
+`int8_names` finds them and `dequantize_codes` is the same arithmetic.
+
 The weight is w = (q - z) * s, formed in the scale's dtype as compressed-tensors' `dequantize` forms it (an exact
 product of a small integer and the scale, rounded once to that dtype). Read in compressed-tensors 0.20's sources
 (`compressors/pack_quantized`, `quantization/lifecycle/forward.py`); tests/test_int_weights.py checks this module
@@ -39,6 +44,7 @@ import torch
 
 SUFFIX = "weight_packed"
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+INT8_PARTS = ("weight_scale", "weight_zero_point", "weight_g_idx", "input_scale", "input_zero_point")  # beside an int-quantized weight
 
 
 def config_bits(q: dict | None) -> int | None:
@@ -122,7 +128,21 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, zero: torch.Ten
     bits = num_bits(packed.shape, in_f, bits)
     if packed.shape[0] == out_f:
         packed = packed[lo:hi]
-    q = unpack(packed, bits, in_f).to(torch.float32)
+    groups = 1 if scale.numel() == 1 else scale.reshape(out_f, -1).shape[1]
+    z = None if zero is None else unpack(zero.reshape(-1, groups).T.contiguous(), bits, out_f).T  # packed along the rows
+    return dequantize_codes(unpack(packed, bits, in_f), scale, shape, z, g_idx, lo, hi)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, shape, zero: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+                     lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    """float32 rows lo:hi of w = (q - z) * s rounded to the scale's dtype, from signed codes q (rows lo:hi, or all rows),
+    the scale (all rows: one, [out] / [out, 1] per row, or [out, groups]), signed zero points [out, groups] (all rows) or
+    None, and g_idx (the group of each input column) or None (column j in group j // (in / groups))."""
+    out_f, in_f = (int(x) for x in shape)
+    lo, hi = lo or 0, out_f if hi is None else hi
+    if q.shape[0] == out_f:
+        q = q[lo:hi]
+    q = q.to(torch.float32)
     s = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(out_f, -1)
     groups = s.shape[1]
     if in_f % groups:
@@ -133,9 +153,34 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, zero: torch.Ten
         raise ValueError(f"weight_g_idx names groups outside 0..{groups - 1}")
     sf = s.to(torch.float32)[:, col_group] if groups > 1 else s.to(torch.float32)
     if zero is not None:
-        z = unpack(zero.reshape(-1, groups).T.contiguous(), bits, out_f).T.to(torch.float32)[lo:hi]  # packed along the rows
+        z = zero.reshape(out_f, groups).to(torch.float32)[lo:hi]
         q = q - (z[:, col_group] if groups > 1 else z)
     return (q * sf).to(scale.dtype).to(torch.float32)
+
+
+def int8_names(entries) -> dict[str, dict[str, str | None]]:
+    """{`<m>.weight`: {part: stored name or None}} for every weight stored as int8 codes (compressed-tensors' int-quantized)
+    beside a `<m>.weight_scale`; parts: INT8_PARTS (the static activation scale and zero point of W8A8 with static inputs
+    are not the weight's, but travel with it). entries: stored name -> Checkpoint entry (path, header, start), safetensors
+    header entry or tensor."""
+    def dtype(e):
+        if isinstance(e, torch.Tensor):
+            return "I8" if e.dtype == torch.int8 else None
+        return (e[1] if isinstance(e, tuple) else e).get("dtype")
+
+    out = {}
+    for k, e in entries.items():
+        m = k.removesuffix("weight")
+        if k.endswith(".weight") and dtype(e) == "I8" and m + "weight_scale" in entries:
+            out[k] = {p: (m + p if m + p in entries else None) for p in INT8_PARTS}
+    return out
+
+
+def read_int8(parts: dict[str, str | None], key: str, shape, read_stored, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    """float32 rows lo:hi (all if None) of the int8 weight `key` of `shape` [out, in] (int8_names' parts); read_stored(name,
+    lo, hi) gives a stored tensor's rows (name alone: the whole tensor)."""
+    opt = {p: read_stored(parts[p]) if parts[p] else None for p in ("weight_zero_point", "weight_g_idx")}
+    return dequantize_codes(read_stored(key, lo, hi), read_stored(parts["weight_scale"]), shape, opt["weight_zero_point"], opt["weight_g_idx"], lo, hi)
 
 
 # --------------------------------------------------------------------------------------- GPTQ and AWQ layouts

@@ -10,11 +10,12 @@ dequantizes them (its Mxfp4Config(dequantize=True), on any device). Integer weig
 `pack-quantized` format (llm-compressor's W4A16 / W8A16 models: int4 or int8 codes packed in int32 words, a scale per
 output row and group, zero points if asymmetric), GPTQ's (AutoGPTQ / GPTQModel, 2..8 bits, either checkpoint format) and
 AWQ's (AutoAWQ's 4-bit GEMM layout) are streamed too, dequantized by the reader (int_weights) to w = (q - z) * s in the
-scale's dtype; so are Model Optimizer's NVFP4 checkpoints (nvfp4_weights: e2m1 codes times fp8 block scales times a global
+scale's dtype, and so are compressed-tensors' `int-quantized` int8 weights (llm-compressor's W8A8: unpacked int8 codes, a
+scale per row; their servers quantize activations to int8 per token, which validate does not); so are Model Optimizer's NVFP4 checkpoints (nvfp4_weights: e2m1 codes times fp8 block scales times a global
 scale), and compressed-tensors' NVFP4 (`nvfp4-pack-quantized`, llm-compressor's NVFP4 and NVFP4A16 exports: the same codes
 and block scales, the global scale stored inverted), their activations then computed unquantized, as for FP8. Any other weight format (AWQ's GEMV layout, bitsandbytes,
-NVFP4 in other layouts or block sizes, compressed-tensors with quantized
-activations or other formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
+NVFP4 in other layouts or block sizes, compressed-tensors with activations quantized other than as above, or other
+formats, ...) is refused in one line: transformers' CPU path for them either needs a GPU
 kernel or silently differs, and the streaming reader would read packed integers as values. A quantization_config that
 quantizes only the KV cache (this project's own FP8 HF checkpoint: `quant_method: modelopt` without `quant_algo`)
 leaves the weights as they are.
@@ -27,7 +28,7 @@ from pathlib import Path
 from kvcompress.errors import UserError
 
 READ = ("fp8 (block-scaled), fbgemm_fp8, modelopt FP8 and NVFP4, compressed-tensors 8-bit float and nvfp4-pack-quantized, mxfp4, integer "
-        "weights without activation quantization (GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized)")
+        "weights (GPTQ, AWQ GEMM 4-bit, compressed-tensors pack-quantized and int8 int-quantized, W8A8 included)")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -44,15 +45,23 @@ def weight_block_size(model_dir: Path) -> list[int] | None:
     return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
 
 
-def integer_weight_only(q: dict) -> bool:
-    """A compressed-tensors config whose every group quantizes weights alone to integers of 1..8 bits in the pack-quantized
-    format (per group, per output channel or per tensor), activations unquantized: what int_weights reads."""
+def ct_integer(q: dict) -> bool:
+    """A compressed-tensors config whose every group quantizes weights to integers per group, output channel or tensor:
+    1..8 bits in the pack-quantized format, activations unquantized (W4A16, W8A16), or int8 in the int-quantized format,
+    activations unquantized or int8 (llm-compressor's W8A8): what int_weights reads."""
     groups = list((q.get("config_groups") or {}).values())
     fmt = lambda g: g.get("format") or q.get("format")  # noqa: E731  (a group's own format, else the checkpoint's)
-    return bool(groups) and all(
-        (g.get("weights") or {}).get("type") == "int" and 1 <= int((g.get("weights") or {}).get("num_bits", 0)) <= 8
-        and (g.get("weights") or {}).get("strategy") in ("group", "channel", "tensor") and fmt(g) == "pack-quantized"
-        and not g.get("input_activations") and not g.get("output_activations") for g in groups)
+
+    def ok(g: dict) -> bool:
+        w, a = g.get("weights") or {}, g.get("input_activations")
+        if w.get("type") != "int" or w.get("strategy") not in ("group", "channel", "tensor") or g.get("output_activations"):
+            return False
+        bits = int(w.get("num_bits", 0))
+        if fmt(g) == "pack-quantized":
+            return 1 <= bits <= 8 and not a
+        return fmt(g) == "int-quantized" and bits == 8 and (not a or (a.get("type") == "int" and int(a.get("num_bits", 0)) == 8))
+
+    return bool(groups) and all(ok(g) for g in groups)
 
 
 def ct_nvfp4(q: dict) -> bool:
@@ -69,9 +78,10 @@ def ct_nvfp4(q: dict) -> bool:
         and (not g.get("input_activations") or fp4(g["input_activations"])) and not g.get("output_activations") for g in groups)
 
 
-def nvfp4_activations(model_dir: Path) -> bool:
-    """An NVFP4 checkpoint whose servers also quantize the quantized layers' inputs to FP4 (ModelOpt quant_algo NVFP4, not
-    W4A16_NVFP4; compressed-tensors' NVFP4 scheme, not NVFP4A16), which validate runs unquantized."""
+def quantized_activations(model_dir: Path) -> bool:
+    """A checkpoint whose servers also quantize the quantized layers' inputs, which validate runs unquantized: NVFP4 ones
+    whose inputs go to FP4 (ModelOpt quant_algo NVFP4, not W4A16_NVFP4), compressed-tensors ones with input_activations
+    (NVFP4, not NVFP4A16; W8A8 int8, per token)."""
     q = quantization_config(model_dir) or {}
     if str(q.get("quant_method", "")).lower() == "modelopt":
         return str(q.get("quant_algo")).upper() == "NVFP4"
@@ -89,8 +99,8 @@ def stated_bits(model_dir: Path) -> int | None:
 def weight_quantization(model_dir: Path) -> str | None:
     """None when the checkpoint's weights are stored unquantized (or only its KV cache is quantized); "fp8" when they are
     float8 with stored scales (read dequantized by the streaming reader); "mxfp4" for GPT-OSS's MXFP4 experts (streamed, or loaded in
-    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for integer weights without activation
-    quantization (compressed-tensors pack-quantized, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); "nvfp4" for Model
+    memory, transformers dequantizing them: Mxfp4Config(dequantize=True)); "int" for integer weights (compressed-tensors
+    pack-quantized and int-quantized int8, GPTQ, AWQ GEMM: streamed, dequantized by int_weights); "nvfp4" for Model
     Optimizer's and compressed-tensors' NVFP4 weights in blocks of 16 (streamed, dequantized by nvfp4_weights); any other weight
     format: one-line UserError."""
     q = quantization_config(model_dir)
@@ -119,7 +129,7 @@ def weight_quantization(model_dir: Path) -> str | None:
         weights = [g.get("weights") or {} for g in groups]
         if weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights):
             return "fp8"
-        if weights and integer_weight_only(q):
+        if weights and ct_integer(q):
             return "int"
         if weights and ct_nvfp4(q):
             return "nvfp4"

@@ -89,6 +89,8 @@ class Checkpoint:
         self.int_layout = int_weights.layout(quantization_config(self.dir)) if any(k.endswith(".qweight") for k in self.entries) else None
         self.qweights = int_weights.qweight_names(self.entries) if self.int_layout in ("gptq", "gptq_v2", "awq") else {}
         self.bits = stated_bits(self.dir) if self.packed or self.qweights else None
+        # compressed-tensors' int-quantized int8 weights (W8A8): the weight's name (its int8 codes) -> its scale (zero points)
+        self.int8 = int_weights.int8_names(self.entries) if int_weights.layout(quantization_config(self.dir)) == "pack-quantized" else {}
         # NVFP4 weights (ModelOpt's, compressed-tensors'): the weight's name -> its stored codes and scales, read dequantized
         self.nvfp4 = nvfp4_weights.packed_names(self.entries)
         self._packed_shapes: dict[str, list[int]] = {}
@@ -172,6 +174,11 @@ class Checkpoint:
             except ValueError as e:
                 raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
             return w if lo is None else w[lo:hi]
+        if key in self.int8:
+            try:
+                return int_weights.read_int8(self.int8[key], key, self.shape(key), self.read_stored, lo, hi)
+            except ValueError as e:
+                raise UserError(f"checkpoint {str(self.dir)!r}, tensor {key!r}: {e}") from None
         if key in self.nvfp4:
             try:
                 return nvfp4_weights.read(self.nvfp4[key], self.read_stored, lo, hi)

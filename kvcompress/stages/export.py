@@ -37,7 +37,7 @@ from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES, Geometry
 from kvcompress.models import int_weights
 from kvcompress.models.fused import unfuse
-from kvcompress.models.quantized import nvfp4_activations, quantization_config, weight_quantization
+from kvcompress.models.quantized import quantized_activations, quantization_config, weight_quantization
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
@@ -563,7 +563,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
     src = ModelTensors(lm)
     offset = key_norm_offset(lm.model)
     keep = lm.streamer.ckpt if ecfg.fp8_weights == "keep" and lm.streamer is not None and (weight_quantization(lm.streamer.ckpt.dir) in ("fp8", "mxfp4", "nvfp4")
-                                                                                           or lm.streamer.ckpt.packed or _repackable(lm.streamer.ckpt)) else None
+                                                                                           or lm.streamer.ckpt.packed or lm.streamer.ckpt.int8 or _repackable(lm.streamer.ckpt)) else None
     unread = KV_SCALES_UNREAD.get(str((quantization_config(keep.dir) or {}).get("quant_method", "")).lower()) if keep is not None else None
     absorbed = bool(unread) and not (hf_book.fit_info.get("fold_keys_off") or hf_book.fit_info.get("fold_values_off"))
     if absorbed:  # the server reads no stored KV scale and quantizes at 1.0: the scale goes into the fold, the stored scales are 1.0
@@ -824,11 +824,8 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
                 "validate computed with, activations unquantized as validate ran them")
         kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
                 f"changes in {dtype}, in {'its ignore list' if ct else 'exclude_modules'}); validate computed with the values they define")
-        acts = (f"; served as {'compressed-tensors NVFP4 (input_activations)' if ct else 'quant_algo NVFP4'}, each kept layer also quantizes its input "
-                f"to FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'}), "
-                "which validate and this checkpoint's re-measurement ran unquantized (as trtllm_ckpt and the custom tier serve them): the "
-                "K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize "
-                "writes them dequantized, served as validated)") if nvfp4_activations(src) else ""
+        acts = _activations_caveat("compressed-tensors NVFP4 (input_activations)" if ct else "quant_algo NVFP4",
+                                   f"FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'})") if quantized_activations(src) else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
                 a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
@@ -839,8 +836,10 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None
         note = (f"the source's integer weights are written dequantized, (q - z) * s in {dtype}, the values validate computed with "
                 "(re-quantize them where the server needs int weights)")
-        kept = ("the source's compressed-tensors pack-quantized weights kept as stored (the attention projections the fold changes "
-                f"in {dtype}, listed in its ignore list); validate computed with the values they define")
+        kept = ("the source's compressed-tensors integer weights kept as stored (pack-quantized codes, or int-quantized int8 codes, with "
+                f"their scales; the attention projections the fold changes in {dtype}, listed in its ignore list); validate computed with the "
+                "values they define")
+        acts = _activations_caveat("compressed-tensors W8A8 (input_activations)", "int8 per token") if quantized_activations(src) else ""
         if int_weights.layout(q) != "pack-quantized":
             kept = (f"the source's {q.get('quant_method')} integer weights written as compressed-tensors pack-quantized, the same codes, zero "
                     f"points and scales (checked to dequantize to the validated weights; the attention projections the fold changes in {dtype}, "
@@ -848,10 +847,19 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         hf_note = note + (f"; not written pack-quantized: {why}" if why else "")
         for name, a in artifacts.items():
             if a.get("tier") == "native":
-                a["source_int_weights"] = kept if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
+                a["source_int_weights"] = kept + acts if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
         if not (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
             log.warning("export: %s", hf_note)
+        elif acts:
+            log.warning("export: hf_ckpt%s", acts.removeprefix(";"))
     return artifacts
+
+
+def _activations_caveat(served: str, to: str) -> str:
+    """The manifest's caveat for a kept source whose server quantizes each kept layer's input (W4A4 NVFP4, W8A8 int8)."""
+    return (f"; served as {served}, each kept layer also quantizes its input to {to}, which validate and this checkpoint's re-measurement "
+            "ran unquantized (as trtllm_ckpt and the custom tier serve them): the K/V its server caches differ from the validated ones by "
+            "that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize writes them dequantized, served as validated)")
 
 
 def _text_decoder_note(lm) -> dict:

@@ -230,7 +230,7 @@ class HFWriter:
         sym = int_weights.repack_symmetric(quantization_config(src.dir) or {}) if src.qweights else False
         # integer weights (compressed-tensors' pack-quantized as stored, GPTQ / AWQ written pack-quantized: the same codes) and
         # NVFP4 weights (codes and scales as stored); or, where the export folds them, written in export.dtype and listed unquantized
-        for k, parts in [*src.packed.items(), *src.qweights.items(), *src.nvfp4.items()]:
+        for k, parts in [*src.packed.items(), *src.qweights.items(), *src.nvfp4.items(), *src.int8.items()]:
             kind = "NVFP4" if k in src.nvfp4 else "integer"
             if k not in plan:
                 raise UserError(f"export: the source's {kind} weight {k!r} has no tensor of that name in the checkpoint kvcompress writes, so it "
@@ -242,8 +242,8 @@ class HFWriter:
             if k in src.nvfp4:
                 self.kept_nv[k] = nvfp4_weights.stored(parts)
                 plan |= {t: (src.stored_dtype(t), tuple(src.entries[t][1]["shape"])) for t in self.kept_nv[k]}
-            elif k in src.packed:
-                self.kept_int[k] = [n for n in parts.values() if n is not None]
+            elif k in src.packed or k in src.int8:  # compressed-tensors' packed parts, or int8 codes under the weight's name and their scale
+                self.kept_int[k] = ([k] if k in src.int8 else []) + [n for n in parts.values() if n is not None]
                 plan |= {t: (src.stored_dtype(t), tuple(src.shape(t))) for t in self.kept_int[k]}
             else:
                 m = k.removesuffix("weight")

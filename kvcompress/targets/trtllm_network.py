@@ -271,6 +271,7 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     nvfp4 = _reader("nvfp4_weights")
     nv = nvfp4.packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
     drop = {p for parts in nv.values() for p in nvfp4.stored(parts)}
+    drop |= {p for parts in _reader("int_weights").int8_names(headers).values() for p in parts.values() if p}  # int8 weights' scales
     shapes = {k: v["shape"] for k, v in headers.items() if k not in drop} | {k: nvfp4.shape(headers[p["codes"]]["shape"]) for k, p in nv.items()}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     kv_tp = min(tp, spec["arch"]["n_kv_heads"])
@@ -403,7 +404,7 @@ def dequantize_nvfp4(raw: dict, hf_dir: Path) -> dict:
 
 
 def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
-    """An integer checkpoint's weights (compressed-tensors pack-quantized, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
+    """An integer checkpoint's weights (compressed-tensors pack-quantized and int-quantized int8, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
     other checkpoint as it is."""
     int_weights = _reader("int_weights")
@@ -421,6 +422,10 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
             except ValueError as e:
                 raise WeightsMismatch(f"{hf_dir}: {e}") from None
         return out
+    int8 = int_weights.int8_names(raw) if fmt == "pack-quantized" else {}
+    if int8:  # int8 codes under the weight's own name beside their scale (zero points, g_idx)
+        raw = {k: t for k, t in raw.items() if k not in {p for parts in int8.values() for p in parts.values()}} | {
+            name: int_weights.read_int8(parts, name, list(raw[name].shape), lambda k, lo=None, hi=None: raw[k]) for name, parts in int8.items()}
     if not packed:
         return raw
     out = {k: t for k, t in raw.items() if not int_weights.is_part(k)}
