@@ -211,7 +211,7 @@ def finish(r: Run, times: dict[str, float]) -> None:
     data = json.loads(report.read_text()) if report.is_file() else None
     if data is not None:
         from kvcompress.report_schema import Report
-        from kvcompress.stages.report import gpu_memory_lines, write_report_files
+        from kvcompress.stages.report import export_notes, gpu_memory_lines, write_report_files
 
         data["stage_times_s"] = times
         atomic_write_json(report, data)
@@ -229,6 +229,7 @@ def finish(r: Run, times: dict[str, float]) -> None:
             lines.append(f"exported to {r.dir / 'export'}:")
             for name, art in ex.get("artifacts", {}).items():
                 lines.append(f"  {name}: {art['what']}")
+            lines += [f"  NOTE {head}: {text}" for head, text, loud in export_notes(ex) if loud]  # served otherwise than validated
             lines += [f"  {line}" for line in gpu_memory_lines(ex)]  # what each GPU must hold
             for name, why in ex.get("not_written", {}).items():
                 lines.append(f"  {name}: not written ({why})")

@@ -297,6 +297,13 @@ def test_a_w8a8_checkpoint_runs_streamed_and_exports_its_int8_weights_as_stored(
     assert "int-quantized int8 codes" in art["hf_ckpt"]["source_int_weights"] and "int8 per token" in art["hf_ckpt"]["source_int_weights"]
     assert "written dequantized" in art["trtllm_ckpt"]["source_int_weights"]
     assert "compressed-tensors W8A8 (input_activations)" in (run / "__main__.log").read_text()
+    # the reviewer's report and the run's summary say it loudly for hf_ckpt, plainly for trtllm_ckpt (served as validated)
+    md, page = (run / "report.md").read_text(), (run / "report.html").read_text()
+    assert "- **hf_ckpt source weights**: the source's compressed-tensors integer weights kept as stored" in md and "int8 per token" in md
+    assert "- trtllm_ckpt source weights: the source's integer weights are written dequantized" in md
+    assert "<li><b>hf_ckpt source weights</b>: " in page and "<li>trtllm_ckpt source weights: " in page
+    summary = (p.stdout + p.stderr).split("kvcompress run")[-1]
+    assert "NOTE hf_ckpt source weights:" in summary and "NOTE trtllm_ckpt" not in summary
     src = load_file(str(ckpt / "model.safetensors"))
     hf_dir = run / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}

@@ -266,6 +266,7 @@ def test_a_compressed_tensors_nvfp4_checkpoint_exports_its_weights_as_stored(tmp
     assert p.returncode == 0, p.stderr[-3000:]
     log = (tmp_path / "run" / "__main__.log").read_text()
     assert "WARNING" in log and "compressed-tensors NVFP4 (input_activations)" in log  # the served W4A4 model is not what validate ran
+    assert "- **hf_ckpt source weights**: " in (tmp_path / "run" / "report.md").read_text()  # and the reviewer's report says so
     manifest = json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     arts = manifest["artifacts"]

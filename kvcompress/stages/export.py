@@ -829,6 +829,7 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         for a in artifacts.values():
             if a.get("tier") == "native":
                 a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
+                a["served_otherwise"] = bool(acts) and bool(a.get("fp8_weights_kept"))  # its server quantizes activations validate did not
         if acts and (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
             log.warning("export: hf_ckpt%s", acts.removeprefix(";"))
     if src is not None and weight_quantization(src) == "int":
@@ -848,6 +849,7 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         for name, a in artifacts.items():
             if a.get("tier") == "native":
                 a["source_int_weights"] = kept + acts if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
+                a["served_otherwise"] = bool(acts) and bool(a.get("fp8_weights_kept"))
         if not (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
             log.warning("export: %s", hf_note)
         elif acts:

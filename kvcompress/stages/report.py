@@ -14,6 +14,26 @@ from kvcompress.artifacts import atomic_write_bytes
 from kvcompress.report_schema import Report
 
 
+SOURCE_NOTES = ("source_nvfp4_weights", "source_int_weights")  # a native checkpoint's notes on how it holds the source's weights
+
+
+def export_notes(export: dict) -> list[tuple[str, str, bool]]:
+    """The export's lines of report.md and report.html, as (head, text, loud): each artifact, how its weights were written
+    (and the source's quantized weights: kept or dequantized, with the caveat where its server quantizes activations), FP8 KV
+    scales its server would not read or that the fold absorbed, sides not folded, what was not written, the text decoder
+    alone, and what each GPU must hold. Loud lines say that a server would run something validate did not measure."""
+    arts = export["artifacts"].items()
+    out = [(f"{k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()})", v["what"], False) for k, v in arts]
+    out += [(f"{k} weights", v["weights"], False) for k, v in arts if v.get("fp8_weights_kept") or v.get("fp8_dequantized_why")]
+    out += [(f"{k} source weights", v[n], bool(v.get("served_otherwise"))) for k, v in arts for n in SOURCE_NOTES if v.get(n)]
+    out += [(f"{k} FP8 KV scales", v["kv_scales_unread"], True) for k, v in arts if v.get("kv_scales_unread")]
+    out += [(f"{k} FP8 KV scales", v["kv_scale_absorbed"], False) for k, v in arts if v.get("kv_scale_absorbed")]
+    out += [(k, f"{side} not folded ({why})", False) for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
+    out += [(k, f"not written ({why})", False) for k, why in export.get("not_written", {}).items()]
+    out += [("text decoder only", export["text_decoder_only"], False)] if export.get("text_decoder_only") else []
+    return out + [(head, text, False) for head, _, text in (line.partition(": ") for line in gpu_memory_lines(export))]
+
+
 def gpu_memory_lines(export: dict) -> list[str]:
     """What each GPU must hold, from the export's manifest: the TensorRT-LLM checkpoint's weights per GPU at each tp size
     (with the advice when the largest exceeds export.gpu_memory_gb) and the custom-tier engine's memory on each of its GPUs."""
@@ -152,15 +172,7 @@ def render_md(r: Report) -> str:
         out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
                 f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
         out += [f"- serve-path check on a GPU host: `{r.export['check_on_gpu_host']}`"] if r.export.get("check_on_gpu_host") else []
-        out += [f"- {k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()}): {v['what']}" for k, v in r.export["artifacts"].items()]
-        arts = r.export["artifacts"].items()
-        out += [f"- {k} weights: {v['weights']}" for k, v in arts if v.get("fp8_weights_kept") or v.get("fp8_dequantized_why")]
-        out += [f"- **{k} FP8 KV scales**: {v['kv_scales_unread']}" for k, v in arts if v.get("kv_scales_unread")]
-        out += [f"- {k} FP8 KV scales: {v['kv_scale_absorbed']}" for k, v in arts if v.get("kv_scale_absorbed")]
-        out += [f"- {k}: {side} not folded ({why})" for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
-        out += [f"- {k}: not written ({why})" for k, why in r.export.get("not_written", {}).items()]
-        out += [f"- text decoder only: {r.export['text_decoder_only']}"] if r.export.get("text_decoder_only") else []
-        out += [f"- {line}" for line in gpu_memory_lines(r.export)]
+        out += [f"- **{head}**: {text}" if loud else f"- {head}: {text}" for head, text, loud in export_notes(r.export)]
         out += ["", "| check that ran in this export | status |", "|---|---|"] + [f"| {c['check']} | {c['status']} |" for c in r.export["checks"]]
     if r.stage_times_s:
         out += ["", "## Stage times", "", ", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items()) + f" (total {sum(r.stage_times_s.values()):.0f} s)"]
@@ -384,10 +396,8 @@ def render_html(r: Report, key_absmax: list[list[float]] | None) -> str:
     parts.append("<h2>What was verified</h2><ul>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in r.verified.items()) + "</ul>")
     if r.export:
         parts.append(f"<h2>Export</h2><p>TensorRT engine built: <b>{r.export['engine_built']}</b> ({html.escape(r.export['engine_reason'])})</p>")
-        parts.append("<ul>" + "".join(f"<li>{html.escape(k)} ({v['tier']} tier, from validated {html.escape(v['validated_as'])}): {html.escape(v['what'])}</li>" for k, v in r.export["artifacts"].items())
-                     + "".join(f"<li>{html.escape(k)}: not written ({html.escape(why)})</li>" for k, why in r.export.get("not_written", {}).items())
-                     + (f"<li>text decoder only: {html.escape(r.export['text_decoder_only'])}</li>" if r.export.get("text_decoder_only") else "")
-                     + "".join(f"<li>{html.escape(line)}</li>" for line in gpu_memory_lines(r.export)) + "</ul>")
+        parts.append("<ul>" + "".join(f"<li><b>{html.escape(head)}</b>: {html.escape(text)}</li>" if loud else f"<li>{html.escape(head)}: {html.escape(text)}</li>"
+                                      for head, text, loud in export_notes(r.export)) + "</ul>")
         parts.append("<table><tr><th>check that ran in this export</th><th>status</th></tr>" + "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{c['status']}</td></tr>" for c in r.export["checks"]) + "</table>")
     if r.stage_times_s:
         parts.append("<h2>Stage times</h2><p>" + html.escape(", ".join(f"{k} {v:.0f} s" for k, v in r.stage_times_s.items())) + "</p>")

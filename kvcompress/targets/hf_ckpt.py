@@ -298,7 +298,7 @@ class HFWriter:
                "whose KV-cache scheme servers read" if self.repacked else f"quantization_config quant_method {method!r}")
         listed = listed.replace("were FP8", "were quantized")
         counts = ", ".join(f"{n} {kind}" for kind, n in (("FP8", len(self.kept)), ("MXFP4", len(self.kept_mx)), ("NVFP4", len(self.kept_nv)),
-                                                          ("integer (pack-quantized)", len(self.kept_int)),
+                                                          ("integer (compressed-tensors, as stored)", len(self.kept_int)),
                                                           (f"integer ({method} repacked as pack-quantized)", len(self.repacked))) if n)
         out = {"fp8_weights_kept": True, "kept_formats": kinds, "weights": f"the source's quantized weights kept as stored ({counts or 'no'} weights with their "
                                                                         f"scales, {how}); the attention projections the fold changes in {dt}{listed}",
