@@ -167,6 +167,40 @@ def quantized_tiny_dir(out: Path, quantize, quantization_config: dict) -> tuple[
     return out, expect
 
 
+def modelopt_trtllm_layout(ckpt: Path, out: Path, preset: str) -> tuple[dict, dict]:
+    """Model Optimizer's own TensorRT-LLM export of the model a quantized checkpoint defines (read dequantized), quantized with
+    its `preset` weight config (FP8_DEFAULT_CFG, NVFP4_DEFAULT_CFG, ...) and an FP8 KV cache, the attention projections
+    left unquantized (what kvcompress's fold needs): its quantization block and {name: (tensor_kind, shape)} of rank0."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from kvcompress.models.streaming import Checkpoint
+
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = LlamaForCausalLM(cfg).eval()
+    c = Checkpoint(ckpt)
+    model.load_state_dict({k: c.read(k).float() for k in c.entries if not k.endswith(("_scale", "_scale_inv", "_scale_2"))}, strict=False)
+    qc = copy.deepcopy(getattr(mtq, preset))
+    qc["quant_cfg"] = list(qc["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"]) + [{"quantizer_name": "*self_attn.*_proj*", "enable": False}]
+    g = torch.Generator().manual_seed(0)
+    model = mtq.quantize(model, qc, forward_loop=lambda m: m(torch.randint(0, cfg.vocab_size, (2, 16), generator=g)))
+    export_tensorrt_llm_checkpoint(model, "llama", torch.float16, str(out), inference_tensor_parallel=1)
+    t = load_file(str(out / "rank0.safetensors"))
+    return json.loads((out / "config.json").read_text())["quantization"], {k: (tensor_kind(v), tuple(v.shape)) for k, v in t.items()}
+
+
+def tensor_kind(v: torch.Tensor) -> str:
+    """A written tensor's dtype where a layout fixes it (float8, float32, uint8 codes), else "export dtype"."""
+    return str(v.dtype) if v.dtype in (torch.float8_e4m3fn, torch.float32, torch.uint8) else "export dtype"
+
+
 def loader_reads_as(tmp_path: Path, ckpt: Path, expect: dict, modules: list[str], function: str) -> dict:
     """The custom tier's weight loader (trtllm_network: NVFP4, FP8 and integer dequantization in load_hf_weights' order) gives
     `expect` ({weight name: float32 value}) for the checkpoint's tensors, and so does trtllm_network.<function> as the bundle

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import loader_reads_as, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tiny_llama_dir
+from conftest import loader_reads_as, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tensor_kind, tiny_llama_dir
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
@@ -85,15 +85,16 @@ def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
 
 def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp_path):
     """End to end, streamed: the run's perplexity and KL are those of the same weights written unquantized and loaded in
-    memory; the export (the default kv: custom and native tiers) passes every check that runs; hf_ckpt keeps the NVFP4
-    codes and scales the fold leaves alone as stored (the folded attention in float16, in exclude_modules; config.json's
-    quantization_config is what Model Optimizer's own converter derives from the written hf_quant_config.json), the
-    TensorRT-LLM checkpoint has them dequantized; each says so, hf_ckpt with the activations caveat (its NVFP4 server
-    quantizes the kept layers' inputs to FP4, which validate does not); export.fp8_weights=dequantize writes hf_ckpt
+    memory; the export (the default kv: custom and native tiers, tp 1 and 2) passes every check that runs; hf_ckpt keeps
+    the NVFP4 codes and scales the fold leaves alone as stored (the folded attention in float16, in exclude_modules;
+    config.json's quantization_config is what Model Optimizer's own converter derives from the written
+    hf_quant_config.json), and so does the TensorRT-LLM checkpoint, in the layout Model Optimizer's own TensorRT-LLM
+    exporter writes (names, dtypes, shapes, quantization block); both say so with the activations caveat (their NVFP4
+    servers quantize the kept layers' inputs to FP4, which validate does not); export.fp8_weights=dequantize writes them
     dequantized; model.streaming=false is one line."""
     ckpt, expect = _nvfp4_dir(tmp_path)
     common = ("model=llama3_8b", "model.name=q", "model.device=cpu", "model.dtype=float32", "calib=smoke", "eval=smoke", "eval.tasks.names=[]")
-    p = run_cli(*common, f"model.path={ckpt}", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
+    p = run_cli(*common, f"model.path={ckpt}", "export.tp_sizes=[1,2]", f"hydra.run.dir={tmp_path / 'run'}", cache_dir=tmp_path / "cache")
     assert p.returncode == 0, p.stderr[-3000:]
     sd = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k not in expect and k.rsplit(".", 1)[-1] not in nv.PARTS}
     plain = plain_copy(ckpt, tmp_path / "plain", {**sd, **expect})
@@ -107,9 +108,9 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     manifest = json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     arts = manifest["artifacts"]
-    assert "written dequantized" in arts["trtllm_ckpt"]["source_nvfp4_weights"] and "kept as stored" in arts["hf_ckpt"]["source_nvfp4_weights"]
-    assert "quantizes its input to FP4" in arts["hf_ckpt"]["source_nvfp4_weights"]  # the served W4A4 model: not what validate ran
-    assert "activations unquantized as validate ran them" in arts["trtllm_ckpt"]["source_nvfp4_weights"]
+    for name in ("trtllm_ckpt", "hf_ckpt"):  # both keep them, both served W4A4: not what validate ran; the custom tier serves it as validated
+        note = arts[name]["source_nvfp4_weights"]
+        assert "kept as stored" in note and "quantizes its input to FP4" in note and "(as the custom tier serves them)" in note and arts[name]["served_otherwise"]
     # hf_ckpt: the MLP's codes and scales as stored, the folded attention in float16 and excluded, ModelOpt's NVFP4 config
     hf_dir = tmp_path / "run" / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -125,8 +126,25 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
 
     assert convert_hf_quant_config_format(hq) == json.loads((hf_dir / "config.json").read_text())["quantization_config"]
     assert Checkpoint(hf_dir).read("model.layers.1.mlp.down_proj.weight").equal(expect["model.layers.1.mlp.down_proj.weight"])
-    t = load_file(str(next((tmp_path / "run" / "export" / "trtllm_ckpt" / "tp1").glob("*.safetensors"))))
-    assert t["transformer.layers.1.mlp.proj.weight"].dtype == torch.float16
+    # trtllm_ckpt: the MLP's codes and block scales as stored (split at tp 2: rows of fc / gate, column blocks of proj), the global
+    # and input scales as float32 scalars, quant_algo NVFP4: the layout Model Optimizer's own TensorRT-LLM exporter writes
+    trt = tmp_path / "run" / "export" / "trtllm_ckpt"
+    t1 = load_file(str(trt / "tp1" / "rank0.safetensors"))
+    t2 = [load_file(str(trt / "tp2" / f"rank{r}.safetensors")) for r in range(2)]
+    for hf, name, dim in (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1)):
+        k, n = f"model.layers.1.mlp.{hf}.", f"transformer.layers.1.mlp.{name}."
+        assert torch.equal(t1[n + "weight"], src[k + "weight"]) and torch.equal(_bytes(t1[n + "weights_scaling_factor"]), _bytes(src[k + "weight_scale"]))
+        assert torch.equal(torch.cat([r[n + "weight"] for r in t2], dim), src[k + "weight"])
+        assert torch.equal(torch.cat([_bytes(r[n + "weights_scaling_factor"]) for r in t2], dim), _bytes(src[k + "weight_scale"]))
+        for ours, theirs in (("weights_scaling_factor_2", "weight_scale_2"), ("activation_scaling_factor", "input_scale")):
+            assert all(r[n + ours].dtype == torch.float32 and r[n + ours].shape == () and r[n + ours] == src[k + theirs] for r in (t1, *t2))
+    q_trt = json.loads((trt / "tp1" / "config.json").read_text())["quantization"]
+    assert q_trt["quant_algo"] == "NVFP4" and q_trt["group_size"] == 16
+    mo_q, mo = modelopt_trtllm_layout(plain, tmp_path / "modelopt", "NVFP4_DEFAULT_CFG")
+    extra = {k for k in mo if k.endswith((".k_cache_scaling_factor", ".v_cache_scaling_factor"))}  # ModelOpt's per-K/V copies of the KV scale
+    assert {k: (tensor_kind(v), tuple(v.shape)) for k, v in t1.items()} == {k: v for k, v in mo.items() if k not in extra}
+    assert (mo_q["quant_algo"], mo_q["group_size"], sorted(mo_q["exclude_modules"])) == ("NVFP4", 16, sorted(q_trt["exclude_modules"]))
+    assert [c["status"] for c in manifest["checks"] if c["check"].startswith(("trtllm_ckpt/tp1 re-measured", "trtllm_ckpt/tp2 shards merge"))] == ["passed"] * 2
     assert (tmp_path / "run" / "export" / "plugin_bundle" / "nvfp4_weights.py").is_file()
     # export.fp8_weights=dequantize: hf_ckpt dequantized too (served as validated), and the note says so
     p4 = run_cli(*common, f"model.path={ckpt}", "kv=native_fp8", "export.fp8_weights=dequantize", f"hydra.run.dir={tmp_path / 'run4'}",
@@ -294,3 +312,38 @@ def test_a_compressed_tensors_nvfp4_checkpoint_exports_its_weights_as_stored(tmp
         assert torch.equal(m.get_parameter(k).detach(), expect[k].to(torch.bfloat16)), k
     t = load_file(str(next((tmp_path / "run" / "export" / "trtllm_ckpt" / "tp1").glob("*.safetensors"))))
     assert t["transformer.layers.1.mlp.proj.weight"].dtype == torch.float16
+
+
+def test_tensorrt_llm_takes_nvfp4_mlps_only_where_its_layout_defines_the_validated_weights(tmp_path):
+    """trtllm_ckpt keeps a Model Optimizer NVFP4 source's MLP (quant_algo NVFP4) at any tp whose rank holds whole 16-column
+    blocks of down_proj; a weight-only W4A16_NVFP4 source (no such TensorRT-LLM quant_algo), compressed-tensors' inverted
+    global scale and a tp splitting a block get them dequantized, each with its reason; the writer copies a kept weight
+    only if it still defines the validated value."""
+    from transformers import AutoConfig
+
+    from kvcompress.models.base import Geometry
+    from kvcompress.targets.trtllm_ckpt import TrtllmWriter, fp8_mlp
+
+    ckpt, expect = _nvfp4_dir(tmp_path)
+    hf_cfg = AutoConfig.from_pretrained(str(ckpt))
+    geom = Geometry.from_hf_config(hf_cfg)
+    c = Checkpoint(ckpt)
+    inter = c.shape("model.layers.0.mlp.down_proj.weight")[1]
+    assert fp8_mlp(c, geom, hf_cfg, 1) == ("NVFP4", "", [0, 1]) and fp8_mlp(c, geom, hf_cfg, inter // 16)[0] == "NVFP4"
+    algo, why, _ = fp8_mlp(c, geom, hf_cfg, inter // 8)  # 8 columns a rank: half a block
+    assert algo is None and "whole blocks of 16" in why
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | {"quant_algo": "W4A16_NVFP4"}}))
+    assert fp8_mlp(Checkpoint(ckpt), geom, hf_cfg)[1].startswith("TensorRT-LLM has no weight-only NVFP4 quant_algo")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ct, _ = _ct_nvfp4_dir(tmp_path)
+    assert "reciprocal of the global scale" in fp8_mlp(Checkpoint(ct), geom, hf_cfg)[1]
+    state = {k: c.read(k) for k in c.entries if k.rsplit(".", 1)[-1] not in nv.PARTS}
+    w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, geom, tmp_path / "w", 1, "float16", "INT8", torch.ones(2),
+                     hf_cfg, fp8_source=c)
+    w.write_layer(state, 0)  # unchanged: copied
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
+    with pytest.raises(RuntimeError, match="changed before writing"):
+        w.write_layer(state, 1)
+    w.abort()
+    assert not list((tmp_path / "w").glob("*.safetensors*"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import bundle_loader, plain_copy, quantized_tiny_dir, run_cli
+from conftest import bundle_loader, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, run_cli, tensor_kind
 from kvcompress.errors import UserError
 from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint
@@ -463,34 +463,6 @@ def test_a_multimodal_fp8_source_lists_its_unconverted_modules_under_the_text_na
 MLP_TRT = (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1))
 
 
-def _modelopt_fp8_layout(ckpt: Path, out: Path, preset: str) -> tuple[dict, dict]:
-    """Model Optimizer's own TensorRT-LLM export of the same model (its `preset` FP8 weight config, KV FP8), with the attention
-    projections left unquantized (what kvcompress's fold needs): its quantization block and {name: (dtype if float8 or fp32,
-    shape)} of rank0."""
-    import copy
-
-    mtq = pytest.importorskip("modelopt.torch.quantization")
-    from modelopt.torch.export import export_tensorrt_llm_checkpoint
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    cfg = AutoConfig.from_pretrained(str(ckpt))
-    del cfg.quantization_config
-    model = LlamaForCausalLM(cfg).eval()
-    c = Checkpoint(ckpt)
-    model.load_state_dict({k: c.read(k).float() for k in c.entries if not k.endswith(("_scale", "_scale_inv"))}, strict=False)
-    qc = copy.deepcopy(getattr(mtq, preset))
-    qc["quant_cfg"] = list(qc["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"]) + [{"quantizer_name": "*self_attn.*_proj*", "enable": False}]
-    g = torch.Generator().manual_seed(0)
-    model = mtq.quantize(model, qc, forward_loop=lambda m: m(torch.randint(0, cfg.vocab_size, (2, 16), generator=g)))
-    export_tensorrt_llm_checkpoint(model, "llama", torch.float16, str(out), inference_tensor_parallel=1)
-    t = load_file(str(out / "rank0.safetensors"))
-    return json.loads((out / "config.json").read_text())["quantization"], {k: (_kind(v), tuple(v.shape)) for k, v in t.items()}
-
-
-def _kind(v: torch.Tensor) -> str:
-    return str(v.dtype) if v.dtype in (torch.float8_e4m3fn, torch.float32) else "export dtype"
-
-
 @pytest.mark.parametrize("qcfg,block,input_scale,algo,preset", [
     (MODELOPT, None, True, "FP8", "FP8_DEFAULT_CFG"),  # one weight scale per tensor, static input scales
     (CT_FP8, "row", False, "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),  # llm-compressor FP8-dynamic: per row, per token
@@ -534,8 +506,8 @@ def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path
     assert q["quant_algo"] == algo and q["exclude_modules"] == ["transformer.layers.0.attention*", "transformer.layers.1.attention*", *norms, "lm_head"]
     # Meta's activation_scale_ub as TensorRT-LLM's clamp_val (its Llama converter's update_quant_config_from_hf does the same)
     assert q.get("clamp_val") == ([-1200.0, 1200.0] if qcfg is FBGEMM else None)
-    mo_q, mo = _modelopt_fp8_layout(ckpt, tmp_path / "modelopt", preset)
-    ours = {k: (_kind(v), tuple(v.shape)) for k, v in r1.items()}
+    mo_q, mo = modelopt_trtllm_layout(ckpt, tmp_path / "modelopt", preset)
+    ours = {k: (tensor_kind(v), tuple(v.shape)) for k, v in r1.items()}
     extra = {k for k in mo if k.endswith((".k_cache_scaling_factor", ".v_cache_scaling_factor"))}  # ModelOpt's per-K/V copies of the KV scale
     assert ours == {k: v for k, v in mo.items() if k not in extra}
     assert (mo_q["quant_algo"], sorted(mo_q["exclude_modules"] + norms)) == (q["quant_algo"], sorted(q["exclude_modules"]))

@@ -572,7 +572,7 @@ def write_native_checkpoints(lm, geom, trt_book: ScaleBook | None, hf_book: Scal
                                                         "native_scale": torch.ones_like(hf_book.tensors["native_scale"])})
     trt_fold = None if trt_book is None else FoldedLayers(trt_book, geom, dtype, "trtllm_ckpt", offset)
     hf_fold = FoldedLayers(hf_book, geom, dtype, "hf_ckpt", offset)
-    trt_keep = keep if keep is not None and weight_quantization(keep.dir) == "fp8" else None
+    trt_keep = keep if keep is not None and weight_quantization(keep.dir) in ("fp8", "nvfp4") else None
     trt = [] if trt_book is None else [TrtllmWriter(src.meta, geom, d, tp, ecfg.dtype, NATIVE_ALGO[trt_book.spec.format], trt_book.tensors["native_scale"],
                                                     lm.model.config, fp8_source=trt_keep) for tp, d in zip(ecfg.tp_sizes, tp_dirs)]
     hf = HFWriter(src.own_meta, lm.model.config, lm.tokenizer, hf_dir, hf_book.tensors["native_scale"], dtype, ecfg.shard_mb, model=lm.model,
@@ -825,13 +825,14 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
                 f"changes in {dtype}, in {'its ignore list' if ct else 'exclude_modules'}); validate computed with the values they define")
         acts = _activations_caveat("compressed-tensors NVFP4 (input_activations)" if ct else "quant_algo NVFP4",
-                                   f"FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'})") if quantized_activations(src) else ""
+                                   f"FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'})", artifacts) if quantized_activations(src) else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
                 a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
                 a["served_otherwise"] = bool(acts) and bool(a.get("fp8_weights_kept"))  # its server quantizes activations validate did not
-        if acts and (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
-            log.warning("export: hf_ckpt%s", acts.removeprefix(";"))
+        kept_by = [name for name, a in artifacts.items() if a.get("served_otherwise")]
+        if kept_by:
+            log.warning("export: %s%s", " and ".join(kept_by), acts.removeprefix(";"))
     if src is not None and weight_quantization(src) == "int":
         q = quantization_config(src) or {}
         why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None
@@ -840,7 +841,7 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         kept = ("the source's compressed-tensors integer weights kept as stored (pack-quantized codes, or int-quantized int8 codes, with "
                 f"their scales; the attention projections the fold changes in {dtype}, listed in its ignore list); validate computed with the "
                 "values they define")
-        acts = _activations_caveat("compressed-tensors W8A8 (input_activations)", "int8 per token") if quantized_activations(src) else ""
+        acts = _activations_caveat("compressed-tensors W8A8 (input_activations)", "int8 per token", artifacts) if quantized_activations(src) else ""
         if int_weights.layout(q) != "pack-quantized":
             kept = (f"the source's {q.get('quant_method')} integer weights written as compressed-tensors pack-quantized, the same codes, zero "
                     f"points and scales (checked to dequantize to the validated weights; the attention projections the fold changes in {dtype}, "
@@ -857,11 +858,15 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
     return artifacts
 
 
-def _activations_caveat(served: str, to: str) -> str:
-    """The manifest's caveat for a kept source whose server quantizes each kept layer's input (W4A4 NVFP4, W8A8 int8)."""
+def _activations_caveat(served: str, to: str, artifacts: dict) -> str:
+    """The manifest's caveat for a kept source whose server quantizes each kept layer's input (W4A4 NVFP4, W8A8 int8); it
+    names the artifacts that serve the activations unquantized, as validate ran them (those with the weights dequantized,
+    and the custom tier's engine)."""
+    plain = [n for n, a in artifacts.items() if a.get("tier") == "native" and not a.get("fp8_weights_kept")]
+    plain += ["the custom tier"] if "plugin_bundle" in artifacts else []
     return (f"; served as {served}, each kept layer also quantizes its input to {to}, which validate and this checkpoint's re-measurement "
-            "ran unquantized (as trtllm_ckpt and the custom tier serve them): the K/V its server caches differ from the validated ones by "
-            "that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize writes them dequantized, served as validated)")
+            f"ran unquantized{' (as ' + ' and '.join(plain) + (' serves' if len(plain) == 1 else ' serve') + ' them)' if plain else ''}: the K/V its server caches differ from the "
+            "validated ones by that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize writes them dequantized, served as validated)")
 
 
 def _text_decoder_note(lm) -> dict:

@@ -156,6 +156,8 @@ def trtllm_config(hf_cfg, geom, tp: int, dtype: str, kv_algo: str | None, fp8_al
     }
     if fp8_algo:  # the source's FP8 MLP weights kept (fp8_mlp); TensorRT-LLM's quantizers skip what exclude_modules matches (fnmatch)
         cfg["quantization"] |= {"quant_algo": fp8_algo, "exclude_modules": fp8_excluded(geom, fp8_algo, fp8_layers)}
+        if fp8_algo == "NVFP4":
+            cfg["quantization"]["group_size"] = 16  # NVFP4's block
         if clamp_val:  # fbgemm_fp8's activation_scale_ub: the per-token quantizers clamp activations to it (QuantConfig.clamp_val)
             cfg["quantization"]["clamp_val"] = clamp_val
     if num_experts(hf_cfg):  # LLaMAConfig/QWenConfig.from_hugging_face: explicit gated activation; the routing as the model routes
@@ -235,7 +237,40 @@ def layer_rank_tensors(state: dict[str, torch.Tensor], geom, i: int, tp: int, ra
 MLP_NAMES = (("gate_proj", "fc", 0), ("up_proj", "gate", 0), ("down_proj", "proj", 1))  # HF -> TensorRT-LLM (fc is gate_proj), split dim
 
 
-def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str, list[int]]:
+def nvfp4_mlp(src, geom, hf_cfg, tp: int = 1) -> tuple[str | None, str, list[int]]:
+    """fp8_mlp for an NVFP4 source (models.nvfp4_weights): ("NVFP4", '', the layers whose MLP is NVFP4) when trtllm_ckpt/ can
+    hold its MLP weights as stored, in the layout Model Optimizer's TensorRT-LLM exporter writes for quant_algo NVFP4
+    (`weight` uint8 e2m1 codes, `weights_scaling_factor` float8 block scales [out, in / 16], `weights_scaling_factor_2` and
+    `activation_scaling_factor` float32 scalars), else (None, why not, [])."""
+    from kvcompress.models.nvfp4_weights import BLOCK
+    from kvcompress.models.quantized import quantization_config
+
+    q = quantization_config(src.dir) or {}
+    if num_experts(hf_cfg):
+        return None, "a mixture of experts: kvcompress writes no NVFP4 expert layout for TensorRT-LLM", []
+    if str(q.get("quant_method", "")).lower() != "modelopt":
+        return None, ("compressed-tensors stores the reciprocal of the global scale TensorRT-LLM multiplies by, and its float32 inverse "
+                      "would not define the validated weights exactly (hf_ckpt/ keeps them)"), []
+    if str(q.get("quant_algo")).upper() != "NVFP4":
+        return None, f"TensorRT-LLM has no weight-only NVFP4 quant_algo for {q.get('quant_algo')} (hf_ckpt/ keeps them)", []
+    layers = []
+    for i in range(geom.n_layers):
+        names = [f"model.layers.{i}.mlp.{hf}.weight" for hf, _, _ in MLP_NAMES]
+        nv = [k in src.nvfp4 and src.nvfp4[k]["layout"] == "modelopt" and "input" in src.nvfp4[k] for k in names]
+        if not any(nv):
+            continue
+        if not all(nv):
+            return None, f"layer {i}'s MLP is partly NVFP4 with static input scales under these names ({', '.join(n for n, f in zip(names, nv) if f)})", []
+        inter = src.shape(names[2])[1]
+        if (inter // tp) % BLOCK:
+            return None, f"at tp {tp} a rank's {inter // tp} MLP columns do not hold whole blocks of {BLOCK} (NVFP4's block scales)", []
+        layers.append(i)
+    if not layers:
+        return None, "no layer's MLP is stored as NVFP4 under Llama names", []
+    return "NVFP4", "", layers
+
+
+def fp8_mlp(src, geom, hf_cfg, tp: int = 1) -> tuple[str | None, str, list[int]]:
     """(TensorRT-LLM quant_algo, '', the layers whose MLP is FP8) when trtllm_ckpt/ can hold the FP8 source `src` (a streaming
     Checkpoint)'s MLP weights as stored, else (None, why not: the manifest's word, []). "FP8": float8 e4m3 with one scale per
     tensor and a static input scale everywhere; "FP8_PER_CHANNEL_PER_TOKEN": one scale per output row (or per tensor, spread
@@ -243,6 +278,8 @@ def fp8_mlp(src, geom, hf_cfg) -> tuple[str | None, str, list[int]]:
     source keeps unquantized (Meta's FP8 Llama 3.1 405B: the first and the last) is written in `dtype` and excluded."""
     from kvcompress.models.fp8_weights import scale_name
 
+    if src.nvfp4:
+        return nvfp4_mlp(src, geom, hf_cfg, tp)
     if num_experts(hf_cfg):
         return None, "a mixture of experts: kvcompress writes no FP8 expert layout for TensorRT-LLM", []
     static, layers = True, []
@@ -297,7 +334,7 @@ class TrtllmWriter:
         self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
         self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
         # fp8_source (the FP8 source's streaming Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
-        self.fp8_algo, self.fp8_why, self.fp8_layers = (None, None, []) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config)
+        self.fp8_algo, self.fp8_why, self.fp8_layers = (None, None, []) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config, tp)
         self.src = fp8_source if self.fp8_algo else None
         self.clamp_val = None  # Meta's fbgemm_fp8 bounds activations before quantizing them per token, as TensorRT-LLM's converter carries it
         if self.src is not None and self.fp8_algo == "FP8_PER_CHANNEL_PER_TOKEN":
@@ -321,6 +358,14 @@ class TrtllmWriter:
         from kvcompress.targets.hf_ckpt import check_stored_fp8
 
         src, out = self.src, {}
+        if self.fp8_algo == "NVFP4":  # codes and block scales as stored, the global and input scales as float32 scalars
+            for hf, _, _ in MLP_NAMES:
+                k = f"model.layers.{i}.mlp.{hf}.weight"
+                if not torch.equal(src.read(k).to(state[k].dtype), state[k]):  # the reader's dequantization of those bytes
+                    raise RuntimeError(f"trtllm_ckpt: the NVFP4 weight {k!r} was changed before writing; its stored codes no longer define it")
+                parts = src.nvfp4[k]
+                out[k] = (src.read_stored(parts["codes"]), src.read_stored(parts["scale"]), *(src.read_stored(parts[r]).float().reshape(()) for r in ("global", "input")))
+            return out
         for hf, _, _ in MLP_NAMES:
             k = f"model.layers.{i}.mlp.{hf}.weight"
             raw = src.read_stored(k)
@@ -338,6 +383,13 @@ class TrtllmWriter:
         out = {}
         for hf, t, dim in MLP_NAMES:
             k, n = f"model.layers.{i}.mlp.{hf}.weight", f"transformer.layers.{i}.mlp.{t}."
+            if stored is None and self.fp8_algo == "NVFP4":
+                codes, scale = (list(self.src.entries[self.src.nvfp4[k][r]][1]["shape"]) for r in ("codes", "scale"))
+                codes[dim] //= self.tp
+                scale[dim] //= self.tp
+                out |= self._fp8_names(n, (torch.empty(codes, dtype=torch.uint8, device="meta"), torch.empty(scale, dtype=torch.float8_e4m3fn, device="meta"),
+                                           torch.empty((), device="meta"), torch.empty((), device="meta")))
+                continue
             if stored is None:
                 shape = self.src.shape(k)
                 rows = shape[0]
@@ -348,12 +400,17 @@ class TrtllmWriter:
                 out |= self._fp8_names(n, stored_k)
                 continue
             raw, *scales = stored[k]
+            if self.fp8_algo == "NVFP4":  # the block scales follow their codes: rows for fc and gate, column blocks for proj
+                out |= self._fp8_names(n, (_split(raw, self.tp, rank, dim), _split(scales[0], self.tp, rank, dim), *scales[1:]))
+                continue
             if self.fp8_algo != "FP8" and dim == 0:
                 scales = [_split(scales[0], self.tp, rank, 0)]
             out |= self._fp8_names(n, (_split(raw, self.tp, rank, dim), *scales))
         return out
 
     def _fp8_names(self, n: str, t: tuple) -> dict[str, torch.Tensor]:
+        if self.fp8_algo == "NVFP4":
+            return {n + "weight": t[0], n + "weights_scaling_factor": t[1], n + "weights_scaling_factor_2": t[2], n + "activation_scaling_factor": t[3]}
         if self.fp8_algo == "FP8":
             return {n + "weight": t[0], n + "weights_scaling_factor": t[1], n + "activation_scaling_factor": t[2]}
         return {n + "weight": t[0], n + "per_channel_scale": t[1]}
@@ -362,10 +419,12 @@ class TrtllmWriter:
         """The manifest's word on how the weights were written."""
         dt = self.dtype_name
         if self.src is not None:
-            how = ("per-tensor weight and static activation scales" if self.fp8_algo == "FP8" else
-                   "weight scales per output row; activations quantized per token at run time")
-            return {"fp8_weights_kept": True, "weights": f"the source's FP8 MLP weights kept as stored (quant_algo {self.fp8_algo}: "
-                    f"{3 * len(self.fp8_layers)} float8 e4m3 weights with their {how}); embedding and, listed in exclude_modules, "
+            how = {"FP8": "float8 e4m3 weights with their per-tensor weight and static activation scales",
+                   "NVFP4": "e2m1 weights with their fp8 block scales, global scales and static input scales; activations quantized to FP4 at run time"
+                   }.get(self.fp8_algo, "float8 e4m3 weights with their weight scales per output row; activations quantized per token at run time")
+            kind = "NVFP4" if self.fp8_algo == "NVFP4" else "FP8"
+            return {"fp8_weights_kept": True, "weights": f"the source's {kind} MLP weights kept as stored (quant_algo {self.fp8_algo}: "
+                    f"{3 * len(self.fp8_layers)} {how}); embedding and, listed in exclude_modules, "
                     f"attention (folded), lm_head{', the MLPs the source keeps unquantized' if len(self.fp8_layers) < self.geom.n_layers else ''}"
                     f" in {dt}"}
         if self.fp8_why:

@@ -30,18 +30,24 @@ def merge_shards(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, merged
 
 
-SCALES = ("weights_scaling_factor", "activation_scaling_factor", "per_channel_scale")  # an FP8 linear's (quant_algo FP8 / FP8_PER_CHANNEL_PER_TOKEN)
+# an FP8 linear's (quant_algo FP8 / FP8_PER_CHANNEL_PER_TOKEN) and an NVFP4 one's (the fp8 block scales and the global scale)
+SCALES = ("weights_scaling_factor", "activation_scaling_factor", "per_channel_scale", "weights_scaling_factor_2")
 
 
 def dequantized(rank: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One rank's tensors with FP8 weights (float8 e4m3 values times their per-tensor weights_scaling_factor, or their
-    per_channel_scale per output row) as float32 values, and the linears' scale tensors dropped. Activation scales are not
+    per_channel_scale per output row) and NVFP4 weights (nvfp4_weights: codes, block and global scales) as float32 values, and the linears' scale tensors dropped. Activation scales are not
     applied: the re-measurement runs the validated arithmetic, float activations on these weights."""
     from kvcompress.models.fp8_weights import dequantize
+    from kvcompress.models.nvfp4_weights import dequantize as dequantize_nvfp4
 
     out = {}
     for n, v in rank.items():
         if n.endswith(SCALES):
+            continue
+        m = n.removesuffix("weight")
+        if n.endswith(".weight") and m + "weights_scaling_factor_2" in rank:  # NVFP4: e2m1 codes x block scale x global scale
+            out[n] = dequantize_nvfp4(v, rank[m + "weights_scaling_factor"], rank[m + "weights_scaling_factor_2"])
             continue
         scale = next((rank[s] for s in (n.removesuffix("weight") + SCALES[0], n.removesuffix("weight") + SCALES[2]) if s in rank), None)
         out[n] = dequantize(v, scale, list(v.shape)) if n.endswith(".weight") and scale is not None else v
