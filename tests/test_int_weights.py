@@ -294,16 +294,19 @@ def test_a_w8a8_checkpoint_runs_streamed_and_exports_its_int8_weights_as_stored(
     manifest = json.loads((run / "export" / "manifest.json").read_text())
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     art = manifest["artifacts"]
-    assert "int-quantized int8 codes" in art["hf_ckpt"]["source_int_weights"] and "int8 per token" in art["hf_ckpt"]["source_int_weights"]
-    assert "written dequantized" in art["trtllm_ckpt"]["source_int_weights"]
-    assert "compressed-tensors W8A8 (input_activations)" in (run / "__main__.log").read_text()
-    # the reviewer's report and the run's summary say it loudly for hf_ckpt, plainly for trtllm_ckpt (served as validated)
+    assert "int-quantized int8 codes" in art["hf_ckpt"]["source_int_weights"] and "written dequantized" in art["trtllm_ckpt"]["source_int_weights"]
+    # hf_ckpt's server quantizes the kept layers' inputs (static int8 here), which validate did not; trtllm_ckpt serves as validated
+    caveat = art["hf_ckpt"]["served_otherwise"]
+    assert caveat.startswith("served as compressed-tensors W8A8 (input_activations)") and "int8 at the stored input_scale" in caveat
+    assert "(as trtllm_ckpt serves them)" in caveat and "served_otherwise" not in art["trtllm_ckpt"]  # kv=native_int8: no custom tier
+    assert caveat in (run / "__main__.log").read_text()
+    # the reviewer's report and the run's summary say it loudly for hf_ckpt; the source-weights notes plainly
     md, page = (run / "report.md").read_text(), (run / "report.html").read_text()
-    assert "- **hf_ckpt source weights**: the source's compressed-tensors integer weights kept as stored" in md and "int8 per token" in md
-    assert "- trtllm_ckpt source weights: the source's integer weights are written dequantized" in md
-    assert "<li><b>hf_ckpt source weights</b>: " in page and "<li>trtllm_ckpt source weights: " in page
+    assert f"- **hf_ckpt activations**: {caveat}" in md and "- hf_ckpt source weights: the source's compressed-tensors integer weights kept as stored" in md
+    assert "- trtllm_ckpt source weights: the source's integer weights are written dequantized" in md and "trtllm_ckpt activations" not in md
+    assert "<li><b>hf_ckpt activations</b>: " in page and "<li>trtllm_ckpt source weights: " in page
     summary = (p.stdout + p.stderr).split("kvcompress run")[-1]
-    assert "NOTE hf_ckpt source weights:" in summary and "NOTE trtllm_ckpt" not in summary
+    assert "NOTE hf_ckpt activations: served as" in summary and "NOTE trtllm_ckpt" not in summary
     src = load_file(str(ckpt / "model.safetensors"))
     hf_dir = run / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}

@@ -109,8 +109,9 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     arts = manifest["artifacts"]
     for name in ("trtllm_ckpt", "hf_ckpt"):  # both keep them, both served W4A4: not what validate ran; the custom tier serves it as validated
-        note = arts[name]["source_nvfp4_weights"]
-        assert "kept as stored" in note and "quantizes its input to FP4" in note and "(as the custom tier serves them)" in note and arts[name]["served_otherwise"]
+        assert "kept as stored" in arts[name]["source_nvfp4_weights"]
+        caveat = arts[name]["served_otherwise"]
+        assert caveat.startswith("served as quant_algo NVFP4") and "quantizes its input to FP4" in caveat and "(as the custom tier serves them)" in caveat
     # hf_ckpt: the MLP's codes and scales as stored, the folded attention in float16 and excluded, ModelOpt's NVFP4 config
     hf_dir = tmp_path / "run" / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -152,6 +153,7 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
     assert p4.returncode == 0, p4.stderr[-3000:]
     m4 = json.loads((tmp_path / "run4" / "export" / "manifest.json").read_text())
     assert "written dequantized" in m4["artifacts"]["hf_ckpt"]["source_nvfp4_weights"] and not m4["artifacts"]["hf_ckpt"]["fp8_weights_kept"]
+    assert not any("served_otherwise" in a for a in m4["artifacts"].values())  # dequantized: served as validated
     hf4 = {k: v for f in sorted((tmp_path / "run4" / "export" / "hf_ckpt").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     assert hf4["model.layers.1.mlp.down_proj.weight"].dtype == torch.float16 and not any(k.endswith("weight_scale_2") for k in hf4)
     p3 = run_cli(*common, f"model.path={ckpt}", "model.streaming=false", "export=none", f"hydra.run.dir={tmp_path / 'run3'}")
@@ -284,12 +286,12 @@ def test_a_compressed_tensors_nvfp4_checkpoint_exports_its_weights_as_stored(tmp
     assert p.returncode == 0, p.stderr[-3000:]
     log = (tmp_path / "run" / "__main__.log").read_text()
     assert "WARNING" in log and "compressed-tensors NVFP4 (input_activations)" in log  # the served W4A4 model is not what validate ran
-    assert "- **hf_ckpt source weights**: " in (tmp_path / "run" / "report.md").read_text()  # and the reviewer's report says so
+    assert "- **hf_ckpt activations**: served as compressed-tensors NVFP4" in (tmp_path / "run" / "report.md").read_text()  # the reviewer's report too
     manifest = json.loads((tmp_path / "run" / "export" / "manifest.json").read_text())
     assert all(c["status"] in ("passed", "skipped") for c in manifest["checks"]), manifest["checks"]
     arts = manifest["artifacts"]
     assert "kept as stored" in arts["hf_ckpt"]["source_nvfp4_weights"] and "its ignore list" in arts["hf_ckpt"]["source_nvfp4_weights"]
-    assert "input_global_scale" in arts["hf_ckpt"]["source_nvfp4_weights"]
+    assert "input_global_scale" in arts["hf_ckpt"]["served_otherwise"] and "served_otherwise" not in arts["trtllm_ckpt"]
     assert "/ global scale" in arts["trtllm_ckpt"]["source_nvfp4_weights"]
     hf_dir = tmp_path / "run" / "export" / "hf_ckpt"
     hf = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}

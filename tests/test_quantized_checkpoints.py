@@ -517,6 +517,11 @@ def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path
     assert [c["status"] for c in m["checks"] if c["check"].startswith("trtllm_ckpt/tp1 re-measured")] == ["passed"]
     assert [c["status"] for c in m["checks"] if c["check"].startswith("trtllm_ckpt/tp2 shards merge")] == ["passed"]
     assert "- trtllm_ckpt weights: the source's FP8 MLP weights kept as stored" in (out.parent / "report.md").read_text()
+    # both checkpoints keep the FP8 weights, and their servers quantize the MLP's inputs to FP8, which validate ran unquantized
+    to = "FP8 at the stored static input_scale" if algo == "FP8" else "FP8 per token at run time"
+    for name in ("trtllm_ckpt", "hf_ckpt"):
+        assert f"also quantizes its input to {to}" in m["artifacts"][name]["served_otherwise"], name
+        assert f"- **{name} activations**: served as" in (out.parent / "report.md").read_text()
 
 
 def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_why(tmp_path):

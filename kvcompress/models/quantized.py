@@ -78,14 +78,31 @@ def ct_nvfp4(q: dict) -> bool:
         and (not g.get("input_activations") or fp4(g["input_activations"])) and not g.get("output_activations") for g in groups)
 
 
-def quantized_activations(model_dir: Path) -> bool:
-    """A checkpoint whose servers also quantize the quantized layers' inputs, which validate runs unquantized: NVFP4 ones
-    whose inputs go to FP4 (ModelOpt quant_algo NVFP4, not W4A16_NVFP4), compressed-tensors ones with input_activations
-    (NVFP4, not NVFP4A16; W8A8 int8, per token)."""
+def served_activations(model_dir: Path) -> tuple[str, str] | None:
+    """(how the checkpoint tells its server, what each quantized layer's input becomes) where a server of the checkpoint as
+    stored also quantizes the quantized layers' inputs, which validate runs unquantized; None where it does not (weight-only
+    formats: W4A16 / W8A16 integers, W4A16_NVFP4, NVFP4A16, GPT-OSS's MXFP4 experts, FP8 weights without input quantization)."""
     q = quantization_config(model_dir) or {}
-    if str(q.get("quant_method", "")).lower() == "modelopt":
-        return str(q.get("quant_algo")).upper() == "NVFP4"
-    return any(g.get("input_activations") for g in (q.get("config_groups") or {}).values())
+    method = str(q.get("quant_method", "")).lower()
+    if method == "modelopt":
+        algo = str(q.get("quant_algo")).upper()
+        return {"NVFP4": ("quant_algo NVFP4", "FP4 (block scales over the stored input_scale)"),
+                "FP8": ("quant_algo FP8", "FP8 at the stored static input_scale")}.get(algo)
+    if method == "fbgemm_fp8":
+        return "fbgemm_fp8", "FP8 per token at run time"
+    if method == "fp8":
+        dynamic = str(q.get("activation_scheme", "dynamic")).lower() == "dynamic"  # block-scaled FP8: per token and block of columns
+        return "quant_method fp8", ("FP8 per token and block of columns at run time" if dynamic else "FP8 at its stored input scales")
+    for g in (q.get("config_groups") or {}).values():
+        a = g.get("input_activations") or {}
+        if not a:
+            continue
+        kind = {("float", 4): "FP4", ("float", 8): "FP8", ("int", 8): "int8"}.get((a.get("type"), int(a.get("num_bits", 0))), "the configured format")
+        scheme = {"FP4": "NVFP4", "FP8": "FP8", "int8": "W8A8"}.get(kind, "quantized")
+        how = ("(block scales over the stored input_global_scale)" if kind == "FP4" else
+               "per token at run time" if a.get("dynamic") is True or a.get("strategy") == "token" else "at the stored input_scale")
+        return f"compressed-tensors {scheme} (input_activations)", f"{kind} {how}"
+    return None
 
 
 def stated_bits(model_dir: Path) -> int | None:

@@ -37,7 +37,7 @@ from kvcompress.kernels.aot import Variant
 from kvcompress.models.base import DTYPES, Geometry
 from kvcompress.models import int_weights
 from kvcompress.models.fused import unfuse
-from kvcompress.models.quantized import quantized_activations, quantization_config, weight_quantization
+from kvcompress.models.quantized import quantization_config, served_activations, weight_quantization
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import launchers, recheck
@@ -814,26 +814,24 @@ def _repackable(ckpt) -> bool:
 
 def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
     """A source with NVFP4 or integer weights (models.nvfp4_weights, models.int_weights): each native checkpoint says whether
-    it keeps them (hf_ckpt: NVFP4 and compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized) or writes
-    them dequantized (`source_nvfp4_weights`, `source_int_weights`); the run warns once where hf_ckpt would be served
-    otherwise than validated (NVFP4 activations) or has integer weights dequantized."""
+    it keeps them (hf_ckpt: NVFP4 and compressed-tensors' as stored, GPTQ's and AWQ's repacked as pack-quantized; trtllm_ckpt:
+    Model Optimizer's NVFP4 MLPs) or writes them dequantized (`source_nvfp4_weights`, `source_int_weights`). Any quantized
+    source whose server quantizes activations (models.quantized.served_activations: W4A4 NVFP4, W8A8 int8, FP8 W8A8): each
+    checkpoint that keeps its weights gets `served_otherwise`, the caveat that it is served otherwise than validated. The
+    run warns once for each."""
     src = lm.streamer.ckpt.dir if lm.streamer is not None else None
-    if src is not None and weight_quantization(src) == "nvfp4":
+    if src is None:
+        return artifacts
+    if weight_quantization(src) == "nvfp4":
         ct = str((quantization_config(src) or {}).get("quant_method")) == "compressed-tensors"
         note = (f"the source's NVFP4 weights are written dequantized, e2m1 code x fp8 block scale {'/' if ct else 'x'} global scale in {dtype}, the values "
                 "validate computed with, activations unquantized as validate ran them")
         kept = ("the source's NVFP4 weights kept as stored (codes, fp8 block scales, global and input scales; the attention projections the fold "
                 f"changes in {dtype}, in {'its ignore list' if ct else 'exclude_modules'}); validate computed with the values they define")
-        acts = _activations_caveat("compressed-tensors NVFP4 (input_activations)" if ct else "quant_algo NVFP4",
-                                   f"FP4 (block scales from the stored {'input_global_scale' if ct else 'input_scale'})", artifacts) if quantized_activations(src) else ""
         for a in artifacts.values():
             if a.get("tier") == "native":
-                a["source_nvfp4_weights"] = kept + acts if a.get("fp8_weights_kept") else note
-                a["served_otherwise"] = bool(acts) and bool(a.get("fp8_weights_kept"))  # its server quantizes activations validate did not
-        kept_by = [name for name, a in artifacts.items() if a.get("served_otherwise")]
-        if kept_by:
-            log.warning("export: %s%s", " and ".join(kept_by), acts.removeprefix(";"))
-    if src is not None and weight_quantization(src) == "int":
+                a["source_nvfp4_weights"] = kept if a.get("fp8_weights_kept") else note
+    if weight_quantization(src) == "int":
         q = quantization_config(src) or {}
         why = int_weights.repack_obstacle(q) if int_weights.layout(q) != "pack-quantized" else None
         note = (f"the source's integer weights are written dequantized, (q - z) * s in {dtype}, the values validate computed with "
@@ -841,7 +839,6 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         kept = ("the source's compressed-tensors integer weights kept as stored (pack-quantized codes, or int-quantized int8 codes, with "
                 f"their scales; the attention projections the fold changes in {dtype}, listed in its ignore list); validate computed with the "
                 "values they define")
-        acts = _activations_caveat("compressed-tensors W8A8 (input_activations)", "int8 per token", artifacts) if quantized_activations(src) else ""
         if int_weights.layout(q) != "pack-quantized":
             kept = (f"the source's {q.get('quant_method')} integer weights written as compressed-tensors pack-quantized, the same codes, zero "
                     f"points and scales (checked to dequantize to the validated weights; the attention projections the fold changes in {dtype}, "
@@ -849,24 +846,29 @@ def _note_source_weights(lm, artifacts: dict, dtype: str) -> dict:
         hf_note = note + (f"; not written pack-quantized: {why}" if why else "")
         for name, a in artifacts.items():
             if a.get("tier") == "native":
-                a["source_int_weights"] = kept + acts if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
-                a["served_otherwise"] = bool(acts) and bool(a.get("fp8_weights_kept"))
+                a["source_int_weights"] = kept if a.get("fp8_weights_kept") else hf_note if name == "hf_ckpt" else note
         if not (artifacts.get("hf_ckpt") or {}).get("fp8_weights_kept"):
             log.warning("export: %s", hf_note)
-        elif acts:
-            log.warning("export: hf_ckpt%s", acts.removeprefix(";"))
+    served = served_activations(src)
+    kept_by = [name for name, a in artifacts.items() if a.get("tier") == "native" and a.get("fp8_weights_kept")]
+    if served and kept_by:
+        caveat = _activations_caveat(*served, artifacts)
+        for name in kept_by:
+            artifacts[name]["served_otherwise"] = caveat
+        log.warning("export: %s: %s", " and ".join(kept_by), caveat)
     return artifacts
 
 
 def _activations_caveat(served: str, to: str, artifacts: dict) -> str:
-    """The manifest's caveat for a kept source whose server quantizes each kept layer's input (W4A4 NVFP4, W8A8 int8); it
-    names the artifacts that serve the activations unquantized, as validate ran them (those with the weights dequantized,
-    and the custom tier's engine)."""
+    """The caveat for checkpoints that keep a source's quantized weights whose server also quantizes each kept layer's input
+    (W4A4 NVFP4, W8A8 int8 or FP8); it names the artifacts that serve the activations unquantized, as validate ran them
+    (those with the weights dequantized, and the custom tier's engine)."""
     plain = [n for n, a in artifacts.items() if a.get("tier") == "native" and not a.get("fp8_weights_kept")]
     plain += ["the custom tier"] if "plugin_bundle" in artifacts else []
-    return (f"; served as {served}, each kept layer also quantizes its input to {to}, which validate and this checkpoint's re-measurement "
-            f"ran unquantized{' (as ' + ' and '.join(plain) + (' serves' if len(plain) == 1 else ' serve') + ' them)' if plain else ''}: the K/V its server caches differ from the "
-            "validated ones by that noise from layer 1 on (not emulated here; export.fp8_weights=dequantize writes them dequantized, served as validated)")
+    as_plain = f" (as {' and '.join(plain)} {'serves' if len(plain) == 1 else 'serve'} them)" if plain else ""
+    return (f"served as {served}, each kept quantized layer also quantizes its input to {to}, which validate and the re-measurement ran "
+            f"unquantized{as_plain}: the K/V its server caches differ from the validated ones by that noise from layer 1 on (not emulated "
+            "here; export.fp8_weights=dequantize writes the weights dequantized, served as validated)")
 
 
 def _text_decoder_note(lm) -> dict:

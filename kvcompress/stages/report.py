@@ -25,7 +25,8 @@ def export_notes(export: dict) -> list[tuple[str, str, bool]]:
     arts = export["artifacts"].items()
     out = [(f"{k} ({v['tier']} tier, from validated {v['validated_as']}, verdict {v['verdict'].upper()})", v["what"], False) for k, v in arts]
     out += [(f"{k} weights", v["weights"], False) for k, v in arts if v.get("fp8_weights_kept") or v.get("fp8_dequantized_why")]
-    out += [(f"{k} source weights", v[n], bool(v.get("served_otherwise"))) for k, v in arts for n in SOURCE_NOTES if v.get(n)]
+    out += [(f"{k} source weights", v[n], False) for k, v in arts for n in SOURCE_NOTES if v.get(n)]
+    out += [(f"{k} activations", v["served_otherwise"], True) for k, v in arts if v.get("served_otherwise")]
     out += [(f"{k} FP8 KV scales", v["kv_scales_unread"], True) for k, v in arts if v.get("kv_scales_unread")]
     out += [(f"{k} FP8 KV scales", v["kv_scale_absorbed"], False) for k, v in arts if v.get("kv_scale_absorbed")]
     out += [(k, f"{side} not folded ({why})", False) for k, v in arts for side in ("keys", "values") if (why := (v.get("fold") or {}).get(f"fold_{side}_off"))]
