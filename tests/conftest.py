@@ -167,6 +167,23 @@ def quantized_tiny_dir(out: Path, quantize, quantization_config: dict) -> tuple[
     return out, expect
 
 
+def trtllm_writer_refuses_changed_weights(ckpt_tensors, state: dict, hf_cfg, out: Path, dtype: str, kv_algo: str) -> None:
+    """TrtllmWriter with a quantized source (`ckpt_tensors`, a streaming Checkpoint) copies layer 0's kept weights when they
+    still define `state`'s values, refuses layer 1 once its down_proj changed, and leaves nothing behind on abort."""
+    from kvcompress.models.base import Geometry
+    from kvcompress.targets.trtllm_ckpt import TrtllmWriter
+
+    w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, Geometry.from_hf_config(hf_cfg), out, 1, dtype, kv_algo,
+                     torch.ones(2), hf_cfg, fp8_source=ckpt_tensors)
+    w.write_layer(state, 0)  # unchanged: copied
+    state = dict(state)
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
+    with pytest.raises(RuntimeError, match="changed before writing"):
+        w.write_layer(state, 1)
+    w.abort()
+    assert not list(out.glob("*.safetensors*"))
+
+
 def modelopt_trtllm_layout(ckpt: Path, out: Path, preset: str) -> tuple[dict, dict]:
     """Model Optimizer's own TensorRT-LLM export of the model a quantized checkpoint defines (read dequantized), quantized with
     its `preset` weight config (FP8_DEFAULT_CFG, NVFP4_DEFAULT_CFG, ...) and an FP8 KV cache, the attention projections

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import loader_reads_as, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tensor_kind, tiny_llama_dir
+from conftest import (loader_reads_as, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, refuses_weight_configs, run_cli, tensor_kind,
+                      tiny_llama_dir, trtllm_writer_refuses_changed_weights)
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
@@ -324,7 +325,7 @@ def test_tensorrt_llm_takes_nvfp4_mlps_only_where_its_layout_defines_the_validat
     from transformers import AutoConfig
 
     from kvcompress.models.base import Geometry
-    from kvcompress.targets.trtllm_ckpt import TrtllmWriter, fp8_mlp
+    from kvcompress.targets.trtllm_ckpt import fp8_mlp
 
     ckpt, expect = _nvfp4_dir(tmp_path)
     hf_cfg = AutoConfig.from_pretrained(str(ckpt))
@@ -341,11 +342,4 @@ def test_tensorrt_llm_takes_nvfp4_mlps_only_where_its_layout_defines_the_validat
     ct, _ = _ct_nvfp4_dir(tmp_path)
     assert "reciprocal of the global scale" in fp8_mlp(Checkpoint(ct), geom, hf_cfg)[1]
     state = {k: c.read(k) for k in c.entries if k.rsplit(".", 1)[-1] not in nv.PARTS}
-    w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, geom, tmp_path / "w", 1, "float16", "INT8", torch.ones(2),
-                     hf_cfg, fp8_source=c)
-    w.write_layer(state, 0)  # unchanged: copied
-    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
-    with pytest.raises(RuntimeError, match="changed before writing"):
-        w.write_layer(state, 1)
-    w.abort()
-    assert not list((tmp_path / "w").glob("*.safetensors*"))
+    trtllm_writer_refuses_changed_weights(c, state, hf_cfg, tmp_path / "w", "float16", "INT8")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import bundle_loader, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, run_cli, tensor_kind
+from conftest import bundle_loader, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, run_cli, tensor_kind, trtllm_writer_refuses_changed_weights
 from kvcompress.errors import UserError
 from kvcompress.models.quantized import weight_quantization
 from kvcompress.models.streaming import Checkpoint
@@ -530,7 +530,7 @@ def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_
     from transformers import AutoConfig
 
     from kvcompress.models.base import Geometry
-    from kvcompress.targets.trtllm_ckpt import TrtllmWriter, fp8_mlp
+    from kvcompress.targets.trtllm_ckpt import fp8_mlp
 
     ckpt, _ = _quantized_dir(tmp_path, BLOCK_FP8 | {"weight_block_size": [32, 32]}, (32, 32))
     out = _export(tmp_path, ckpt, "run")
@@ -546,14 +546,7 @@ def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_
     c = Checkpoint(ok)
     state = {k: c.read(k) for k in c.entries if not k.endswith(("_scale", "input_scale"))}
     assert fp8_mlp(c, Geometry.from_hf_config(hf_cfg), hf_cfg) == ("FP8", "", [0, 1])
-    w = TrtllmWriter({k: torch.empty_like(v, device="meta") for k, v in state.items()}, Geometry.from_hf_config(hf_cfg), tmp_path / "w", 1,
-                     "bfloat16", "FP8", torch.ones(2), hf_cfg, fp8_source=c)
-    w.write_layer(state, 0)  # unchanged: copied
-    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
-    with pytest.raises(RuntimeError, match="changed before writing"):
-        w.write_layer(state, 1)
-    w.abort()
-    assert not list((tmp_path / "w").glob("*.safetensors*"))
+    trtllm_writer_refuses_changed_weights(c, state, hf_cfg, tmp_path / "w", "bfloat16", "FP8")
 
 
 def test_the_export_reads_each_stored_fp8_weight_once(tmp_path, monkeypatch):
