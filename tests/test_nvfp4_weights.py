@@ -140,6 +140,7 @@ def test_an_nvfp4_checkpoint_runs_streamed_and_exports_its_weights_as_stored(tmp
         assert torch.equal(torch.cat([_bytes(r[n + "weights_scaling_factor"]) for r in t2], dim), _bytes(src[k + "weight_scale"]))
         for ours, theirs in (("weights_scaling_factor_2", "weight_scale_2"), ("activation_scaling_factor", "input_scale")):
             assert all(r[n + ours].dtype == torch.float32 and r[n + ours].shape == () and r[n + ours] == src[k + theirs] for r in (t1, *t2))
+    assert "quant_algo NVFP4: 6 e2m1 weights" in arts["trtllm_ckpt"]["weights"] and "Blackwell" in arts["trtllm_ckpt"]["weights"]
     q_trt = json.loads((trt / "tp1" / "config.json").read_text())["quantization"]
     assert q_trt["quant_algo"] == "NVFP4" and q_trt["group_size"] == 16
     mo_q, mo = modelopt_trtllm_layout(plain, tmp_path / "modelopt", "NVFP4_DEFAULT_CFG")

@@ -426,7 +426,8 @@ class TrtllmWriter:
             return {"fp8_weights_kept": True, "weights": f"the source's {kind} MLP weights kept as stored (quant_algo {self.fp8_algo}: "
                     f"{3 * len(self.fp8_layers)} {how}); embedding and, listed in exclude_modules, "
                     f"attention (folded), lm_head{', the MLPs the source keeps unquantized' if len(self.fp8_layers) < self.geom.n_layers else ''}"
-                    f" in {dt}"}
+                    f" in {dt}" + ("; TensorRT-LLM runs NVFP4 GEMMs on Blackwell GPUs (compute capability 10.0 and later) only: for an "
+                                   "earlier GPU, export.fp8_weights=dequantize writes them dequantized" if kind == "NVFP4" else "")}
         if self.fp8_why:
             return {"fp8_weights_kept": False, "fp8_dequantized_why": self.fp8_why, "weights": f"{dt}: the source's FP8 weights dequantized, because {self.fp8_why}"}
         return {"fp8_weights_kept": False, "weights": dt}
