@@ -424,8 +424,11 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
         return out
     int8 = int_weights.int8_names(raw) if fmt == "pack-quantized" else {}
     if int8:  # int8 codes under the weight's own name beside their scale (zero points, g_idx)
-        raw = {k: t for k, t in raw.items() if k not in {p for parts in int8.values() for p in parts.values()}} | {
-            name: int_weights.read_int8(parts, name, list(raw[name].shape), lambda k, lo=None, hi=None: raw[k]) for name, parts in int8.items()}
+        try:
+            raw = {k: t for k, t in raw.items() if k not in {p for parts in int8.values() for p in parts.values()}} | {
+                name: int_weights.read_int8(parts, name, list(raw[name].shape), lambda k, lo=None, hi=None: raw[k]) for name, parts in int8.items()}
+        except ValueError as e:
+            raise WeightsMismatch(f"{hf_dir}: {e}") from None
     if not packed:
         return raw
     out = {k: t for k, t in raw.items() if not int_weights.is_part(k)}
