@@ -22,6 +22,7 @@ packed as int4, then one D/8-byte plane per further bit; signed codes offset-bin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -447,7 +448,16 @@ def fake_quant_values(v: torch.Tensor, bits: int, group: int, coded_min: bool = 
 # ---------------------------------------------------------------- rotated, per-token formats (CompressedCache, validate, the Triton kernels)
 def hadamard_signs(n: int, device=None) -> torch.Tensor:
     """The Sylvester-Hadamard sign matrix [n, n] (n a power of two), float32 entries
-    (-1)**popcount(i & j): symmetric, S @ S = n I. The kernels build the same signs in registers."""
+    (-1)**popcount(i & j): symmetric, S @ S = n I. The kernels build the same signs in registers.
+    A new tensor on every call (rotate reads a shared copy, _signs)."""
+    return _signs(n, str(torch.device(device or "cpu"))).clone()
+
+
+@functools.lru_cache(maxsize=32)
+def _signs(n: int, device: str) -> torch.Tensor:
+    """hadamard_signs built once per size and device: rotate runs on every stored token of every layer (CompressedCache
+    encodes and decodes through it at each generation step), and building the matrix cost more than the product.
+    Shared: never modified in place."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two size; got {n}")
     i = torch.arange(n)
@@ -484,8 +494,8 @@ def rotate(x: torch.Tensor, how: str) -> torch.Tensor:
         D = x.shape[-1]
         b = hadamard_block(D)
         if b == D:
-            return (x.float() @ hadamard_signs(D, x.device)) * D**-0.5
-        return ((x.float().unflatten(-1, (D // b, b)) @ hadamard_signs(b, x.device)) * b**-0.5).flatten(-2)
+            return (x.float() @ _signs(D, str(x.device))) * D**-0.5
+        return ((x.float().unflatten(-1, (D // b, b)) @ _signs(b, str(x.device))) * b**-0.5).flatten(-2)
     raise ValueError(f"unknown rotation {how!r}; allowed: none, hadamard")
 
 

@@ -522,6 +522,9 @@ def test_an_fp8_source_keeps_its_fp8_mlp_in_the_tensorrt_llm_checkpoint(tmp_path
     for name in ("trtllm_ckpt", "hf_ckpt"):
         assert f"also quantizes its input to {to}" in m["artifacts"][name]["served_otherwise"], name
         assert f"- **{name} activations**: served as" in (out.parent / "report.md").read_text()
+        # an fbgemm_fp8 source is written under the names each server reads, and the caveat says so (not "served as fbgemm_fp8")
+        assert ("served as per-channel FP8 (the fbgemm_fp8 source as trtllm_ckpt's quant_algo FP8_PER_CHANNEL_PER_TOKEN and hf_ckpt's "
+                "compressed-tensors FP8)" in m["artifacts"][name]["served_otherwise"]) == (qcfg is FBGEMM), name
 
 
 def test_fp8_sources_tensorrt_llm_cannot_take_as_stored_are_dequantized_and_say_why(tmp_path):

@@ -88,8 +88,9 @@ def served_activations(model_dir: Path) -> tuple[str, str] | None:
         algo = str(q.get("quant_algo")).upper()
         return {"NVFP4": ("quant_algo NVFP4", "FP4 (block scales over the stored input_scale)"),
                 "FP8": ("quant_algo FP8", "FP8 at the stored static input_scale")}.get(algo)
-    if method == "fbgemm_fp8":
-        return "fbgemm_fp8", "FP8 per token at run time"
+    if method == "fbgemm_fp8":  # neither checkpoint is written as fbgemm_fp8: the same tensors under the names their servers read
+        return ("per-channel FP8 (the fbgemm_fp8 source as trtllm_ckpt's quant_algo FP8_PER_CHANNEL_PER_TOKEN and hf_ckpt's "
+                "compressed-tensors FP8)"), "FP8 per token at run time"
     if method == "fp8":
         dynamic = str(q.get("activation_scheme", "dynamic")).lower() == "dynamic"  # block-scaled FP8: per token and block of columns
         return "quant_method fp8", ("FP8 per token and block of columns at run time" if dynamic else "FP8 at its stored input scales")
