@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +37,19 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+@contextmanager
+def uninterruptible():
+    """Ignore further Ctrl-C while cleaning up after an interrupt (a second one must not leave half a temp dir)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def save_artifact(path: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> None:

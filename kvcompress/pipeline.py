@@ -134,7 +134,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
     run_dir = Path(run_dir)
     if "export" in cfg.stages:
-        from kvcompress.stages.export import engine_status
+        from kvcompress.targets.route import engine_status
 
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
@@ -153,7 +153,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
     if "export" in cfg.stages:
-        from kvcompress.stages.export import check_exportable, disk_warning, hf_only, tp_advice
+        from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
 
         cfg.kv.check_geometry(r.lm.geometry.head_dim)  # what the format itself refuses, before what the export cannot carry

@@ -109,7 +109,7 @@ def modelopt_checkpoint(lm, fmt: str, calib_windows: torch.Tensor, out: Path) ->
 def kvcompress_checkpoint(lm, book, out: Path) -> Path:
     """kvcompress's exporter: the native ScaleBook folded and written as a tp=1 TensorRT-LLM checkpoint."""
     from kvcompress.config import ExportConfig
-    from kvcompress.stages.export import write_native_checkpoints
+    from kvcompress.targets.native import write_native_checkpoints
 
     write_native_checkpoints(lm, lm.geometry, book, book, ExportConfig(), [out / "tp1"], out / "hf", progress=False)
     return out / "tp1"

@@ -327,7 +327,7 @@ def _folded_logit_error(arch: str, ignore_obstacles: bool = False) -> float:
 
 
 def test_the_hf_only_list_is_the_tested_one():
-    from kvcompress.stages.export import HF_ONLY_ARCH
+    from kvcompress.targets.route import HF_ONLY_ARCH
 
     assert set(HF_ONLY_ARCH) == set(HF_ONLY_TYPES) | {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 
@@ -347,7 +347,7 @@ def test_a_blocked_half_of_the_fold_is_left_unfolded(arch):
 
     from conftest import ROOT
     from kvcompress.spec import KVSpec
-    from kvcompress.stages.export import export_route
+    from kvcompress.targets.route import export_route
     from kvcompress.stages.fit import native_tensors
 
     assert _folded_logit_error(arch, ignore_obstacles=True) > 1e-2

@@ -508,7 +508,7 @@ def test_export_routes_what_a_llama_checkpoint_cannot_carry_to_the_fp8_hf_checkp
     alone (export_route): kv=native_fp8 passes, any other kv is one line naming why and both ways out."""
     from kvcompress.errors import UserError
     from kvcompress.models.tiny import build_tiny
-    from kvcompress.stages.export import check_exportable, hf_only
+    from kvcompress.targets.route import check_exportable, hf_only
 
     def full(model):  # every artifact
         assert not hf_only(model)
@@ -610,16 +610,16 @@ def test_a_perturbed_scale_in_the_written_checkpoint_fails_the_export(tmp_path, 
     from kvcompress.config import to_run_config
     from kvcompress.errors import UserError
     from kvcompress.pipeline import run
-    from kvcompress.stages import export as export_stage
+    from kvcompress.targets.trtllm_ckpt import TrtllmWriter
 
-    real = export_stage.TrtllmWriter.__init__
+    real = TrtllmWriter.__init__
 
     def perturbed(self, meta, geom, out_dir, tp, dtype, algo, scales, hf_config, **kw):
         bad = scales.clone()
         bad[0] /= 8.0
         real(self, meta, geom, out_dir, tp, dtype, algo, bad, hf_config, **kw)
 
-    monkeypatch.setattr(export_stage.TrtllmWriter, "__init__", perturbed)
+    monkeypatch.setattr(TrtllmWriter, "__init__", perturbed)
     from omegaconf import OmegaConf
     from hydra import compose, initialize_config_dir
 
@@ -885,10 +885,11 @@ def test_a_variant_whose_decode_kernel_needs_a_stack_frame_is_recompiled_with_a_
     compiler's choice can't be forced). The bundle compiles that variant again with half the tile,
     the same tile everywhere (kernels, variant header, kit), and the no-spill check passes and says so."""
     from conftest import fitted_book, tiny_lm
-    from kvcompress.stages import export as export_stage
-    from kvcompress.stages.export import Checks, plugin_bundle
+    from kvcompress.targets import bundle
+    from kvcompress.targets.bundle import plugin_bundle
+    from kvcompress.targets.checks import Checks
 
-    real, seen = export_stage._aot_compile, []
+    real, seen = bundle._aot_compile, []
 
     def first_decode_has_a_stack_frame(out, archs, variants):
         real(out, archs, variants)
@@ -902,7 +903,7 @@ def test_a_variant_whose_decode_kernel_needs_a_stack_frame_is_recompiled_with_a_
                         k.update(stack=8, spills=True)
                 path.write_text(json.dumps(meta))
 
-    monkeypatch.setattr(export_stage, "_aot_compile", first_decode_has_a_stack_frame)
+    monkeypatch.setattr(bundle, "_aot_compile", first_decode_has_a_stack_frame)
     lm = tiny_lm("llama", heads=3, kv_heads=1, head_dim=64)
     book = fitted_book(lm, name="k4g64", key={"bits": 4}, value={"bits": 4, "group_size": 64}, outlier_channels=2)
     checks = Checks()
@@ -916,10 +917,10 @@ def test_a_variant_whose_decode_kernel_needs_a_stack_frame_is_recompiled_with_a_
 
 
 def test_a_spilling_capped_decode_kernel_is_rebuilt_uncapped_before_its_tile_shrinks():
-    """export.retile: a variant under plan.decode_maxnreg's cap whose decode kernel spilled is first rebuilt without the cap
+    """bundle.retile: a variant under plan.decode_maxnreg's cap whose decode kernel spilled is first rebuilt without the cap
     (the cap is a residency choice, not a need), then, still spilling, with half the token tile down to 16; others unchanged."""
     from kvcompress.kernels.aot import Variant
-    from kvcompress.stages.export import retile
+    from kvcompress.targets.bundle import retile
 
     grp = Variant("d128_g8_wf4", 128, 8, 4, 4, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128)
     static = Variant("d128_g8_int8k_int4v", 128, 8, 8, 4, 32, 4, 128, 0)
@@ -939,7 +940,7 @@ def test_tp_advice_names_the_smallest_tensor_parallel_size_that_fits_and_the_sha
     from types import SimpleNamespace
 
     from kvcompress.models.base import Geometry
-    from kvcompress.stages.export import tp_advice
+    from kvcompress.targets.route import tp_advice
 
     geom = Geometry(n_layers=1, n_heads=8, n_kv_heads=8, head_dim=32, hidden_size=256, vocab_size=260, max_position=4096, rope_theta=1e4, architecture="LlamaForCausalLM")
     cfg = SimpleNamespace(intermediate_size=1024)
@@ -960,7 +961,7 @@ def test_the_export_checks_the_disk_before_writing(tmp_path, monkeypatch):
     from collections import namedtuple
 
     from kvcompress.errors import UserError
-    from kvcompress.stages.export import check_disk, disk_warning, export_disk
+    from kvcompress.targets.route import check_disk, disk_warning, export_disk
 
     assert export_disk(10**9, [1, 2], False, 2) == 6e9 and export_disk(10**9, [1, 2], True, 2) == 2e9
     usage = namedtuple("usage", "total used free")

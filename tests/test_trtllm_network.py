@@ -255,7 +255,7 @@ def test_shipped_cache_buffers_take_the_bytes_the_report_counts(tiny_stats, base
     from kvcompress.config import kv_preset
     from kvcompress.models.base import Geometry
     from kvcompress.spec import mixed_spec
-    from kvcompress.stages.export import bundle_variants
+    from kvcompress.targets.bundle import bundle_variants
     from kvcompress.stages.fit import fit
 
     import kvcompress.reference as ref
@@ -361,7 +361,7 @@ def test_network_graph_with_per_layer_formats_decodes_like_the_validated_cache(t
     CompressedCache with the same per-layer book; and each layer is wired to its own namespace.
     kv.value.rotate=hadamard: every layer's value rotation folded into its W_v/W_o (kv=auto with rotated values)."""
     from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
-    from kvcompress.stages.export import bundle_variants
+    from kvcompress.targets.bundle import bundle_variants
     from kvcompress.stages.fit import fit
     from kvcompress.stages.profile import profile
     from kvcompress.data import load_texts
@@ -405,7 +405,7 @@ def test_network_graph_with_an_fp16_layer_decodes_like_the_validated_cache(tmp_p
     holds its fp16 K and V; layout.py), and the network decodes like CompressedCache, whose fp16 layers keep every
     token in fp16. Negative: the same network with that layer quantized (k8v4 in its place) is > 10x further off."""
     from kvcompress.spec import KVSpec, LayerFormat, mixed_spec
-    from kvcompress.stages.export import bundle_variants
+    from kvcompress.targets.bundle import bundle_variants
     from kvcompress.stages.fit import fit
     from kvcompress.stages.profile import profile
     from kvcompress.data import load_texts
@@ -451,7 +451,7 @@ def test_grouped_network_graph_decodes_like_the_validated_cache(tmp_path, mean):
     """kv=wf4's family (and kv=wf5's: 40-byte key rows, 5-bit values in bit planes; kv=wf3's: 3-bit values as three planes) in the custom-tier network: KvcAppend / KvcDecodeAttention with the per-channel key widths
     and bit offsets (plugin_params k_bits, k_offsets), 10 cache buffers per layer, a key group written whole when
     its first token leaves the window; decodes like CompressedCache on tokens that cross into the store."""
-    from kvcompress.stages.export import bundle_variants
+    from kvcompress.targets.bundle import bundle_variants
 
     lm = tiny_lm("llama")
     with torch.no_grad():  # sharper attention: a random tiny model attends almost uniformly, so wrong keys would barely move its logits
@@ -517,7 +517,7 @@ def test_per_token_network_graph_decodes_like_the_validated_cache(tmp_path, kw):
     KvcDecodeAttention reading q and the query rotated in the graph (plugin_params q_rotation), 9 cache buffers with
     each token's key scales; decodes like CompressedCache across the window. Negative: the unrotated query where the
     rotated one belongs (an identity q_rotation) is refused by the reference plugin."""
-    from kvcompress.stages.export import bundle_variants
+    from kvcompress.targets.bundle import bundle_variants
 
     lm = tiny_lm("llama")
     book = fitted_book(lm, name="rot", **kw)

@@ -117,7 +117,7 @@ def trtllm_architecture(hf_cfg) -> str:
     """The checkpoint's `architecture`: Qwen2 and Qwen3 keep their own (TensorRT-LLM's QWen class: qwen_type qwen2
     is the Llama layer with q/k/v biases, qwen3 the Llama layer with an RMSNorm on each head's q and k before RoPE,
     the same tensor names plus attention.q_layernorm/k_layernorm); Llama and Mistral without a sliding window, and
-    Phi-3/Phi-4 with full-width default RoPE (export.check_exportable), are written as Llama, the same forward.
+    Phi-3/Phi-4 with full-width default RoPE (targets.route.check_exportable), are written as Llama, the same forward.
     Mixtral keeps its name (TensorRT-LLM's Llama class with a mixture-of-experts MLP), and so does Qwen3-MoE (the QWen
     class, qwen_type qwen3_moe: Qwen3's attention, an expert MLP in every layer) and Qwen2-MoE (qwen_type qwen2_moe: Qwen2's
     attention, experts and a gated shared expert in every layer)."""

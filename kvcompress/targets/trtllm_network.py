@@ -222,7 +222,7 @@ def _safetensors_header(path: Path) -> dict:
 
 def _reader(name: str):
     """kvcompress.models.<name> (a weight format's reader: fp8_weights, int_weights, nvfp4_weights), or in the bundle the
-    <name>.py copied beside this file (export.WEIGHT_READERS)."""
+    <name>.py copied beside this file (targets.bundle.WEIGHT_READERS)."""
     import importlib
 
     try:
