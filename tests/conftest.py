@@ -168,7 +168,7 @@ def quantized_tiny_dir(out: Path, quantize, quantization_config: dict) -> tuple[
 
 
 def trtllm_writer_refuses_changed_weights(ckpt_tensors, state: dict, hf_cfg, out: Path, dtype: str, kv_algo: str) -> None:
-    """TrtllmWriter with a quantized source (`ckpt_tensors`, a streaming Checkpoint) copies layer 0's kept weights when they
+    """TrtllmWriter with a quantized source (`ckpt_tensors`, a models.checkpoint.Checkpoint) copies layer 0's kept weights when they
     still define `state`'s values, refuses layer 1 once its down_proj changed, and leaves nothing behind on abort."""
     from kvcompress.models.base import Geometry
     from kvcompress.targets.trtllm_ckpt import TrtllmWriter
@@ -192,7 +192,7 @@ def modelopt_trtllm_layout(ckpt: Path, out: Path, preset: str) -> tuple[dict, di
 
     from safetensors.torch import load_file
 
-    from kvcompress.models.streaming import Checkpoint
+    from kvcompress.models.checkpoint import Checkpoint
 
     mtq = pytest.importorskip("modelopt.torch.quantization")
     from modelopt.torch.export import export_tensorrt_llm_checkpoint

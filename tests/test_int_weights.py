@@ -14,7 +14,7 @@ from conftest import bundle_loader, loader_reads_as, plain_copy, quantized_tiny_
 from kvcompress.errors import UserError
 from kvcompress.models import int_weights as iw
 from kvcompress.models.quantized import weight_quantization
-from kvcompress.models.streaming import Checkpoint
+from kvcompress.models.checkpoint import Checkpoint
 
 import compressed_tensors  # noqa: E402,F401  (the dev extra: the format's reference; the reader itself needs no library)
 

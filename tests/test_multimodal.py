@@ -46,7 +46,7 @@ def test_a_multimodal_checkpoint_is_read_as_its_text_decoder(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kvcompress.models.hf_dir import check_dir, load_hf_dir
-    from kvcompress.models.streaming import Checkpoint
+    from kvcompress.models.checkpoint import Checkpoint
 
     d = gemma3_dir(tmp_path)
     cfg = ModelConfig(name="mm", source="hf_dir", path=str(d), dtype="float32", device="cpu", streaming=False)

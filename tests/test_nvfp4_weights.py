@@ -15,7 +15,7 @@ from conftest import (loader_reads_as, modelopt_trtllm_layout, plain_copy, quant
 from kvcompress.errors import UserError
 from kvcompress.models import nvfp4_weights as nv
 from kvcompress.models.quantized import weight_quantization
-from kvcompress.models.streaming import Checkpoint
+from kvcompress.models.checkpoint import Checkpoint
 
 
 def _quantize(w: torch.Tensor):

@@ -76,6 +76,41 @@ def test_rope_pairs_are_read_from_the_models_own_rope():
         assert torch.equal(rope_pairs_of(lm.model, lm.geometry), pairs), kind
 
 
+def test_a_rope_the_probe_cannot_read_is_assumed_half_split_and_says_so(monkeypatch, caplog):
+    """Where the model's RoPE cannot be probed (its apply_rotary_pos_emb raises, or turns channels without one mutual partner
+    each), profile assumes Llama's half-split pairs and warns once per model class, naming why."""
+    import sys
+
+    from conftest import tiny_lm
+
+    from kvcompress.stages import profile as profile_mod
+
+    lm = tiny_lm("llama")
+    modeling = sys.modules[type(lm.model.model.layers[0].self_attn).__module__]
+    monkeypatch.setattr(profile_mod, "_ASSUMED", set())
+
+    def broken(*a, **kw):
+        raise RuntimeError("custom kernel only")
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", broken)
+    with caplog.at_level("WARNING", logger="kvcompress"):
+        first = profile_mod.rope_pairs_of(lm.model, lm.geometry)
+        again = profile_mod.rope_pairs_of(lm.model, lm.geometry)
+    assert torch.equal(first, ref.rope_pairs(32)) and torch.equal(again, first)
+    warned = [r.getMessage() for r in caplog.records if "RoPE could not be read" in r.getMessage()]
+    assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "RuntimeError: custom kernel only" in warned[0], warned
+
+    def scrambled(q, k, cos, sin, *a, **kw):  # every channel also leaks into all the others: no pair structure to read
+        return q + q.sum(-1, keepdim=True), k
+
+    monkeypatch.setattr(profile_mod, "_ASSUMED", set())
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", scrambled)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvcompress"):
+        assert torch.equal(profile_mod.rope_pairs_of(lm.model, lm.geometry), ref.rope_pairs(32))
+    assert any("exactly one partner" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("kind", ["phi", "cohere", "glm"])
 def test_keys_do_not_clip_at_positions_the_calibration_never_saw(kind):
     """Tiny Phi (rotary 16 of 32 channels), Cohere (interleaved) and GLM (both): the sampled calibration keys, turned

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from conftest import bundle_loader, modelopt_trtllm_layout, plain_copy, quantized_tiny_dir, run_cli, tensor_kind, trtllm_writer_refuses_changed_weights
 from kvcompress.errors import UserError
 from kvcompress.models.quantized import weight_quantization
-from kvcompress.models.streaming import Checkpoint
+from kvcompress.models.checkpoint import Checkpoint
 
 
 def _quantized_dir(tmp_path: Path, qcfg: dict, block: tuple[int, int] | str | None, name: str = "fp8", scale_suffix: str = "_scale_inv",
@@ -560,24 +560,23 @@ def test_the_export_reads_each_stored_fp8_weight_once(tmp_path, monkeypatch):
 
     from conftest import ROOT
     from kvcompress.config import to_run_config
-    from kvcompress.models import streaming
     from kvcompress.pipeline import run
     from kvcompress.stages import export as export_stage
 
     ckpt, _ = _quantized_dir(tmp_path, MODELOPT, None, scale_suffix="_scale", input_scale=True)
     reads: dict[str, int] = {}
-    real_read, real_write = streaming.Checkpoint._read_stored, export_stage.write_native_checkpoints
+    real_read, real_write = Checkpoint._read_stored, export_stage.write_native_checkpoints
 
     def counting(self, key, lo, hi):
         reads[key] = reads.get(key, 0) + 1
         return real_read(self, key, lo, hi)
 
     def write(*a, **kw):  # count the export's reads only (profile and validate stream the layers many times)
-        monkeypatch.setattr(streaming.Checkpoint, "_read_stored", counting)
+        monkeypatch.setattr(Checkpoint, "_read_stored", counting)
         try:
             return real_write(*a, **kw)
         finally:
-            monkeypatch.setattr(streaming.Checkpoint, "_read_stored", real_read)
+            monkeypatch.setattr(Checkpoint, "_read_stored", real_read)
 
     monkeypatch.setattr(export_stage, "write_native_checkpoints", write)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

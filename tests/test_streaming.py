@@ -20,7 +20,8 @@ from kvcompress.config import ModelConfig
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import streaming
 from kvcompress.models.base import Geometry, LoadedModel
-from kvcompress.models.streaming import Checkpoint, load_streamed
+from kvcompress.models.checkpoint import Checkpoint
+from kvcompress.models.streaming import load_streamed
 from kvcompress.models.tiny import build_tiny
 from kvcompress.models.tokenizer import ByteTokenizer
 from kvcompress.spec import KVSpec, native_spec

@@ -11,7 +11,8 @@ from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.multimodal import DECODER_KEYS, text_config, text_config_dict
 from kvcompress.models.quantized import weight_quantization
-from kvcompress.models.streaming import Checkpoint, load_streamed, should_stream
+from kvcompress.models.checkpoint import Checkpoint
+from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
 def check_dir(cfg) -> Path:

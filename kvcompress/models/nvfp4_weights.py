@@ -29,7 +29,7 @@ ROLES = ("codes", "scale", "global", "input")  # what packed_names maps to store
 
 
 def _dtype(entry) -> str | None:
-    """The safetensors dtype string of a streaming Checkpoint entry (path, header, start), a bare header, or a tensor."""
+    """The safetensors dtype string of a Checkpoint entry (models.checkpoint) (path, header, start), a bare header, or a tensor."""
     if entry is None:
         return None
     if isinstance(entry, torch.Tensor):

@@ -1,6 +1,7 @@
 """profile: run calibration windows through the model and stream KVStats (post-RoPE K/V)."""
 from __future__ import annotations
 
+import logging
 import math
 import sys
 
@@ -14,6 +15,8 @@ from kvcompress.models.observe import ObservingCache, attention_hook, prerope_ke
 from kvcompress.provenance import base_provenance
 from kvcompress.reference import rope_pairs
 from kvcompress.stats import KVStats, StatsAccumulator
+
+log = logging.getLogger("kvcompress")
 
 
 def sample_positions(n_rows: int, seq_len: int, per_row: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +153,20 @@ def key_norm_offset(model) -> float:
     return round(float((probe(x).float() * sign).mean()), 3)
 
 
+_ASSUMED: set[str] = set()  # model classes whose RoPE layout was assumed (warned once each)
+
+
+def _assumed(model, default: torch.Tensor, why: str) -> torch.Tensor:
+    """rope_pairs_of's fallback: the half-split pairs, with a warning (once per model class) that they were assumed."""
+    name = type(model).__name__
+    if name not in _ASSUMED:
+        _ASSUMED.add(name)
+        log.warning("profile: %s's RoPE could not be read (%s); assuming it rotates channel pairs (i, i + rotary_dim/2), as Llama does. "
+                    "If it pairs channels otherwise, tied key scales may not bound keys at unseen positions and the fold may not be exact "
+                    "(the export's re-measurement would catch an inexact fold)", name, why)
+    return default
+
+
 def rope_pairs_of(model, g) -> torch.Tensor:
     """[2, D/2]: the channels each RoPE pair of the model rotates together, found by probing the model's own RoPE:
     its rotary module's cos/sin at position 1 and its modeling code's apply_rotary_pos_emb applied to the unit
@@ -173,16 +190,18 @@ def rope_pairs_of(model, g) -> torch.Tensor:
         except TypeError:  # per layer type (Gemma 3): every type rotates the same channels
             cos, sin = rotary(x, pos, layer_type=(getattr(model.config, "layer_types", None) or ["full_attention"])[0])
         out = fn(x, x, cos.float(), sin.float())[0][0, 0].cpu()  # row t: e_t turned by RoPE
-    except Exception:  # a RoPE this probe cannot drive: the half-split default
+    except Exception as e:  # a RoPE this probe cannot drive: the half-split default, said once per model class
+        return _assumed(model, default, f"probing it raised {type(e).__name__}: {str(e)[:120]}")
+    if out.is_meta:  # a streamed model's empty rotary module: nothing to probe (its config's layout is the default's)
         return default
-    if out.shape != (r, r) or out.is_meta:
-        return default
+    if out.shape != (r, r):
+        return _assumed(model, default, f"its output has shape {tuple(out.shape)}, not ({r}, {r})")
     off = (out != 0) & ~torch.eye(r, dtype=torch.bool)
     if not bool((off.sum(1) == 1).all()):
-        return default
+        return _assumed(model, default, "it does not turn each channel with exactly one partner")
     partner = off.float().argmax(1)
     if not torch.equal(partner[partner], torch.arange(r)):
-        return default
+        return _assumed(model, default, "its channel partners are not mutual")
     first = torch.nonzero(torch.arange(r) < partner).flatten()
     pairs = torch.stack([first, partner[first]])
     return torch.cat([pairs, default[:, r // 2 :]], 1) if r < D else pairs

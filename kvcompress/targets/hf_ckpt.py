@@ -184,7 +184,7 @@ class HFWriter:
         for i in range(len(kv_scale)):
             plan[f"model.layers.{i}.self_attn.k_proj.k_scale"] = (torch.float32, ())
             plan[f"model.layers.{i}.self_attn.v_proj.v_scale"] = (torch.float32, ())
-        # fp8_source (the source's streaming Checkpoint): its float8 weights the fold leaves alone are copied as stored
+        # fp8_source (the source's models.checkpoint.Checkpoint): its float8 weights the fold leaves alone are copied as stored
         self.src, self.kept, self.kept_mx, self.kept_int, self.unquantized = fp8_source, {}, {}, {}, set()
         self.repacked: dict[str, dict[str, str]] = {}  # a GPTQ / AWQ weight -> its pack-quantized tensors' names (int_weights.repack)
         self.kept_nv: dict[str, list[str]] = {}  # an NVFP4 weight kept as stored -> its stored codes and scales (nvfp4_weights.stored)

@@ -17,7 +17,8 @@ import torch
 
 from kvcompress.eval.attention import eval_call
 from kvcompress.eval.metrics import Baseline, QualityAccumulator, score_hidden
-from kvcompress.models.streaming import Checkpoint, LayerStreamer, build_empty, final_logits, passes_for
+from kvcompress.models.checkpoint import Checkpoint
+from kvcompress.models.streaming import LayerStreamer, build_empty, final_logits, passes_for
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import ALGO_FORMAT
 from kvcompress.spec import native_spec

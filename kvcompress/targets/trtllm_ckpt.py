@@ -333,7 +333,7 @@ class TrtllmWriter:
         self.geom, self.dir, self.tp, self.dtype_name, self.dtype = geom, Path(out_dir), tp, dtype, DTYPES[dtype]
         self.kv_algo, self.kv_scales, self.hf_config = kv_algo, kv_scales, hf_config
         self.vocab = meta_state["model.embed_tokens.weight"].shape[0]
-        # fp8_source (the FP8 source's streaming Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
+        # fp8_source (the FP8 source's models.checkpoint.Checkpoint): its MLP weights kept as stored where TensorRT-LLM's FP8 takes them
         self.fp8_algo, self.fp8_why, self.fp8_layers = (None, None, []) if fp8_source is None else fp8_mlp(fp8_source, geom, hf_config, tp)
         self.src = fp8_source if self.fp8_algo else None
         self.clamp_val = None  # Meta's fbgemm_fp8 bounds activations before quantizing them per token, as TensorRT-LLM's converter carries it

@@ -103,7 +103,7 @@ class TrtllmAsHF:
     Names and splits are undone exactly as merge_shards does (fc = gate_proj, gate = up_proj)."""
 
     def __init__(self, ckpt: Path):
-        from kvcompress.models.streaming import Checkpoint
+        from kvcompress.models.checkpoint import Checkpoint
 
         self.dir = Path(ckpt)
         self.cfg = read_config(ckpt)
