@@ -225,9 +225,10 @@ def loader_reads_as(tmp_path: Path, ckpt: Path, expect: dict, modules: list[str]
     Returns the loader's tensors."""
     from safetensors.torch import load_file
 
+    from kvcompress.targets import network_weights as nw
     from kvcompress.targets import trtllm_network as tn
 
-    out = tn.dequantize_packed(tn.dequantize_fp8(tn.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt), ckpt), ckpt)
+    out = nw.dequantize_packed(nw.dequantize_fp8(nw.dequantize_nvfp4(load_file(str(ckpt / "model.safetensors")), ckpt), ckpt), ckpt)
     for k, w in expect.items():
         assert torch.equal(out[k], w), k
     spec = {"variant": {"n_sink": 0, "window": 0, "key_bits": 8, "value_bits": 4, "group": 16, "n_out": 0},
@@ -256,16 +257,18 @@ def refuses_weight_configs(ckpt: Path, changes: list[dict]) -> None:
 
 
 def bundle_loader(tmp_path: Path, modules: list[str], ckpt: Path, function: str, key: str) -> float:
-    """trtllm_network.<function>(the checkpoint's tensors, its directory)[key]'s sum (float64), run in a fresh interpreter with
-    kvcompress blocked and only `modules` (paths under kvcompress/) beside trtllm_network.py: as build_engine.py runs it
-    from the plugin bundle on a GPU host."""
+    """network_weights.<function>(the checkpoint's tensors, its directory)[key]'s sum (float64), run in a fresh interpreter with
+    kvcompress blocked and only `modules` (paths under kvcompress/) beside the network's files (targets.bundle.NETWORK_FILES):
+    as build_engine.py runs it from the plugin bundle on a GPU host (importing trtllm_network.py, which imports the others)."""
+    from kvcompress.targets.bundle import NETWORK_FILES
+
     bundle = tmp_path / "bundle"
     bundle.mkdir()
-    for f in ["targets/trtllm_network.py", *modules]:
+    for f in [*(f"targets/{n}" for n in NETWORK_FILES), *modules]:
         (bundle / Path(f).name).write_bytes((ROOT / "kvcompress" / f).read_bytes())
     code = ("import sys; sys.modules['kvcompress'] = None; sys.path.insert(0, sys.argv[1]); import torch, trtllm_network as tn; "
-            "from safetensors.torch import load_file; from pathlib import Path; "
-            f"o = tn.{function}(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
+            "import network_weights as nw; from safetensors.torch import load_file; from pathlib import Path; "
+            f"o = nw.{function}(load_file(sys.argv[2] + '/model.safetensors'), Path(sys.argv[2])); "
             f"print(float(o[{key!r}].double().sum()))")
     p = subprocess.run([sys.executable, "-c", code, str(bundle), str(ckpt)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]

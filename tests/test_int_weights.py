@@ -179,12 +179,13 @@ def test_an_int4_checkpoint_exports_its_integer_weights_as_stored(tmp_path):
 
 
 def test_the_custom_tier_weight_loader_dequantizes_packed_weights_as_the_bundle_ships_it(tmp_path):
-    """build_engine.py --tier custom reads the model's own HF directory (trtllm_network.load_hf_weights): pack-quantized
+    """build_engine.py --tier custom reads the model's own HF directory (network_weights.load_hf_weights): pack-quantized
     weights come out as the library's decompression, their parts dropped, and engine_memory counts them as the fp16
     weights the loader makes; in the bundle, without kvcompress installed, through the int_weights.py copied beside
     trtllm_network.py."""
 
-    from kvcompress.targets.trtllm_network import dequantize_packed, engine_memory
+    from kvcompress.targets.network_weights import dequantize_packed
+    from kvcompress.targets.trtllm_network import engine_memory
 
     ckpt, expect = _int_dir(tmp_path, 4, "group", 32, False)
     raw = load_file(str(ckpt / "model.safetensors"))
@@ -419,7 +420,7 @@ def test_gptq_and_awq_checkpoints_are_read_and_run_as_their_dequantized_model(tm
     """A GPTQ / AWQ checkpoint: the streaming reader's weights and the custom tier's loader give the reference layers'
     weights; a streamed run measures the perplexity of those weights written plain, and exports them dequantized with its
     checks passing. AWQ's GEMV layout is one line."""
-    from kvcompress.targets.trtllm_network import dequantize_packed
+    from kvcompress.targets.network_weights import dequantize_packed
 
     ckpt, expect = _qweight_dir(tmp_path, fmt)
     assert weight_quantization(ckpt) == "int"
@@ -496,7 +497,7 @@ def test_an_int4_mixture_of_experts_reads_its_experts_through_the_models_convers
 def test_the_engine_memory_counts_a_gptq_weight_at_its_dense_shape(tmp_path):
     """engine_memory's shapes from the safetensors headers alone: a 3-bit GPTQ qweight [in * 3 / 32, out] (its words hold
     a non-integral count of codes) is the weight [out, in]; AWQ's [in, out / 8] too; their parts are not counted."""
-    from kvcompress.targets.trtllm_network import dense_shapes
+    from kvcompress.targets.network_weights import dense_shapes
 
     for q, shapes, want in (({"quant_method": "gptq", "bits": 3}, {"m.qweight": [9, 64], "m.qzeros": [3, 6], "m.scales": [3, 64], "m.g_idx": [96]}, [64, 96]),
                             ({"quant_method": "awq", "bits": 4}, {"m.qweight": [96, 8], "m.qzeros": [3, 8], "m.scales": [3, 64]}, [64, 96])):

@@ -71,7 +71,7 @@ def _reads_as(tmp_path: Path, ckpt: Path, expect: dict, parts: tuple[str, ...]) 
 
 
 def test_an_nvfp4_checkpoint_is_read_dequantized(tmp_path):
-    """The streaming reader and the custom tier's loader (trtllm_network.dequantize_nvfp4, as the bundle ships it: without
+    """The streaming reader and the custom tier's loader (network_weights.dequantize_nvfp4, as the bundle ships it: without
     kvcompress installed) read Model Optimizer's values at the weight's [out, in] shape, the scales dropped; the engine's
     memory counts the fp16 weight the loader makes; another block size is refused in one line."""
 

@@ -130,11 +130,11 @@ def test_kv_only_quantization_and_unscaled_float8():
 
 
 def test_the_custom_tier_weight_loader_dequantizes_as_the_bundle_ships_it(tmp_path):
-    """build_engine.py --tier custom reads the model's own HF directory (trtllm_network.load_hf_weights): FP8 weights come
+    """build_engine.py --tier custom reads the model's own HF directory (network_weights.load_hf_weights): FP8 weights come
     out as the values their scales define, the scale tensors dropped; in the bundle, without kvcompress installed,
     through the fp8_weights.py copied beside trtllm_network.py."""
 
-    from kvcompress.targets.trtllm_network import dequantize_fp8
+    from kvcompress.targets.network_weights import dequantize_fp8
 
     ckpt, expect = _quantized_dir(tmp_path, BLOCK_FP8, (64, 64))
     raw = load_file(str(ckpt / "model.safetensors"))

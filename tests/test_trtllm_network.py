@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, fitted_book, tiny_lm
 
 from kvcompress.kernels.layout import PackedKV
+from kvcompress.targets import network_check as nc
 from kvcompress.targets import network_oracle as no
 from kvcompress.targets import trtllm_network as tn
 from kvcompress.targets.trtllm_reader import rope_inv_freq
@@ -209,14 +210,16 @@ def test_value_rotation_folded_into_the_weights_decodes_like_the_validated_cache
     unfolded, _ = _bundle(tmp_path / "unfolded", lm, book, {"value_rotation": "none"})
     other = no.check_network(unfolded, hf, lm.model, book, prompt, max_new_tokens=8)
     assert other["kl_mean"] > 10 * max(res["kl_mean"], 1e-7), (other["kl_mean"], res["kl_mean"])
-    real = tn._fold_value_rotation
+    from kvcompress.targets import network_weights as nw
+
+    real = nw._fold_value_rotation
 
     def without_wo(w, raw, t, i, a, R):
         wo = w[f"{i}.wo"]
         real(w, raw, t, i, a, R)
         w[f"{i}.wo"] = wo
 
-    monkeypatch.setattr(tn, "_fold_value_rotation", without_wo)
+    monkeypatch.setattr(nw, "_fold_value_rotation", without_wo)
     wrong = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8)
     assert wrong["kl_mean"] > 100 * max(res["kl_mean"], 1e-7), (wrong["kl_mean"], res["kl_mean"])
 
@@ -661,7 +664,7 @@ def test_the_engine_check_file_and_its_comparison(tmp_path, monkeypatch):
     fails a step that reads the cache one position off (RoPE at the wrong angle), and one whose values are dropped."""
     lm = tiny_lm("llama")
     V = lm.model.config.vocab_size
-    monkeypatch.setattr(tn, "CHECK_TOP_K", V // 4)  # the tiny vocabulary: keep a quarter, so the rest bucket is exercised
+    monkeypatch.setattr(nc, "CHECK_TOP_K", V // 4)  # the tiny vocabulary: keep a quarter, so the rest bucket is exercised
     book = fitted_book(lm, **SPEC)
     bundle, hf = _bundle(tmp_path, lm, book)
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
@@ -736,7 +739,7 @@ def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tm
     assert rc == 1 and out.out.startswith("FAIL: the engine vs the validated decoding"), out
     # a check file from another export (a larger vocabulary) and an engine too short for the tokens: one line, exit 2
     ids, ref, meta = tn.load_check(bundle / tn.CHECK_FILE)
-    tn.save_check(tmp_path / "other.safetensors", ids, ref | {"idx": ref["idx"] + 10**6}, meta)
+    nc.save_check(tmp_path / "other.safetensors", ids, ref | {"idx": ref["idx"] + 10**6}, meta)
     rc, out = run("--check-file", str(tmp_path / "other.safetensors"))
     assert rc == 2 and out.err.count("\n") == 1 and "past the engine's vocabulary" in out.err, out.err
     (eng / "config.json").write_text(json.dumps({"bundle": str(bundle), "max_seq_len": 8}))

@@ -10,8 +10,8 @@ logits (tested). The export then writes a text-only checkpoint of that class and
 from __future__ import annotations
 
 # stored -> the text model's names; the one mapping lives beside the custom-tier network, which runs alone on the GPU host
-from kvcompress.targets.trtllm_network import TEXT_DECODER_KEYS as DECODER_KEYS  # noqa: F401 (hf_dir's key_mapping)
-from kvcompress.targets.trtllm_network import text_decoder_name as decoder_name  # noqa: F401 (checkpoint.Checkpoint)
+from kvcompress.targets.network_weights import TEXT_DECODER_KEYS as DECODER_KEYS  # noqa: F401 (hf_dir's key_mapping)
+from kvcompress.targets.network_weights import text_decoder_name as decoder_name  # noqa: F401 (checkpoint.Checkpoint)
 
 
 def text_config_dict(hf: dict) -> dict | None:

@@ -31,7 +31,7 @@ from kvcompress.hashing import file_fingerprint
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import recheck
-from kvcompress.targets.bundle import copy_weight_readers, custom_network, plugin_bundle
+from kvcompress.targets.bundle import copy_network, custom_network, plugin_bundle
 from kvcompress.targets.checks import Checks
 from kvcompress.targets.native import write_native_checkpoints
 from kvcompress.targets.route import check_disk, check_exportable, engine_status, export_route, hf_only, tp_advice
@@ -94,7 +94,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         }
         pb = artifacts["plugin_bundle"]
         if primary.spec.value_rotation_folded:
-            pb["value_rotation"] = (f"{primary.spec.value.rotate}, folded into W_v and W_o per head by trtllm_network.load_hf_weights "
+            pb["value_rotation"] = (f"{primary.spec.value.rotate}, folded into W_v and W_o per head by network_weights.load_hf_weights "
                                     "(network.json value_rotation, plugin_params v_rotation); the kernels store the rotated values")
         from kvcompress.targets.network_oracle import key_max_position
 
@@ -135,8 +135,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
     artifacts["hf_ckpt"] = _hf_artifact(ecfg, hf_book, v_hf, c_hf, hf_guard, hf_fold.weights)
     note_source_weights(lm, artifacts, ecfg.dtype)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
-    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
-    copy_weight_readers(out)
+    copy_network(out)
     build, why = engine_status(ecfg.build_engine)
     ckpt0 = f"export/trtllm_ckpt/tp{ecfg.tp_sizes[0]}"
     manifest = {

@@ -25,12 +25,17 @@ from kvcompress.targets.checks import Checks
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
-# the weight readers build_engine.py's loader (trtllm_network.py) imports beside it in the bundle: FP8, integer (pack-quantized,
-# GPTQ, AWQ) and NVFP4 sources' dequantization
+# the custom-tier network's code (kvcompress/targets/), copied beside build_engine.py, which imports trtllm_network.py
+NETWORK_FILES = ("trtllm_network.py", "network_weights.py", "network_check.py")
+# the weight readers its loader (network_weights.py) imports beside it in the bundle: FP8, integer (pack-quantized, GPTQ, AWQ)
+# and NVFP4 sources' dequantization
 WEIGHT_READERS = ("fp8_weights.py", "int_weights.py", "nvfp4_weights.py")
 
 
-def copy_weight_readers(out: Path) -> None:
+def copy_network(out: Path) -> None:
+    """build_engine.py's companions: the network's code and the weight readers."""
+    for f in NETWORK_FILES:
+        shutil.copy(ROOT / "kvcompress" / "targets" / f, out / f)
     for f in WEIGHT_READERS:
         shutil.copy(ROOT / "kvcompress" / "models" / f, out / f)
 
@@ -143,8 +148,7 @@ def plugin_bundle(book: ScaleBook, geom, out: Path, archs: list[str], checks: Ch
                        {"cases": res, "on a TensorRT host": f"python acceptance/{v.name}/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so"})
     shutil.copytree(ROOT / "plugins", out / "plugins", dirs_exist_ok=True)
     shutil.copy(ROOT / "export" / "build_engine.py", out / "build_engine.py")
-    shutil.copy(ROOT / "kvcompress" / "targets" / "trtllm_network.py", out / "trtllm_network.py")
-    copy_weight_readers(out)
+    copy_network(out)
     info = {"variant": variants[0].__dict__, "kernels": kernels}
     if book.spec.is_mixed:
         info |= {"variants": {v.name: {**v.__dict__, "namespace": ns[v.name]} for v in variants}, "layer_variants": per_layer}
@@ -176,7 +180,7 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                                         variant["block_t"]) for tp in TP_SIZES if tn.tp_allowed(g.n_heads, g.n_kv_heads, tp)}
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
-    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, "trtllm_network.py", *WEIGHT_READERS], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, *NETWORK_FILES, *WEIGHT_READERS], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
             "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export

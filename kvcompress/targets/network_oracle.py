@@ -22,6 +22,7 @@ import torch
 
 from kvcompress import reference as ref
 from kvcompress.kernels import ops
+from kvcompress.targets import network_check as nc
 from kvcompress.targets import trtllm_network as tn
 from kvcompress.targets.acceptance import append_inputs, append_outputs, decode_inputs, reference_append, reference_output
 
@@ -286,9 +287,9 @@ def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int]
            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float((ref_logits.argmax(-1) == got.argmax(-1)).float().mean()),
            "max_abs_logit_diff": float((ref_logits - got).abs().max()), "seconds": round(time.time() - t0, 1)}
     if kl_tolerance is not None:  # kept for the GPU host: build_engine.py --tier custom --check compares the engine with it
-        ref = tn.coarsen(ref_logits)
-        tn.save_check(Path(bundle) / tn.CHECK_FILE, toks[0], ref,
-                      {"kl_tolerance": kl_tolerance, "oracle_kl_mean": float(tn.coarse_kl(ref, got).mean()), "oracle_full_kl_mean": res["kl_mean"],
+        ref = nc.coarsen(ref_logits)
+        nc.save_check(Path(bundle) / nc.CHECK_FILE, toks[0], ref,
+                      {"kl_tolerance": kl_tolerance, "oracle_kl_mean": float(nc.coarse_kl(ref, got).mean()), "oracle_full_kl_mean": res["kl_mean"],
                        "top_k": tn.CHECK_TOP_K})
         res["check_file"] = tn.CHECK_FILE
     return res
