@@ -214,10 +214,11 @@ def test_embedded_smollm2_end_to_end(tmp_path):
     assert net["crossed_into_store"] and net["tokens"] > 132 and net["kl_mean"] <= net["kl_tolerance"], net
     # ... and keeps that check for the engine on a GPU host (build_engine.py --tier custom --check): the tokens, the validated
     # decoding's top tokens and the rest, the tolerance; the oracle's KL over those buckets is at most its full KL, and most of it
-    from kvcompress.targets import trtllm_network as tn
+    from kvcompress.targets import network_check as nc
 
-    ids, ref, meta = tn.load_check(run / "export" / "plugin_bundle" / net["check_file"])
-    assert len(ids) == net["tokens"] + 1 and ref["idx"].shape == (net["tokens"], tn.CHECK_TOP_K) and meta["kl_tolerance"] == net["kl_tolerance"]
+    ids, ref, meta = nc.load_check(run / "export" / "plugin_bundle" / net["check_file"])
+    assert len(ids) == net["tokens"] + 1 and ref["idx"].shape == (net["tokens"], nc.CHECK_TOP_K) and meta["kl_tolerance"] == net["kl_tolerance"]
+    assert meta["top_k"] == nc.CHECK_TOP_K
     assert 0.5 * net["kl_mean"] < meta["oracle_kl_mean"] <= net["kl_mean"] * (1 + 1e-9), (meta, net)
     # the summary says what one GPU must hold for the custom-tier engine (the embedded model's fp16 weights: 2 bytes a parameter)
     mem = r["export"]["artifacts"]["plugin_bundle"]["network"]["engine_memory"]

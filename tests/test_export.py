@@ -216,7 +216,11 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
         # the custom tier's TensorRT-LLM network inputs: spec + plugin constants beside build_engine.py and trtllm_network.py
         net = json.loads((out / "plugin_bundle" / "network.json").read_text())
         assert net["arch"]["n_kv_heads"] == 2 and net["variant"]["window"] == 128 and net["splits"] >= 1
-        assert (out / "plugin_bundle" / "plugin_params.safetensors").is_file() and (out / "plugin_bundle" / "trtllm_network.py").is_file()
+        assert (out / "plugin_bundle" / "plugin_params.safetensors").is_file()
+        from kvcompress.targets.bundle import NETWORK_FILES, WEIGHT_READERS
+
+        for where in (out / "plugin_bundle", out):  # build_engine.py's companions, in the bundle and beside the export's copy
+            assert all((where / f).is_file() for f in (*NETWORK_FILES, *WEIGHT_READERS)), sorted(p.name for p in where.glob("*.py"))
         row = next(c for c in manifest["checks"] if c["check"].startswith("custom-tier network graph"))
         assert "model built in code" in row["detail"]["skipped"]  # the tiny model has no HF directory; the default run checks it
     assert manifest["engine_built"] is False and "lacks" in manifest["engine_reason"]

@@ -670,7 +670,8 @@ def test_the_engine_check_file_and_its_comparison(tmp_path, monkeypatch):
     prompt = lm.tokenizer.encode("The plugin owns its cache.")[:12]
     res = no.check_network(bundle, hf, lm.model, book, prompt, max_new_tokens=8, kl_tolerance=1e-5)
     assert res["check_file"] == tn.CHECK_FILE and res["kl_mean"] < 1e-5
-    ids, ref, meta = tn.load_check(bundle / tn.CHECK_FILE)
+    ids, ref, meta = nc.load_check(bundle / nc.CHECK_FILE)
+    assert meta["top_k"] == V // 4
     assert len(ids) == res["tokens"] + 1 and ref["idx"].shape == (res["tokens"], V // 4) and meta["kl_tolerance"] == 1e-5
     assert float((ref["logp"].exp().sum(-1) + ref["rest"].exp() - 1).abs().max()) < 1e-9  # the buckets hold all the mass
     assert float(ref["rest"].exp().min()) > 0.01  # and the rest holds some of it
@@ -738,7 +739,7 @@ def test_build_engine_check_passes_the_validated_engine_and_fails_a_wrong_one(tm
     rc, out = run("--check-file", str(bundle / tn.CHECK_FILE))
     assert rc == 1 and out.out.startswith("FAIL: the engine vs the validated decoding"), out
     # a check file from another export (a larger vocabulary) and an engine too short for the tokens: one line, exit 2
-    ids, ref, meta = tn.load_check(bundle / tn.CHECK_FILE)
+    ids, ref, meta = nc.load_check(bundle / nc.CHECK_FILE)
     nc.save_check(tmp_path / "other.safetensors", ids, ref | {"idx": ref["idx"] + 10**6}, meta)
     rc, out = run("--check-file", str(tmp_path / "other.safetensors"))
     assert rc == 2 and out.err.count("\n") == 1 and "past the engine's vocabulary" in out.err, out.err

@@ -290,8 +290,8 @@ def check_network(bundle: Path, hf_dir: Path, model, book, prompt_ids: list[int]
         ref = nc.coarsen(ref_logits)
         nc.save_check(Path(bundle) / nc.CHECK_FILE, toks[0], ref,
                       {"kl_tolerance": kl_tolerance, "oracle_kl_mean": float(nc.coarse_kl(ref, got).mean()), "oracle_full_kl_mean": res["kl_mean"],
-                       "top_k": tn.CHECK_TOP_K})
-        res["check_file"] = tn.CHECK_FILE
+                       "top_k": int(ref["idx"].shape[-1])})  # as kept (the vocabulary caps it)
+        res["check_file"] = nc.CHECK_FILE
     return res
 
 

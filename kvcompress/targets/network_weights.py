@@ -27,13 +27,13 @@ def layer_variant(spec: dict, i: int) -> dict:
 FP8_METADATA = ("_scale_inv", "_scale")  # an FP8 checkpoint's scale tensors: read to dequantize the weights, not constants of the network
 
 
-def _safetensors_header(path: Path) -> dict:
+def safetensors_header(path: Path) -> dict:
     """A .safetensors file's JSON header (each tensor's dtype, shape and offsets), without reading a tensor."""
     with open(path, "rb") as f:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
-def _reader(name: str):
+def weight_reader(name: str):
     """kvcompress.models.<name> (a weight format's reader: fp8_weights, int_weights, nvfp4_weights), or in the bundle the
     <name>.py copied beside this file (targets.bundle.WEIGHT_READERS)."""
     import importlib
@@ -53,7 +53,7 @@ def _quantization_config(hf_dir: Path) -> dict:
 def dense_shapes(shapes: dict, hf_dir: Path) -> dict:
     """Tensor shapes with each pack-quantized weight (`<m>.weight_packed` int32 [out, words] and its parts) as the weight
     `<m>.weight` [out, in] the loader makes of it (in = words * 32 / bits, the config's code width), its parts left out."""
-    iw = _reader("int_weights")
+    iw = weight_reader("int_weights")
     packed = [k for k in shapes if k.endswith(".weight_packed")]
     qweights = [k for k in shapes if k.endswith(".qweight")]
     if not packed and not qweights:
@@ -100,7 +100,7 @@ def dequantize_fp8(raw: dict, hf_dir: Path) -> dict:
 
     if not any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in raw.values()):
         return raw
-    fp8 = _reader("fp8_weights")
+    fp8 = weight_reader("fp8_weights")
     FLOAT8, dequantize, scale_name = fp8.FLOAT8, fp8.dequantize, fp8.scale_name
     cfg = Path(hf_dir) / "config.json"
     block = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("weight_block_size") if cfg.is_file() else None
@@ -120,7 +120,7 @@ def dequantize_nvfp4(raw: dict, hf_dir: Path) -> dict:
     """An NVFP4 checkpoint's weights (Model Optimizer's or compressed-tensors' layout) as float32 values (nvfp4_weights.py,
     copied beside this file in the bundle), their codes' other names, scales and input scales dropped; any other checkpoint
     as it is. Before dequantize_fp8: the block scales are float8 tensors that are not weights."""
-    nv = _reader("nvfp4_weights")
+    nv = weight_reader("nvfp4_weights")
     layers = nv.packed_names(raw)
     if not layers:
         return raw
@@ -138,7 +138,7 @@ def dequantize_packed(raw: dict, hf_dir: Path) -> dict:
     """An integer checkpoint's weights (compressed-tensors pack-quantized and int-quantized int8, GPTQ, AWQ GEMM) as their values, `<m>.weight` =
     (q - z) * s in float32 (int_weights.py, copied beside this file in the bundle), their packed parts dropped; any
     other checkpoint as it is."""
-    int_weights = _reader("int_weights")
+    int_weights = weight_reader("int_weights")
     packed = int_weights.packed_names(raw)
     q = _quantization_config(hf_dir)
     fmt, bits = int_weights.layout(q), int_weights.config_bits(q)

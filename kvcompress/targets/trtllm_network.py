@@ -49,12 +49,12 @@ import numpy as np
 # module by build_engine.py), the files copied beside it (targets.bundle.NETWORK_FILES). The names below are also this
 # module's, for build_engine.py and the export.
 if __package__:
-    from kvcompress.targets.network_check import CHECK_FILE, CHECK_TOP_K, check_against_reference, greedy_loop, load_check  # noqa: F401
-    from kvcompress.targets.network_weights import (FP8_METADATA, WeightsMismatch, _reader, _safetensors_header, dense_shapes, layer_variant,
+    from kvcompress.targets.network_check import CHECK_FILE, check_against_reference, greedy_loop, load_check
+    from kvcompress.targets.network_weights import (FP8_METADATA, WeightsMismatch, weight_reader, safetensors_header, dense_shapes, layer_variant,
                                                     load_hf_weights, text_decoder_tensors)
 else:
-    from network_check import CHECK_FILE, CHECK_TOP_K, check_against_reference, greedy_loop, load_check  # noqa: F401
-    from network_weights import (FP8_METADATA, WeightsMismatch, _reader, _safetensors_header, dense_shapes, layer_variant, load_hf_weights,
+    from network_check import CHECK_FILE, check_against_reference, greedy_loop, load_check
+    from network_weights import (FP8_METADATA, WeightsMismatch, weight_reader, safetensors_header, dense_shapes, layer_variant, load_hf_weights,
                                  text_decoder_tensors)
 
 PINNED_TRTLLM = "1.2.1"
@@ -228,11 +228,11 @@ def engine_memory(spec: dict, hf_dir: Path, max_batch: int, max_seq_len: int, tp
     TensorRT's activations and workspace come on top."""
     headers = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        headers |= {k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"}
-    nvfp4 = _reader("nvfp4_weights")
+        headers |= {k: v for k, v in safetensors_header(f).items() if k != "__metadata__"}
+    nvfp4 = weight_reader("nvfp4_weights")
     nv = nvfp4.packed_names(headers)  # NVFP4 codes [out, in / 2]: the [out, in] weight, its scales dropped
     drop = {p for parts in nv.values() for p in nvfp4.stored(parts)}
-    drop |= {p for parts in _reader("int_weights").int8_names(headers).values() for p in parts.values() if p}  # int8 weights' scales
+    drop |= {p for parts in weight_reader("int_weights").int8_names(headers).values() for p in parts.values() if p}  # int8 weights' scales
     shapes = {k: v["shape"] for k, v in headers.items() if k not in drop} | {k: nvfp4.shape(headers[p["codes"]]["shape"]) for k, p in nv.items()}
     shapes = text_decoder_tensors(dense_shapes(shapes, hf_dir))  # a multimodal checkpoint: its text decoder's tensors
     kv_tp = min(tp, spec["arch"]["n_kv_heads"])
