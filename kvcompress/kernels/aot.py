@@ -59,7 +59,7 @@ class Variant:
     # the grouped family (kv.key.group_tokens, e.g. kv=wf4): kv_append_grp / decode_split_grp; key_bits is the mean width
     # (the per-channel widths are a runtime table, so one build serves every water-filled allocation)
     key_group_tokens: int = 0
-    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped, gqa, value_bits) (None: 0 after init, no cap); -1: no cap
+    decode_maxnreg: int = 0  # 0: plan.decode_maxnreg(head_dim, grouped, gqa) (None: 0 after init, no cap); -1: no cap
 
     @property
     def per_token(self) -> bool:
@@ -75,7 +75,7 @@ class Variant:
         if not self.block_t:
             object.__setattr__(self, "block_t", plan.block_t(self.head_dim, self.value_bits, self.decode_warps, self.key_group_tokens))
         if not self.decode_maxnreg:
-            object.__setattr__(self, "decode_maxnreg", plan.decode_maxnreg(self.head_dim, self.grouped, self.gqa, self.value_bits) or 0)
+            object.__setattr__(self, "decode_maxnreg", plan.decode_maxnreg(self.head_dim, self.grouped, self.gqa) or 0)
         if self.grouped:  # a decode tile lies in one key group
             object.__setattr__(self, "block_t", min(self.block_t, self.key_group_tokens))
 
@@ -110,9 +110,8 @@ VARIANTS = {
         Variant("d64_g3_wf5", 64, 3, 5, 5, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
         Variant("d64_g3_wf6", 64, 3, 6, 6, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
     ],
-    # kv=wf3 (the grouped family at a mean of 3 bits: key rows of 48 / 24 bytes, 3-bit values as three bit planes): its decode
-    # unpacks three planes per value row without a nibble to share the layout with, and needs ~204 (d64, 64-token tiles) to
-    # ~255 (d128) registers: 2 CTAs (8 warps) per SM, plan.CTAS_PER_SM, not the grouped set's 12 warps (it spills at 168)
+    # kv=wf3 (the grouped family at a mean of 3 bits: key rows of 48 / 24 bytes read as 32 / 16 words, 3-bit values as
+    # three bit planes): 3 CTAs (12 warps) per SM on sm_90 as the grouped set (168 registers under the cap at d128, 139 at d64)
     "grouped_3bit": [
         Variant("d128_g8_wf3", 128, 8, 3, 3, 128, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),
         Variant("d64_g3_wf3", 64, 3, 3, 3, 64, 4, 128, 0, value_symmetric=True, value_rotate=True, key_group_tokens=128),

@@ -61,11 +61,13 @@ def grouped_constants(D: int, group_tokens: int, key_bits: int, value_bits: int,
 
 def grouped_decode_words(consts: dict) -> dict:
     """decode_split_grp_kernel's NW_PAD: the words of a tile row, the power of two (tl.arange's length) above the key
-    row's NW = KROW // 4 (mean widths 4..7: 8, 10, 12, 14 words at head dim 64, 16, 20, 24, 28 at 128): a code in the
-    row's last word finds a masked-off 0 as its second word. The words past the row are masked off (never read). At
-    head dim 128 a 16-word row read as 32 words also took ~60 fewer registers per thread than read as 16 (SASS audit, measured once
-    when introduced: 239 -> 177, wf4)."""
-    return {"NW_PAD": _pad(consts["KROW"] // 4 + 1)}
+    row's NW = KROW // 4 (mean widths 4..7: 8, 10, 12, 14 words at head dim 64, 16, 20, 24, 28 at 128), and at least
+    D / 4 (mean width 3, kv=wf3: 6 and 12 words read as 16 and 32): a code in the row's last word finds a masked-off 0
+    as its second word. The words past the row are masked off (never read). Fewer words per tile row took more
+    registers per thread (SASS audit, measured when introduced: at head dim 128 a 16-word row read as 16 words took 239
+    against 177 read as 32, wf4; kv=wf3's rows of 12 and 6 words, read as 16 and 8, took 241 and 208 registers uncapped at
+    head dims 128 and 64 against 178 and 139 read as 32 and 16, 2026-12-06)."""
+    return {"NW_PAD": max(_pad(consts["KROW"] // 4 + 1), consts["D"] // 4)}
 
 
 def _grouped_tables(kv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
             **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
-            **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H, kv.value_bits)) else {}),
+            **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H)) else {}),
         )
         return _reduce(mo, lo, ao, splits, handle, launched)
     if kv.per_token:

@@ -39,7 +39,7 @@ GROUPED_BLOCK_T_D128 = 16  # the grouped family at head dim >= 128 (see block_t)
 GROUPED_MAXNREG_D128 = 168  # see decode_maxnreg
 
 
-def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1, value_bits: int = 4) -> int | None:
+def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1) -> int | None:
     """The register cap of a decode kernel (Triton's maxnreg; None: ptxas's choice). The grouped family at head dim
     128 with at most 16 query heads per kv head: 168 per thread, so 3 CTAs of 4 warps fit an SM's 65536 registers
     (65536 / (128 x 168) = 3.05); left to itself ptxas takes ~178 (2 CTAs), and at 168 it spills nothing (the SASS
@@ -47,8 +47,9 @@ def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1, value_bit
     spill: no cap there.
     8 warps capped at 128 would also fit without spills (2 CTAs, 16 warps), but a 16-token tile then gives each thread 4
     bytes of values (32-bit loads) and an SM holds 2 tiles in flight instead of 3; 32-token tiles spill at that cap.
-    3-bit values (kv=wf3) spill at 168: no cap (~255 registers, 2 CTAs per SM, CTAS_PER_SM)."""
-    return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 and value_bits != 3 else None
+    3-bit values (kv=wf3) fit the same cap without spills since their plane slots are split apart in registers
+    (triton_kv._load_codes; summed, they spilled at 168 and took ~255 registers uncapped, 2 CTAs per SM)."""
+    return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 else None
 
 
 def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:

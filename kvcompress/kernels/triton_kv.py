@@ -425,9 +425,23 @@ def _load_codes(base, rows, mask, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: 
         E3: tl.constexpr = D // 8
         c3 = tl.arange(0, HALF)
         pl = tl.load(base + rows[:, None] * ROW3 + c3[None, :], mask=mask[:, None] & (c3 < ROW3)[None, :], other=0)
-        w3 = tl.sum(tl.reshape(pl, (BLOCK_T, 4, E3)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
-        x3 = w3[:, :, None] >> tl.arange(0, 8)[None, None, :]  # channel 8 j + i: bit i of each plane byte j
-        code = tl.reshape((x3 & 1) | ((x3 >> 7) & 2) | ((x3 >> 14) & 4), (BLOCK_T, D)).to(tl.float32)
+        # the plane bytes j of each slot into one 32-bit word per column (plane p in byte p). Two equivalent forms,
+        # chosen by the registers ptxas gives them (SASS audit, kv=wf3, 2026-12-06): at head dim 128 the slots
+        # split apart (tl.split) fit the 168-register cap without spills (summed: spills), at 64 summing takes 139
+        # registers (split apart: 179)
+        if D >= 128:
+            even, odd = tl.split(tl.reshape(tl.permute(tl.reshape(pl, (BLOCK_T, 4, E3)), (0, 2, 1)), (BLOCK_T, E3, 2, 2)))
+            p0, p2 = tl.split(even)  # slots 0 and 2
+            p1, p3 = tl.split(odd)  # slots 1 and 3 (masked off)
+            w3 = p0.to(tl.int32) | (p1.to(tl.int32) << 8) | (p2.to(tl.int32) << 16)  # [BLOCK_T, E]
+        else:
+            w3 = tl.sum(tl.reshape(pl, (BLOCK_T, 4, E3)).to(tl.int32) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [BLOCK_T, E]
+        # channel 8 j + i is bit i of each plane byte j: halve the bytes three times (nibbles, pairs, bits), each half joined
+        # after the previous, so the channels come out in order (as the 4-bit nibbles are split)
+        x3 = tl.reshape(tl.join(w3 & 0x0F0F0F, (w3 >> 4) & 0x0F0F0F), (BLOCK_T, 2 * E3))
+        x3 = tl.reshape(tl.join(x3 & 0x030303, (x3 >> 2) & 0x030303), (BLOCK_T, 4 * E3))
+        x3 = tl.reshape(tl.join(x3 & 0x010101, (x3 >> 1) & 0x010101), (BLOCK_T, D))
+        code = ((x3 & 1) | ((x3 >> 7) & 2) | ((x3 >> 14) & 4)).to(tl.float32)
     else:
         ROW: tl.constexpr = D * BITS // 8
         E: tl.constexpr = D // 8
