@@ -27,8 +27,10 @@ from triton.compiler import ASTSource
 from kvcompress.kernels import plan
 from kvcompress.kernels.audit import audit_dir, nvidia_tool
 from kvcompress.kernels.ops import decode_launch_params, grouped_constants, grouped_decode_words, per_token_constants
-from kvcompress.kernels.triton_kv import (decode_reduce_kernel, decode_split_grp_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_grp_kernel,
-                                         kv_append_kernel, kv_append_rot_kernel)
+from kvcompress.kernels.triton_grp import decode_split_grp_kernel, kv_append_grp_kernel
+from kvcompress.kernels.triton_kv import decode_split_kernel, kv_append_kernel
+from kvcompress.kernels.triton_rot import decode_split_rot_kernel, kv_append_rot_kernel
+from kvcompress.kernels.triton_steps import decode_reduce_kernel
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic shared memory per block

@@ -12,8 +12,10 @@ from kvcompress import reference as ref
 from kvcompress.kernels import plan
 from kvcompress.kernels.bytes_model import CacheFormat
 from kvcompress.kernels.layout import PackedKV
-from kvcompress.kernels.triton_kv import (decode_reduce_kernel, decode_split_grp_kernel, decode_split_kernel, decode_split_rot_kernel, kv_append_grp_kernel,
-                                         kv_append_kernel, kv_append_rot_kernel)
+from kvcompress.kernels.triton_grp import decode_split_grp_kernel, kv_append_grp_kernel
+from kvcompress.kernels.triton_kv import decode_split_kernel, kv_append_kernel
+from kvcompress.kernels.triton_rot import decode_split_rot_kernel, kv_append_rot_kernel
+from kvcompress.kernels.triton_steps import decode_reduce_kernel
 from kvcompress.reference import KeyParams
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on tensor cores

@@ -48,7 +48,7 @@ def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1) -> int | 
     8 warps capped at 128 would also fit without spills (2 CTAs, 16 warps), but a 16-token tile then gives each thread 4
     bytes of values (32-bit loads) and an SM holds 2 tiles in flight instead of 3; 32-token tiles spill at that cap.
     3-bit values (kv=wf3) fit the same cap without spills since their plane slots are split apart in registers
-    (triton_kv._load_codes; summed, they spilled at 168 and took ~255 registers uncapped, 2 CTAs per SM)."""
+    (triton_codes.load_codes; summed, they spilled at 168 and took ~255 registers uncapped, 2 CTAs per SM)."""
     return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 else None
 
 
