@@ -1,4 +1,5 @@
 """The compiled kernels, audited on CPU: SASS load widths, spills, occupancy, and the bytes model."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -184,6 +185,29 @@ def test_the_3_bit_grouped_kernels_compile_without_spills_at_the_grouped_sets_oc
             _payload_read_as_designed(k)
             assert ml["payload_bytes_per_iteration"]["VP"]["read"] == ml["block_t"] * ml["head_dim"] // 2, (k["name"], ml)
             assert ml["payload_bytes_per_iteration"]["KP"]["read"] == ml["block_t"] * ml["head_dim"], (k["name"], ml)  # D / 4 words
+
+
+def test_the_grouped_decode_at_head_dim_64_holds_12_warps_on_sm80(tmp_path):
+    """On sm_80 the grouped decode at head dim 64 runs its main loop in 3 stages (plan.decode_stages): wf4 and wf3 then
+    compile to at most 168 registers without spills, 3 CTAs (12 warps) per SM (with 2 stages: 244 and 255, 8 warps),
+    payload through >= 64-bit loads; the build records the stages it used. sm_90 keeps 2 (the grouped audit above)."""
+    from kvcompress.kernels.aot import VARIANTS
+
+    picked = [dataclasses.asdict(v) for v in VARIANTS["grouped"] + VARIANTS["grouped_3bit"] if v.name in ("d64_g3_wf4", "d64_g3_wf3")]
+    assert len(picked) == 2
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_80", "--out", str(tmp_path), "--variant-json", json.dumps(picked)],
+                       capture_output=True, text=True, env=_env(), timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    meta = {k["name"]: k for k in json.loads((tmp_path / "kernels.json").read_text())["kernels"]}
+    split = [k for k in audit["kernels"] if k["kernel"] == "decode_split_grp"]
+    assert len(split) == 2
+    for k in split:
+        assert not k["spills"] and k["local_bytes"] == 0 and k["stack_bytes"] == 0, k["name"]
+        assert k["registers"] <= 168 and k["occupancy"]["sm_80"]["warps_per_sm"] >= 12, (k["name"], k["registers"])
+        assert k["main_loop"]["narrowest_payload_bits"] >= 64, k["name"]
+        assert meta[k["name"]]["num_stages"] == 3, k["name"]
+    assert {meta[n]["num_stages"] for n in meta if not n.startswith("decode_split")} == {2}
 
 
 def _payload_read_as_designed(k: dict) -> None:

@@ -218,7 +218,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
         for kname, fn, sig, consts, warps in _specs(v):
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
-            opts = {"num_warps": warps, "num_stages": 2}
+            opts = {"num_warps": warps, "num_stages": plan.decode_stages(arch, v.head_dim, v.grouped) if kname.startswith("decode_split") else 2}
             if kname.startswith("decode_split") and v.decode_maxnreg > 0:
                 opts["maxnreg"] = v.decode_maxnreg
             ck = triton.compile(src, target=target, options=opts)
@@ -233,6 +233,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
                 "signature": sig,
                 "constexprs": consts,
                 "num_warps": warps,
+                "num_stages": opts["num_stages"],
                 "maxnreg": opts.get("maxnreg"),
                 "shared": ck.metadata.shared,
                 "smem_limit": SMEM_LIMIT[arch],

@@ -128,6 +128,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
     B, HQ, D = q.shape
     H = kv.sink_k.shape[1]
     warps = num_warps or plan.decode_warps(D, kv.per_token or kv.grouped)
+    stages = plan.decode_stages(plan.device_arch(q.device), D, kv.grouped)  # as the AOT builds
     block_t = block_t or plan.block_t(D, kv.value_bits, warps, kv.key_group_tokens)
     if kv.grouped:  # a tile must lie in one key group
         block_t = min(block_t, kv.key_group_tokens)
@@ -146,7 +147,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
             q.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], kv.k_gscale.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **(c := _packed_constants(kv, D)), **grouped_decode_words(c),
-            **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps,
+            **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True), num_warps=warps, num_stages=stages,
             **({"maxnreg": r} if (r := plan.decode_maxnreg(D, True, HQ // H)) else {}),
         )
         return _reduce(mo, lo, ao, splits, handle, launched)
@@ -156,7 +157,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
             q.contiguous(), qr, kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
             mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
             NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), **decode_launch_params(HQ // H, kv.n_sink, 0, block_t, per_token=True),
-            num_warps=warps,
+            num_warps=warps, num_stages=stages,
         )
         return _reduce(mo, lo, ao, splits, handle, launched)
     scale, _, zm, idx = prepared or kernel_key_params(p, q.device)
@@ -165,7 +166,7 @@ def decode_attention(q: torch.Tensor, kv: PackedKV, p: KeyParams, sm_scale: floa
         kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
         mo, lo, ao, sm_scale, H, kv.k_payload.shape[2], splits,
         D=D, NS=kv.n_sink, W=kv.window, N_OUT=idx.shape[-1], KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
-        **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], block_t), num_warps=warps,
+        **decode_launch_params(HQ // H, kv.n_sink, idx.shape[-1], block_t), num_warps=warps, num_stages=stages,
     )
     return _reduce(mo, lo, ao, splits, handle, launched)
 

@@ -52,6 +52,25 @@ def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1) -> int | 
     return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 else None
 
 
+def decode_stages(arch: str, head_dim: int, grouped: bool = False) -> int:
+    """Software-pipelining stages of a decode kernel's main loop (Triton's num_stages), the same in the AOT builds and the
+    JIT launches (kvcompress.kernels.ops): 2, except the grouped family at head dim <= 64 on sm_80, where 3 stages took 168
+    registers without spills against 244 (wf4) and 255 (wf3) with 2: 3 CTAs (12 warps) per SM instead of 2 (SASS audit,
+    2026-12-06). Elsewhere 3 stages bought no registers (sm_90's static int4 decode spilled with them) and doubled the
+    shared memory."""
+    return 3 if arch == "sm_80" and grouped and head_dim <= 64 else 2
+
+
+def device_arch(device) -> str:
+    """"sm_<major><minor>" of a CUDA device (decode_stages' arch); "cpu" elsewhere (the interpreter ignores stages)."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
 def block_t(head_dim: int, value_bits: int, warps: int | None = None, group_tokens: int = 0) -> int:
     """Tokens per main-loop iteration (see the module docstring). The grouped family (group_tokens > 0):
     a tile lies in one key group, and at head dim >= 128 a tile is 16 tokens (at head dim 128 a 32-token tile needs ~226
