@@ -406,3 +406,47 @@ def test_bench_correctness_check_runs_the_kernels_against_the_reference():
     finally:
         bench.ops.decode_attention_reference = real
     assert not bad["wf3"]["decode_ok"]
+
+
+class _Recorder:
+    """A Triton kernel stand-in that records each launch's num_warps and num_stages, then launches the kernel."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((self.fn.__name__, kw.get("num_warps"), kw.get("num_stages")))
+            return self.fn[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("family", ["static", "per_token", "grouped"])
+def test_jit_launches_use_the_aot_builds_warps_and_stages(monkeypatch, family, arch):
+    """ops launches every kernel (append, split, reduce) with the num_warps and num_stages its AOT build is compiled
+    with (aot._specs, aot.compile_all), so the kernels the SASS audit checks are the ones a GPU JIT launch runs;
+    on sm_80 the grouped decode at head dim 64 in 3 stages (plan.decode_stages). The device's arch is stubbed."""
+    from kvcompress.kernels import aot, plan
+
+    monkeypatch.setattr(plan, "device_arch", lambda device: arch)
+    calls = []
+    for name in ("kv_append_kernel", "kv_append_rot_kernel", "kv_append_grp_kernel", "decode_split_kernel", "decode_split_rot_kernel",
+                 "decode_split_grp_kernel", "decode_reduce_kernel"):
+        monkeypatch.setattr(ops, name, _Recorder(getattr(ops, name), calls))
+    H, G, D, W, lens = 1, 3, 64, 16, [40]
+    ks, vs = make_seqs(lens, H, D, seed=21)
+    fam = {"static": {}, "per_token": ROT4, "grouped": dict(WF4, key_group_tokens=16)}[family]
+    p = make_params(H, D, 8, 0, ks) if family == "static" else token_params(4, H)
+    kb = 8 if family == "static" else 4
+    kv = _to(PackedKV.from_reference(ks, vs, p, n_sink=4, window=W, value_bits=4, group=32, cap=48, **fam), DEVICE)
+    ops.append(kv, torch.randn(1, H, D).to(DEVICE), torch.randn(1, H, D).to(DEVICE), p)
+    ops.decode_attention(torch.randn(1, H * G, D).to(DEVICE), kv, p, D**-0.5)
+    v = aot.Variant("jit", D, G, kb, 4, 32, 4, W, 0, **{k: val for k, val in fam.items()})
+    want = {fn.__name__: (warps, plan.decode_stages(arch, D, v.grouped) if kname.startswith("decode_split") else plan.STAGES)
+            for kname, fn, _, _, warps in aot._specs(v)}
+    assert len(calls) == 3 and {c[0] for c in calls} == set(want)
+    for name, warps, stages in calls:
+        assert (warps, stages) == want[name], (name, warps, stages, want[name])
+    if family == "grouped":
+        assert want["decode_split_grp_kernel"][1] == (3 if arch == "sm_80" else 2)

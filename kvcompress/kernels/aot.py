@@ -142,9 +142,9 @@ def _specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     split_sig = {"Q": "*fp16", "KS": "*fp32", "KZM": "*fp32", "OIDX": "*i32", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
     return [
-        ("kv_append", kv_append_kernel, append_sig, {**common, "N_OUT_PAD": n_out_pad}, 2),
+        ("kv_append", kv_append_kernel, append_sig, {**common, "N_OUT_PAD": n_out_pad}, plan.append_warps(False, False)),
         ("decode_split", decode_split_kernel, split_sig, {**common, **launch}, v.decode_warps),
-        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, plan.REDUCE_WARPS),
     ]
 
 
@@ -159,9 +159,9 @@ def _per_token_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     split_sig = {"Q": "*fp16", "QR": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "SPLITS": "i32"}
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
     return [
-        ("kv_append_rot", kv_append_rot_kernel, append_sig, common, 2),
+        ("kv_append_rot", kv_append_rot_kernel, append_sig, common, plan.append_warps(True, False)),
         ("decode_split_rot", decode_split_rot_kernel, split_sig, {**common, **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
-        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, plan.REDUCE_WARPS),
     ]
 
 
@@ -175,10 +175,10 @@ def _grouped_specs(v: Variant) -> list[tuple[str, object, dict, dict, int]]:
     split_sig = {"Q": "*fp16", **store, "MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "sm_scale": "fp32", "H": "i32", "CAP": "i32", "CAPG": "i32", "SPLITS": "i32"}
     reduce_sig = {"MO": "*fp32", "LO": "*fp32", "AO": "*fp32", "OUT": "*fp32", "SPLITS": "i32"}
     return [
-        ("kv_append_grp", kv_append_grp_kernel, append_sig, common, 4),
+        ("kv_append_grp", kv_append_grp_kernel, append_sig, common, plan.append_warps(False, True)),
         ("decode_split_grp", decode_split_grp_kernel, split_sig,
          {**common, **grouped_decode_words(common), **decode_launch_params(v.gqa, v.n_sink, 0, v.block_t, per_token=True)}, v.decode_warps),
-        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, 1),
+        ("decode_reduce", decode_reduce_kernel, reduce_sig, {"D": v.head_dim}, plan.REDUCE_WARPS),
     ]
 
 
@@ -218,7 +218,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
         for kname, fn, sig, consts, warps in _specs(v):
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
-            opts = {"num_warps": warps, "num_stages": plan.decode_stages(arch, v.head_dim, v.grouped) if kname.startswith("decode_split") else 2}
+            opts = {"num_warps": warps, "num_stages": plan.decode_stages(arch, v.head_dim, v.grouped) if kname.startswith("decode_split") else plan.STAGES}
             if kname.startswith("decode_split") and v.decode_maxnreg > 0:
                 opts["maxnreg"] = v.decode_maxnreg
             ck = triton.compile(src, target=target, options=opts)

@@ -84,7 +84,7 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
         kv_append_grp_kernel[(B, H)](
             k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, *_grouped_tables(kv), kv.k_gscale, kv.k_gmin,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, H, kv.k_payload.shape[2], kv.k_gscale.shape[2],
-            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D),
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), num_warps=plan.append_warps(False, True), num_stages=plan.STAGES,
         )
         kv.lens += 1
         return
@@ -92,7 +92,7 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
         kv_append_rot_kernel[(B, H)](
             k_new.contiguous(), v_new.contiguous(), kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_scale,
             kv.v_payload, kv.v_scale, kv.v_min, kv.lens, H, kv.k_payload.shape[2],
-            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D),
+            NS=kv.n_sink, W=kv.window, **_packed_constants(kv, D), num_warps=plan.append_warps(True, False), num_stages=plan.STAGES,
         )
         kv.lens += 1
         return
@@ -103,7 +103,7 @@ def append(kv: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor, p: KeyParams)
         kv.sink_k, kv.sink_v, kv.win_k, kv.win_v, kv.k_payload, kv.k_outliers, kv.v_payload, kv.v_scale, kv.v_min, kv.lens,
         H, kv.k_payload.shape[2],
         D=D, NS=kv.n_sink, W=kv.window, N_OUT=n_out, N_OUT_PAD=_pad(n_out),
-        KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group,
+        KEY_BITS=kv.key_bits, VAL_BITS=kv.value_bits, GROUP=kv.group, num_warps=plan.append_warps(False, False), num_stages=plan.STAGES,
     )
     kv.lens += 1
 
@@ -176,7 +176,7 @@ def _reduce(mo: torch.Tensor, lo: torch.Tensor, ao: torch.Tensor, splits: int, h
         launched.append(handle)
     B, HQ, _, D = ao.shape
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=ao.device)
-    decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, splits, D=D)
+    decode_reduce_kernel[(B * HQ,)](mo, lo, ao, out, splits, D=D, num_warps=plan.REDUCE_WARPS, num_stages=plan.STAGES)
     return out
 
 

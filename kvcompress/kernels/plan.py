@@ -52,13 +52,23 @@ def decode_maxnreg(head_dim: int, grouped: bool = False, gqa: int = 1) -> int | 
     return GROUPED_MAXNREG_D128 if grouped and head_dim == 128 and gqa <= 16 else None
 
 
+STAGES = 2  # num_stages of every kernel but decode_stages' exceptions
+APPEND_WARPS = {"static": 2, "per_token": 2, "grouped": 4}  # kv_append / kv_append_rot / kv_append_grp
+REDUCE_WARPS = 1  # decode_reduce_kernel: one query row per program, D lanes
+
+
+def append_warps(per_token: bool, grouped: bool) -> int:
+    """num_warps of a family's append kernel, the same in the AOT builds and the JIT launches (kvcompress.kernels.ops)."""
+    return APPEND_WARPS["grouped" if grouped else "per_token" if per_token else "static"]
+
+
 def decode_stages(arch: str, head_dim: int, grouped: bool = False) -> int:
     """Software-pipelining stages of a decode kernel's main loop (Triton's num_stages), the same in the AOT builds and the
     JIT launches (kvcompress.kernels.ops): 2, except the grouped family at head dim <= 64 on sm_80, where 3 stages took 168
     registers without spills against 244 (wf4) and 255 (wf3) with 2: 3 CTAs (12 warps) per SM instead of 2 (SASS audit,
     2026-12-06). Elsewhere 3 stages bought no registers (sm_90's static int4 decode spilled with them) and doubled the
     shared memory."""
-    return 3 if arch == "sm_80" and grouped and head_dim <= 64 else 2
+    return 3 if arch == "sm_80" and grouped and head_dim <= 64 else STAGES
 
 
 def device_arch(device) -> str:
