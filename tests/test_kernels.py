@@ -108,16 +108,7 @@ def test_append_is_bit_exact_with_the_reference(kb, vb, group, window, n_sink, n
     H, D, lens = 2, 64, [45, 3, 20]
     ks, vs = make_seqs(lens, H, D, seed=2)
     p = make_params(H, D, kb, n_out, ks, asym=asym)
-    T = max(lens)
-    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=n_out, key_bits=kb, value_bits=vb, group=group), DEVICE)
-    # sequences of different lengths: append in lockstep, then compare each sequence's prefix
-    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
-    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
-    for t in range(T):
-        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), p)
-    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T)
-    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "lens"):
-        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+    _append_all_equals_reference(ks, vs, p, ("k_outliers",), n_sink=n_sink, window=window, kb=kb, vb=vb, group=group, n_out=n_out, append_p=p)
 
 
 @pytest.mark.parametrize("lens,H,G,D,n_sink,window", [([1, 7, 40, 150], 2, 3, 64, 4, W), ([300, 21], 1, 8, 128, 0, 0), ([W + 3, 90], 1, 3, 64, 0, W)])
@@ -214,15 +205,7 @@ def test_per_token_append_is_bit_exact_with_the_reference(kb, vb, group, window,
     H, D, lens = 2, 64, [45, 3, 20]
     ks, vs = make_seqs(lens, H, D, seed=9)
     p = token_params(kb, H)
-    T = max(lens)
-    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=0, key_bits=kb, value_bits=vb, group=group, **fam), DEVICE)
-    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
-    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
-    for t in range(T):
-        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), None)
-    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T, **fam)
-    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_scale", "v_payload", "v_scale", "v_min", "lens"):
-        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+    _append_all_equals_reference(ks, vs, p, ("k_scale",), n_sink=n_sink, window=window, kb=kb, vb=vb, group=group, **fam)
 
 
 # the grouped family (kv.key.group_tokens): kv=wf4 (water-filled widths, rotated symmetric values) and kv=kivi_int4's keys
@@ -297,22 +280,29 @@ def test_grouped_append_is_bit_exact_with_the_reference(kb, vb, group, window, n
     ks, vs = make_seqs(lens, H, D, seed=15)
     p = token_params(kb, H)
     table = wf_table(H, D, seed=2, mean=kb) if wf else None
-    T = max(lens)
     fam = dict(fam, key_group_tokens=gt, key_bits_table=table)
-    kv = _to(PackedKV.empty(len(lens), H, D, T, n_sink=n_sink, window=window, n_out=0, key_bits=kb, value_bits=vb, group=group, **fam), DEVICE)
-    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
-    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
-    for t in range(T):
-        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), None)
-    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T, **fam)
-    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", "k_gscale", "k_gmin", "v_payload", "v_scale", "v_min", "lens"):
-        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+    _append_all_equals_reference(ks, vs, p, ("k_gscale", "k_gmin"), n_sink=n_sink, window=window, kb=kb, vb=vb, group=group, **fam)
 
 
 def _to(kv: PackedKV, device) -> PackedKV:
     if device == "cpu":
         return kv
     return PackedKV(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kv.__dict__.items()})
+
+def _append_all_equals_reference(ks, vs, p, key_meta, *, n_sink, window, kb, vb, group, n_out=0, append_p=None, **fam):
+    """ops.append of sequences of different lengths in lockstep, one token per step (each padded with its last token to
+    the longest; append_p: the static family's params), leaves the bytes PackedKV.from_reference writes for the padded
+    sequences (key_meta: the family's key scale buffers)."""
+    H, D, T = ks[0].shape[0], ks[0].shape[2], max(k.shape[1] for k in ks)
+    kv = _to(PackedKV.empty(len(ks), H, D, T, n_sink=n_sink, window=window, n_out=n_out, key_bits=kb, value_bits=vb, group=group, **fam), DEVICE)
+    full_k = [torch.cat([k, k[:, -1:].expand(H, T - k.shape[1], D)], 1) for k in ks]
+    full_v = [torch.cat([v, v[:, -1:].expand(H, T - v.shape[1], D)], 1) for v in vs]
+    for t in range(T):
+        ops.append(kv, torch.stack([k[:, t] for k in full_k]).to(DEVICE), torch.stack([v[:, t] for v in full_v]).to(DEVICE), append_p)
+    expect = PackedKV.from_reference(full_k, full_v, p, n_sink=n_sink, window=window, value_bits=vb, group=group, cap=T, **fam)
+    for name in ("sink_k", "sink_v", "win_k", "win_v", "k_payload", *key_meta, "v_payload", "v_scale", "v_min", "lens"):
+        assert torch.equal(getattr(kv, name).cpu(), getattr(expect, name)), name
+
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
