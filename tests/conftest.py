@@ -127,9 +127,9 @@ def run_cli_batch(runs: list[tuple[list[str], Path | None]], workdir: Path, time
 # The longest files are handed to the two xdist workers first (pyproject: --dist loadfile --no-loadscope-reorder keeps this
 # order; xdist's own reorder sorts files by their number of tests), so the run does not end on one worker with a long file.
 FILE_SECONDS = {
-    "test_export": 399, "test_kernels": 328, "test_streaming": 300,
+    "test_export": 399, "test_kernels": 305, "test_streaming": 300,
     "test_cli": 261, "test_quantized_checkpoints": 221, "test_gemma3": 206, "test_int_weights": 136, "test_eval_equivalence": 108,
-    "test_nvfp4_weights": 105, "test_architectures": 102, "test_kernel_audit": 77, "test_tune": 66, "test_multimodal": 65,
+    "test_nvfp4_weights": 105, "test_architectures": 102, "test_kernel_audit": 100, "test_tune": 66, "test_multimodal": 65,
     "test_report": 56, "test_serve_check": 54, "test_long_context_keys": 51, "test_scripts_cli": 46, "test_readme_commands": 30, "test_trtllm_network": 28,
     "test_kivi": 22, "test_waterfill": 22, "test_rotated": 21, "test_attribution": 18, "test_plugins": 17, "test_nvfp4": 9, "test_tasks": 6}
 

@@ -20,13 +20,40 @@ def _env():
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-@pytest.fixture(scope="module")
-def audit_sm90(tmp_path_factory):
-    """One AOT build of the default variants for sm_90; the build writes audit.json beside kernels.json."""
-    out = tmp_path_factory.mktemp("aot90")
-    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", "sm_90", "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+def _aot_build(out, arch: str):
+    p = subprocess.run([sys.executable, "-m", "kvcompress.kernels.aot", "--arch", arch, "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads((out / "audit.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def aot_sm90_dir(tmp_path_factory):
+    """One AOT build of the default variants for sm_90 (kernels.json, the cubins and PTX, and audit.json beside them)."""
+    return _aot_build(tmp_path_factory.mktemp("aot90"), "sm_90")
+
+
+@pytest.fixture(scope="module")
+def audit_sm90(aot_sm90_dir):
+    return json.loads((aot_sm90_dir / "audit.json").read_text())
+
+
+def _assert_build_fits(out, arch: str) -> None:
+    """Every kernel of an AOT build: a cubin and its PTX, no spills, no local memory or stack, shared memory and registers within the arch's limits."""
+    meta = json.loads((out / "kernels.json").read_text())
+    assert meta["arch"] == arch and len(meta["kernels"]) >= 12
+    for k in meta["kernels"]:
+        assert (out / f"{k['name']}.cubin").stat().st_size > 0 and (out / f"{k['name']}.ptx").is_file()
+        assert not k["spills"] and k["local"] == 0 and k["stack"] == 0, k["name"]
+        assert k["shared"] <= k["smem_limit"], k["name"]
+        assert 0 < k["registers"] <= 255
+
+
+def test_aot_compiles_without_spills_within_shared_memory_on_sm90(aot_sm90_dir):
+    _assert_build_fits(aot_sm90_dir, "sm_90")
+
+
+def test_aot_compiles_without_spills_within_shared_memory_on_sm80(tmp_path):
+    _assert_build_fits(_aot_build(tmp_path, "sm_80"), "sm_80")
 
 
 def _aot_audit(tmp_path_factory, variants: str) -> dict:
