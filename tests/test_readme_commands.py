@@ -1,5 +1,5 @@
 """Every `python -m kvcompress ...` command the README and docs show passes the command-line check
-(known presets, known keys of the chosen preset): what the README documents, the tool accepts."""
+(known presets, known keys of the chosen preset): what the README documents, the tool accepts. Its links resolve."""
 import re
 import shlex
 from pathlib import Path
@@ -95,3 +95,29 @@ def test_readme_lists_every_preset():
     listed = dict(re.findall(r"`(\w+)=([\w|]+)`", text[i : text.index("\n\n", i)]))
     assert {g: set(v.split("|")) for g, v in listed.items()} == \
         {g.name: {p.stem for p in g.glob("*.yaml")} for g in CONF_DIR.iterdir() if g.is_dir() and g.name in cli.GROUPS}
+
+
+def _anchors(doc: Path):
+    """GitHub's heading anchors of a markdown file: lower case, punctuation but '-' and '_' dropped, spaces as '-',
+    a repeated heading suffixed -1, -2, ...; headings inside code blocks are not headings."""
+    seen: dict[str, int] = {}
+    for m in re.finditer(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S), re.M):
+        s = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower().replace("`", "")).replace(" ", "-")
+        seen[s] = seen.get(s, -1) + 1
+        yield s if not seen[s] else f"{s}-{seen[s]}"
+
+
+def test_doc_links_resolve():
+    """Every relative link of the README and the docs names a file that exists and, with '#', a heading in it."""
+    broken, n = [], 0
+    for doc in [*DOCS, ROOT / "export" / "TRTLLM_API_CHECK.md"]:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)):
+            if re.match(r"[a-z]+:", m.group(1)):
+                continue  # http(s):, mailto:
+            n += 1
+            file, _, frag = m.group(1).partition("#")
+            target = (doc.parent / file) if file else doc
+            if not target.exists() or (frag and target.suffix == ".md" and frag not in set(_anchors(target))):
+                broken.append(f"{doc.relative_to(ROOT)}: {m.group(1)}")
+    assert n >= 15 and not broken, broken
+    assert {"quick-start", "per-model-tuning-kvauto", "per-model-keyvalue-split-kvrot_split"} <= set(_anchors(ROOT / "README.md"))
