@@ -292,7 +292,7 @@ def test_task_scoring_sees_the_whole_prompt_past_the_sliding_window(gemma, monke
     """The retrieval/copy tasks prefill the prompt, then teacher-force the answer over that prefix:
     with a prompt longer than the sliding window its fp16 side must equal the model's own forward
     on prompt + answer. transformers' sliding cache layers (what DynamicCache(config=...) builds for
-    Gemma 3) keep only the last window, and the scores go wrong: the negative case shows it."""
+    Gemma 3) keep only the last window: scoring over such a prefix is refused, not scored shifted."""
     from transformers import DynamicCache
 
     from kvcompress.eval import retrieval
@@ -301,8 +301,12 @@ def test_task_scoring_sees_the_whole_prompt_past_the_sliding_window(gemma, monke
         monkeypatch.setattr(retrieval, "full_cache", lambda model: DynamicCache(config=model.config))
     g = torch.Generator().manual_seed(0)
     prompt, ans = torch.randint(0, 256, (60,), generator=g).tolist(), torch.randint(0, 256, (6,), generator=g).tolist()
+    if cache == "sliding":
+        with pytest.raises(RuntimeError, match="the prompt's cache holds 15 of its 60 tokens"):
+            retrieval.score_sample(gemma.model, prompt, ans, {})
+        return
     got = retrieval.score_sample(gemma.model, prompt, ans, {})["fp16"][0]
     with torch.no_grad():
         lp = torch.log_softmax(gemma.model(input_ids=torch.tensor([prompt + ans])).logits[0].float(), -1)
     want = sum(float(lp[len(prompt) - 1 + i, a]) for i, a in enumerate(ans))
-    assert (abs(got - want) < 1e-3) == (cache == "kept")
+    assert abs(got - want) < 1e-3

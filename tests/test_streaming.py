@@ -3,7 +3,7 @@
 Tolerance: none, but for one product. Streaming calls the same transformers modules with the same inputs, batch by
 batch in the same order per layer, so statistics, metrics, hidden states and per-layer errors are compared for
 exact equality (torch.equal / ==). The exception is the head applied to a single position (the tasks' prefill
-logits, logits_to_keep=1 in memory): the streamed head applies it a vocabulary chunk at a time, and a one-row product
+logits; in memory the whole head on that row): the streamed head applies it a vocabulary chunk at a time, and a one-row product
 may round differently from the whole head's on some CPUs' BLAS (1 ulp of a logit on an AVX-512 EPYC), so the tasks'
 log-probabilities are compared to float32 rounding and their outcomes exactly (_same).
 """

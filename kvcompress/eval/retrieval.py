@@ -24,18 +24,18 @@ prompt, as an independent check that the teacher-forced scores are what a deploy
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcompress.cache import CompressedCache
-from kvcompress.eval.attention import CONTEXT_PHASE, PROMPT_STEPWISE, compressed_attention, eval_call
+from kvcompress.eval.attention import CONTEXT_PHASE, PROMPT_STEPWISE, eval_call
 from kvcompress.eval.intervals import paired_drop, wilson
 from kvcompress.eval.tasks import TASKS
 from kvcompress.models.observe import attention_implementation
-from kvcompress.models.streaming import Pass
+from kvcompress.models.streaming import Pass, run_passes
 
 NEEDLE_TASKS = ("passkey", "multikey", "vartrack")
 COPY_TASKS = ("copy_uuid", "copy_json")
@@ -78,6 +78,8 @@ class _PrefixLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         k, v = self.kv() if callable(self.kv) else self.kv
+        if k.shape[-2] != self.prompt_len:  # a cache that dropped prompt tokens (a sliding-window layer) would score a shifted prefix
+            raise RuntimeError(f"task scoring: the prompt's cache holds {k.shape[-2]} of its {self.prompt_len} tokens; it needs them all (full_cache)")
         return torch.cat([k, key_states], -2), torch.cat([v, value_states], -2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -113,41 +115,21 @@ def full_cache(model) -> DynamicCache:
 
 @torch.no_grad()
 def score_sample(model, prompt: list[int], answer: list[int], books: dict, modes: dict[str, str] | None = None) -> dict[str, tuple[float, bool]]:
-    """{"fp16": (logprob, exact), name: (...) for each book} for one sample; modes: {name: "context" | "decode"}
-    (prompt_mode; default context for every book)."""
-    dev = next(model.parameters()).device
-    ans = torch.tensor(answer, device=dev)
-    cap = full_cache(model)
-    first = model(input_ids=torch.tensor([prompt], device=dev), cache=cap, use_cache=True, logits_to_keep=1).logits[0, -1:]
-    # ^ predicts answer[0]; only the last position's logits are formed (not [T, vocabulary]: 8.6 GB at 8K for Gemma 3)
-    prompt_kv = [(layer.keys, layer.values) for layer in cap.layers]  # exact: the prefill attends exactly
-
-    def side(book, exact: bool) -> tuple[float, bool]:
-        if len(answer) == 1:
-            return _score(first, ans)  # the first answer token comes from the exact prefill
-        with compressed_attention(model, book, exact=exact) as kw:
-            rest = model(input_ids=ans[:-1].view(1, -1), cache=PrefixCache(prompt_kv), use_cache=True, **kw).logits[0]
-        return _score(torch.cat([first, rest]), ans)
-
-    def stepwise(book) -> tuple[float, bool]:  # prompt + answer, every token reading the compressed past
-        with compressed_attention(model, book) as kw:
-            lg = model(input_ids=torch.tensor([prompt + answer[:-1]], device=dev), use_cache=False, logits_to_keep=len(answer), **kw).logits[0]
-        return _score(lg, ans)
-
-    modes = modes or {}
-    out = {"fp16": side(None, True)}
-    for name, book in books.items():
-        out[name] = stepwise(book) if modes.get(name, "context") == "decode" else side(book, False)
-    return out
+    """{"fp16": (logprob, exact), name: (...) for each book} for one sample of an in-memory model (score_samples);
+    modes: {name: "context" | "decode"} (prompt_mode; default context for every book)."""
+    lm = SimpleNamespace(model=model, streamer=None)
+    return score_samples(lm, [SimpleNamespace(prompt=prompt, answer=answer)], books, False, modes)[0]
 
 
 @torch.no_grad()
-def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True, modes: dict[str, str] | None = None) -> list[dict[str, tuple[float, bool]]]:
-    """score_sample for every sample through the layer-streamed executor: per layer, each sample's
-    prompt is prefilled exactly (its K/V kept for this layer only), then the answer is scored by the
-    unquantized side and by each context-phase book over that prefix, and each decode-equivalent book scores
-    prompt + answer in one pass of its own, exactly as score_sample computes them."""
-    model, L = lm.model, lm.geometry.n_layers
+def score_samples(lm, samples: list, books: dict, progress: bool = True, modes: dict[str, str] | None = None) -> list[dict[str, tuple[float, bool]]]:
+    """{"fp16": (logprob, exact), name: (...)} per sample, through models.streaming.run_passes (in memory sample by
+    sample, streamed layer by layer: the same passes). Pass 0 prefills the prompt exactly into a full cache and forms
+    its last position's logits only (they predict answer[0]; not [T, vocabulary]: 8.6 GB at 8K for Gemma 3). Then
+    the unquantized side and each context-phase book score the answer teacher-forced over that exact prefix (the
+    first answer token comes from the prefill), and each decode-equivalent book scores prompt + answer in one pass of
+    its own, every token reading the compressed past (its answer positions' logits only)."""
+    model, L = lm.model, lm.model.config.get_text_config().num_hidden_layers
     modes = modes or {}
     caps = [full_cache(model) for _ in samples]
     prompts = [torch.tensor([s.prompt]) for s in samples]
@@ -165,7 +147,7 @@ def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True
     out: list[dict] = [{} for _ in samples]
 
     def head(pi: int, i: int, logits: torch.Tensor) -> None:
-        ans = torch.tensor(samples[i].answer)
+        ans = torch.tensor(samples[i].answer, device=logits.device)
         if pi == 0:
             first[i] = logits[0, -1:]
         else:
@@ -174,11 +156,14 @@ def score_samples_streamed(lm, samples: list, books: dict, progress: bool = True
             if pi == len(passes) - 1:
                 first.pop(i)
 
-    def free(li: int) -> None:
+    def free_layer(li: int) -> None:
         for c in caps:
             c.layers[li].keys = c.layers[li].values = None  # this layer's prompt K/V are no longer needed
 
-    lm.streamer.run(prompts, passes, head=head, progress=progress, desc="tasks", after_layer=free)
+    def free_sample(i: int) -> None:
+        caps[i] = None  # this sample's prompt K/V are no longer needed
+
+    run_passes(lm, prompts, passes, head, progress=progress, desc="tasks", after_layer=free_layer, after_batch=free_sample)
     return out
 
 
@@ -214,9 +199,9 @@ def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress
     checks = {"context": {j for js in by_task.values() for j in js[:GREEDY_CHECKS_PER_TASK]},
               "decode": {min((j for j, s in enumerate(samples) if s.task in group), key=lambda j: len(samples[j].prompt))
                          for group in GREEDY_CHECKS_STEPWISE if any(s.task in group for s in samples)}}
-    scores = score_samples_streamed(lm, samples, books, progress, modes) if streamed else None
-    for j, s in enumerate(tqdm(samples, desc="tasks", unit="sample", disable=not progress or streamed)):
-        sc = scores[j] if streamed else score_sample(lm.model, s.prompt, s.answer, books, modes)
+    scores = score_samples(lm, samples, books, progress, modes)
+    for j, s in enumerate(samples):
+        sc = scores[j]
         rows.append({"task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed, **{f"{k}": v for k, v in sc.items()}})
         for name in greedy if cfg.greedy else ():
             if j in checks[modes[name]]:

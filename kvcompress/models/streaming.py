@@ -323,6 +323,27 @@ def head_transform(model, logits: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
+def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None], progress: bool = False,
+               desc: str = "layers", after_layer: Callable[[int], None] | None = None, after_batch: Callable[[int], None] | None = None) -> None:
+    """head(pass index, batch index, float32 logits) for every pass of every batch: one protocol (Pass), two residencies.
+    Streamed (lm.streamer): LayerStreamer.run, layer-major; after_layer(li) once every pass of every batch went through
+    layer li. In memory: batch-major, the decoder (lm.model.model) once per pass with the pass's inputs, keywords and
+    context, its final-normed hidden states (the last position for last_only, the last last(i) for last) through
+    final_logits; after_batch(i) once batch i's passes are scored."""
+    if lm.streamer is not None:
+        lm.streamer.run(batches, passes, head=head, progress=progress, desc=desc, after_layer=after_layer)
+        return
+    model = lm.model
+    dev = next(model.parameters()).device
+    for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
+        for pi, p in enumerate(passes):
+            with p.context():
+                h = model.model(input_ids=(ids if p.inputs is None else p.inputs(i)).to(dev), **p.kwargs(i)).last_hidden_state
+            head(pi, i, final_logits(model, h[:, -1:] if p.last_only else h[:, -p.last(i):] if p.last else h))
+        if after_batch is not None:
+            after_batch(i)
+
+
 def run_calls_hidden(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False,
                      desc: str = "validate") -> None:
     """head(call index, batch index, hidden [B, T, hidden], to_logits) for every batch under each (attention
