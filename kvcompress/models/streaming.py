@@ -323,23 +323,26 @@ def head_transform(model, logits: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callable[[int, int, torch.Tensor], None], progress: bool = False,
-               desc: str = "layers", after_layer: Callable[[int], None] | None = None, after_batch: Callable[[int], None] | None = None) -> None:
+def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callable, progress: bool = False, desc: str = "layers",
+               after_layer: Callable[[int], None] | None = None, after_batch: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
     """head(pass index, batch index, float32 logits) for every pass of every batch: one protocol (Pass), two residencies.
     Streamed (lm.streamer): LayerStreamer.run, layer-major; after_layer(li) once every pass of every batch went through
     layer li. In memory: batch-major, the decoder (lm.model.model) once per pass with the pass's inputs, keywords and
     context, its final-normed hidden states (the last position for last_only, the last last(i) for last) through
-    final_logits; after_batch(i) once batch i's passes are scored."""
+    final_logits; after_batch(i) once batch i's passes are scored. head_hidden: head(pass index, batch index,
+    final-normed hidden states, to_logits) instead (run_calls_hidden)."""
     if lm.streamer is not None:
-        lm.streamer.run(batches, passes, head=head, progress=progress, desc=desc, after_layer=after_layer)
+        lm.streamer.run(batches, passes, head=head, progress=progress, desc=desc, after_layer=after_layer, head_hidden=head_hidden)
         return
     model = lm.model
-    dev = next(model.parameters()).device
+    dev = getattr(lm, "device", None) or next(model.parameters()).device  # a LoadedModel's input device (device maps: the embedding's)
+    to_logits = lambda x: final_logits(model, x)  # noqa: E731
     for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
         for pi, p in enumerate(passes):
             with p.context():
                 h = model.model(input_ids=(ids if p.inputs is None else p.inputs(i)).to(dev), **p.kwargs(i)).last_hidden_state
-            head(pi, i, final_logits(model, h[:, -1:] if p.last_only else h[:, -p.last(i):] if p.last else h))
+            h = h[:, -1:] if p.last_only else h[:, -p.last(i):] if p.last else h
+            head(pi, i, h, to_logits) if head_hidden else head(pi, i, to_logits(h))
         if after_batch is not None:
             after_batch(i)
 
@@ -353,16 +356,7 @@ def run_calls_hidden(lm, batches: list[torch.Tensor], calls: list[tuple[str | No
     window). In memory: the decoder without its head (the causal LM's `model`, final norm included) and final_logits
     (validate's self-check compares them with the model's own forward); streamed: the executor's final hidden states
     through the final norm and its vocabulary-chunked head (LayerStreamer.head)."""
-    from kvcompress.models.observe import attention_implementation
-
-    if lm.streamer is not None:
-        lm.streamer.run(batches, passes_for(lm.model, calls), head=head, progress=progress, desc=desc, head_hidden=True)
-        return
-    for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
-        for pi, (impl, kw) in enumerate(calls):
-            with attention_implementation(lm.model, impl):
-                h = lm.model.model(input_ids=ids.to(lm.device), use_cache=False, **kw).last_hidden_state
-            head(pi, i, h, lambda x: final_logits(lm.model, x))
+    run_passes(lm, batches, passes_for(lm.model, calls), head, progress=progress, desc=desc, head_hidden=True)
 
 
 def run_calls(lm, batches: list[torch.Tensor], calls: list[tuple[str | None, dict]], head, progress: bool = False, desc: str = "validate") -> None:
