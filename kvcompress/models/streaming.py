@@ -323,24 +323,31 @@ def head_transform(model, logits: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callable, progress: bool = False, desc: str = "layers",
-               after_layer: Callable[[int], None] | None = None, after_batch: Callable[[int], None] | None = None, head_hidden: bool = False) -> None:
+def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callable | None, progress: bool = False, desc: str = "layers",
+               after_layer: Callable[[int], None] | None = None, after_batch: Callable[[int], None] | None = None, head_hidden: bool = False,
+               before_batch: Callable[[int], None] | None = None) -> None:
     """head(pass index, batch index, float32 logits) for every pass of every batch: one protocol (Pass), two residencies.
     Streamed (lm.streamer): LayerStreamer.run, layer-major; after_layer(li) once every pass of every batch went through
     layer li. In memory: batch-major, the decoder (lm.model.model) once per pass with the pass's inputs, keywords and
     context, its final-normed hidden states (the last position for last_only, the last last(i) for last) through
     final_logits; after_batch(i) once batch i's passes are scored. head_hidden: head(pass index, batch index,
-    final-normed hidden states, to_logits) instead (run_calls_hidden)."""
+    final-normed hidden states, to_logits) instead (run_calls_hidden); head None: no head (profile: observers only).
+    before_batch(i): before batch i's computation (streamed: before it enters each layer)."""
     if lm.streamer is not None:
-        lm.streamer.run(batches, passes, head=head, progress=progress, desc=desc, after_layer=after_layer, head_hidden=head_hidden)
+        lm.streamer.run(batches, passes, head=head, before_batch=before_batch, progress=progress, desc=desc, after_layer=after_layer,
+                        head_hidden=head_hidden)
         return
     model = lm.model
     dev = getattr(lm, "device", None) or next(model.parameters()).device  # a LoadedModel's input device (device maps: the embedding's)
     to_logits = lambda x: final_logits(model, x)  # noqa: E731
     for i, ids in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress)):
+        if before_batch is not None:
+            before_batch(i)
         for pi, p in enumerate(passes):
             with p.context():
                 h = model.model(input_ids=(ids if p.inputs is None else p.inputs(i)).to(dev), **p.kwargs(i)).last_hidden_state
+            if head is None:
+                continue
             h = h[:, -1:] if p.last_only else h[:, -p.last(i):] if p.last else h
             head(pi, i, h, to_logits) if head_hidden else head(pi, i, to_logits(h))
         if after_batch is not None:

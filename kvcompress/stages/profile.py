@@ -6,11 +6,10 @@ import math
 import sys
 
 import torch
-from tqdm.auto import tqdm
 
 from kvcompress.data import TextSet, token_windows
 from kvcompress.models.base import LoadedModel
-from kvcompress.models.streaming import Pass
+from kvcompress.models.streaming import Pass, run_passes
 from kvcompress.models.observe import ObservingCache, attention_hook, prerope_key_hooks
 from kvcompress.provenance import base_provenance
 from kvcompress.reference import rope_pairs
@@ -43,15 +42,10 @@ def profile(lm: LoadedModel, calib, texts: TextSet, progress: bool = True) -> KV
         if positions[i] is not None:
             acc.set_sample_positions(*positions[i])
 
+    # in memory batch by batch, or streamed layer by layer from the checkpoint (every batch through layer 0, then layer 1, ...)
+    p = Pass(kwargs=lambda i: {"cache": ObservingCache(g.n_layers, acc.observe_kv), "use_cache": True}, context=lambda: attention_hook(lm.model, acc.observe_q))
     with prerope_key_hooks(lm.model, acc.observe_prerope_k):
-        if lm.streamer is not None:  # layer by layer from the checkpoint: every batch through layer 0, then layer 1, ...
-            p = Pass(kwargs=lambda i: {"cache": ObservingCache(g.n_layers, acc.observe_kv), "use_cache": True}, context=lambda: attention_hook(lm.model, acc.observe_q))
-            lm.streamer.run(batches, [p], before_batch=before_batch, progress=progress, desc="profile")
-        else:
-            with attention_hook(lm.model, acc.observe_q):
-                for i, ids in enumerate(tqdm(batches, desc="profile", unit="batch", disable=not progress)):
-                    before_batch(i)
-                    lm.model(input_ids=ids.to(lm.device), cache=ObservingCache(g.n_layers, acc.observe_kv), use_cache=True, logits_to_keep=1)
+        run_passes(lm, batches, [p], None, progress=progress, desc="profile", before_batch=before_batch)
     if inv_freq is not None:
         acc.t["rope_inv_freq"] = inv_freq  # lets fit rotate keys to other positions
     header = {
