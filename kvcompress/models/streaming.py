@@ -349,7 +349,10 @@ def run_passes(lm, batches: list[torch.Tensor], passes: list[Pass], head: Callab
             if head is None:
                 continue
             h = h[:, -1:] if p.last_only else h[:, -p.last(i):] if p.last else h
-            head(pi, i, h, to_logits) if head_hidden else head(pi, i, to_logits(h))
+            if head_hidden:
+                head(pi, i, h, to_logits)
+            else:
+                head(pi, i, to_logits(h))
         if after_batch is not None:
             after_batch(i)
 
