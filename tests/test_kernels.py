@@ -419,8 +419,7 @@ def test_jit_launches_use_the_aot_builds_warps_and_stages(monkeypatch, family, a
     ops.append(kv, torch.randn(1, H, D).to(DEVICE), torch.randn(1, H, D).to(DEVICE), p)
     ops.decode_attention(torch.randn(1, H * G, D).to(DEVICE), kv, p, D**-0.5)
     v = aot.Variant("jit", D, G, kb, 4, 32, 4, W, 0, **{k: val for k, val in fam.items()})
-    want = {fn.__name__: (warps, plan.decode_stages(arch, D, v.grouped) if kname.startswith("decode_split") else plan.STAGES)
-            for kname, fn, _, _, warps in aot._specs(v)}
+    want = {fn.__name__: (warps, aot.num_stages(arch, kname, v)) for kname, fn, _, _, warps in aot._specs(v)}
     assert len(calls) == 3 and {c[0] for c in calls} == set(want)
     for name, warps, stages in calls:
         assert (warps, stages) == want[name], (name, warps, stages, want[name])

@@ -63,8 +63,8 @@ def _score(logits: torch.Tensor, answer: torch.Tensor) -> tuple[float, bool]:
 
 class _PrefixLayer(CacheLayerMixin):
     """Hands attention the fixed exact prompt K/V followed by the new tokens; stores nothing.
-    kv: the prompt's (k, v) [B, H, P, D], or a function giving them when the layer runs (streamed:
-    the prompt's K/V of a layer exist only once that layer has prefilled it)."""
+    kv: a function giving the prompt's (k, v) [B, H, P, D] when the layer runs (streamed, the prompt's K/V of a layer
+    exist only once that layer has prefilled it)."""
 
     is_sliding = False
 
@@ -77,7 +77,7 @@ class _PrefixLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        k, v = self.kv() if callable(self.kv) else self.kv
+        k, v = self.kv()
         if k.shape[-2] != self.prompt_len:  # a cache that dropped prompt tokens (a sliding-window layer) would score a shifted prefix
             raise RuntimeError(f"task scoring: the prompt's cache holds {k.shape[-2]} of its {self.prompt_len} tokens; it needs them all (full_cache)")
         return torch.cat([k, key_states], -2), torch.cat([v, value_states], -2)
@@ -93,17 +93,11 @@ class _PrefixLayer(CacheLayerMixin):
 
 
 class PrefixCache(Cache):
-    """A teacher-forcing cache over a prefilled prompt: [prompt K/V (exact), answer K/V]."""
+    """A teacher-forcing cache over a prefilled prompt: [prompt K/V (exact), answer K/V]. Each layer reads the prefill
+    cache when it runs (streamed, that cache is still being filled layer by layer)."""
 
-    def __init__(self, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__(layers=[_PrefixLayer((k, v), k.shape[-2]) for k, v in prompt_kv])
-
-    @classmethod
-    def over(cls, prefill: DynamicCache, n_layers: int, prompt_len: int) -> "PrefixCache":
-        """Over a prefill cache that is still being filled, layer by layer (streamed scoring)."""
-        c = cls([])
-        c.layers = [_PrefixLayer(lambda i=i: (prefill.layers[i].keys, prefill.layers[i].values), prompt_len) for i in range(n_layers)]
-        return c
+    def __init__(self, prefill: DynamicCache, n_layers: int, prompt_len: int):
+        super().__init__(layers=[_PrefixLayer(lambda i=i: (prefill.layers[i].keys, prefill.layers[i].values), prompt_len) for i in range(n_layers)])
 
 
 def full_cache(model) -> DynamicCache:
@@ -140,7 +134,7 @@ def score_samples(lm, samples: list, books: dict, progress: bool = True, modes: 
     passes = [Pass(kwargs=lambda i: {"cache": caps[i], "use_cache": True}, inputs=lambda i: prompts[i], last_only=True)]
     passes += [Pass(kwargs=lambda i, kw=kw: {"use_cache": False, **kw}, context=lambda impl=impl: attention_implementation(model, impl),
                     inputs=lambda i: fulls[i], last=lambda i: len(samples[i].answer)) if sw else
-               Pass(kwargs=lambda i, kw=kw: {"cache": PrefixCache.over(caps[i], L, len(samples[i].prompt)), "use_cache": True, **kw},
+               Pass(kwargs=lambda i, kw=kw: {"cache": PrefixCache(caps[i], L, len(samples[i].prompt)), "use_cache": True, **kw},
                     context=lambda impl=impl: attention_implementation(model, impl), inputs=lambda i: answers[i]) for (impl, kw), sw in zip(calls, stepwise)]
     names = ["fp16", *books]
     first: dict[int, torch.Tensor] = {}

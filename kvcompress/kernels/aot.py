@@ -120,6 +120,11 @@ VARIANTS = {
     ],
 }
 
+def num_stages(arch: str, kname: str, v: Variant) -> int:
+    """The num_stages a kernel of variant v is built with for arch (ops' JIT launches use the same: plan)."""
+    return plan.decode_stages(arch, v.head_dim, v.grouped) if kname.startswith("decode_split") else plan.STAGES
+
+
 def _key_ptr(bits: int) -> str:
     """The key payload's pointer type: signed int8 codes as they are, narrower codes packed offset-binary bytes."""
     return "*i8" if bits == 8 else "*u8"
@@ -218,7 +223,7 @@ def compile_all(arch: str, out: Path, variants: list[Variant]) -> dict:
         for kname, fn, sig, consts, warps in _specs(v):
             full_sig = {**sig, **{k: "constexpr" for k in consts}}
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=aligned_attrs(fn, sig))
-            opts = {"num_warps": warps, "num_stages": plan.decode_stages(arch, v.head_dim, v.grouped) if kname.startswith("decode_split") else plan.STAGES}
+            opts = {"num_warps": warps, "num_stages": num_stages(arch, kname, v)}
             if kname.startswith("decode_split") and v.decode_maxnreg > 0:
                 opts["maxnreg"] = v.decode_maxnreg
             ck = triton.compile(src, target=target, options=opts)
