@@ -138,7 +138,7 @@ class KVSpec(Frozen):
     # the serving context fold_pairs chooses angles and shrinks for (fit.pair_transforms): 0 (default)
     # scores each pair at the calibration windows' positions; N > 0 averages its score over the
     # positions up to N, where RoPE has turned the pair further. Measured on the embedded model it
-    # trades quality at 1K for quality at 8K (README, "Pair angles for long context")
+    # trades quality at 1K for quality at 8K (docs/format.md, "Pair angles for long context")
     pair_context: int = Field(0, ge=0)
     # native formats: per-layer scale = amax * headroom / qmax. "auto": `fit` takes the largest
     # headroom whose error on the calibration sample stays within 1% of no headroom (free for FP8 and

@@ -24,11 +24,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "docs" / "bench" / "streaming.json"
+DOC = ROOT / "docs" / "models.md"  # the page its block is rendered into (Large models)
 BEGIN, END = "<!-- streaming-bench:begin (rendered by scripts/bench_streaming.py --readme from docs/bench/streaming.json) -->", "<!-- streaming-bench:end -->"
 
 
 def render(r: dict) -> str:
-    """The README block, from a results file of this benchmark."""
+    """The block of docs/models.md, from a results file of this benchmark."""
     s = r["synthetic"]
     lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}, 2 CPU cores (`docs/bench/streaming.json`):", "",
              "| measured | value |", "|---|---|",
@@ -43,12 +44,11 @@ def render(r: dict) -> str:
     return "\n".join(lines + ["", END])
 
 
-def write_readme(r: dict) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+def write_doc(r: dict) -> None:
+    text = DOC.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + render(r) + tail)
+    DOC.write_text(head + render(r) + tail)
 
 
 def peak_rss_run(args: list[str], env: dict) -> tuple[int, float, subprocess.CompletedProcess]:
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--skip-time", action="store_true", help="skip part 2 (in-memory vs streamed time on the embedded model)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="compute device of both parts (a GPU host: cuda:0; peak RSS is then host memory)")
-    ap.add_argument("--readme", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into README.md")
+    ap.add_argument("--readme", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into {DOC.relative_to(ROOT)}")
     a = ap.parse_args()
     from datetime import datetime, timezone
 
@@ -174,7 +174,7 @@ def main() -> None:
     if a.readme:
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(out, indent=1) + "\n")
-        write_readme(out)
+        write_doc(out)
 
 
 if __name__ == "__main__":

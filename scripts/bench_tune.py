@@ -3,14 +3,14 @@
     python scripts/bench_tune.py                  # embedded model, default config (export on)
     python scripts/bench_tune.py --export none    # without the export stage
     python scripts/bench_tune.py --model gemma3_270m --export none   # the second model family
-    python scripts/bench_tune.py --readme         # re-render the README blocks from docs/bench/tune*.json
+    python scripts/bench_tune.py --readme         # re-render docs/tuning.md's blocks from docs/bench/tune*.json
 
 Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
 `python -m kvcompress` (the default preset, conf/config.yaml's kv: int8k_asym_rotv today; the results name it
 under "baseline") and `python -m kvcompress kv=auto` one after the other in subprocesses with the same cache, and
 prints: wall time of each and their ratio (issue #12's goal: at most 3x), bytes per token at the tuning context
 (the model's serving context) and their ratio (goal: at most 0.85), and each run's held-out verdict. Writes
-docs/bench/tune.json (the embedded model) or docs/bench/tune_<model>.json, and the README block of that model.
+docs/bench/tune.json (the embedded model) or docs/bench/tune_<model>.json, and that model's block of docs/tuning.md.
 Results written before the baseline was named compared with int8k_int4v (then the default).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "tuning.md"  # the page its blocks are rendered into
 sys.path.insert(0, str(ROOT))
 DEFAULT_MODEL = "smollm2_135m"
 
@@ -56,7 +57,7 @@ def default_kv() -> str:
 
 
 def render(r: dict) -> str:
-    """The README block, from a results file of this benchmark."""
+    """The block of docs/tuning.md, from a results file of this benchmark."""
     base = r.get("baseline", "int8k_int4v")
     p, q = r["runs"][base], r["runs"]["auto"]
     BEGIN, END = markers(r["model"])
@@ -81,12 +82,11 @@ def render(r: dict) -> str:
     return "\n".join(lines + ["", END])
 
 
-def write_readme(r: dict) -> None:
-    readme = ROOT / "README.md"
+def write_doc(r: dict) -> None:
     BEGIN, END = markers(r["model"])
-    head, rest = readme.read_text().split(BEGIN, 1)
+    head, rest = DOC.read_text().split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + render(r) + tail)
+    DOC.write_text(head + render(r) + tail)
 
 
 def run(args: list[str], env: dict, run_dir: Path) -> float:
@@ -103,11 +103,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--export", default="trtllm", choices=["trtllm", "none"])
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/tune.json")
-    ap.add_argument("--readme", action="store_true", help="only render docs/bench/tune.json into the README (no run)")
+    ap.add_argument("--readme", action="store_true", help="only render docs/bench/tune*.json into docs/tuning.md (no run)")
     a = ap.parse_args()
     if a.readme:
         for f in sorted((ROOT / "docs" / "bench").glob("tune*.json")):
-            write_readme(json.loads(f.read_text()))
+            write_doc(json.loads(f.read_text()))
         return
     from kvcompress.models.base import Geometry
     from kvcompress.provenance import base_provenance
@@ -148,8 +148,8 @@ def main() -> None:
         result = result_path(a.model)
         result.parent.mkdir(parents=True, exist_ok=True)
         result.write_text(json.dumps(res, indent=1))
-        write_readme(res)
-        print(f"wrote {result} and its README block")
+        write_doc(res)
+        print(f"wrote {result} and its block of {DOC.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

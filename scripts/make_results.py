@@ -1,12 +1,12 @@
-"""Rerun the README's measured commands, store their numbers in docs/results/, render the README table.
+"""Rerun the measured commands of docs/results.md, store their numbers in docs/results/, render its tables.
 
     python scripts/make_results.py            # rerun every command (5 to 50 minutes each on 2 cores), then render
     python scripts/make_results.py --only long8k_auto   # one of them
-    python scripts/make_results.py --render   # only re-render the README table from docs/results/*.json
+    python scripts/make_results.py --render   # only re-render docs/results.md's tables from docs/results/*.json
 
 Each docs/results/<name>.json holds the command, when and where it ran (versions, git sha, model
 fingerprint, text hashes), and the numbers of its report.json (every validated format, the
-export's re-measurements, stage times). The README block between the results markers is
+export's re-measurements, stage times). The block of docs/results.md between the results markers is
 rendered from these files only; tests/test_readme_results.py fails when the two disagree.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 from kvcompress.paths import default_cache_dir  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "results.md"  # the page the tables are rendered into
 BEGIN, END = "<!-- results:begin (rendered by scripts/make_results.py from docs/results/*.json; do not edit) -->", "<!-- results:end -->"
 
 COMMANDS = {
     "default": "python -m kvcompress",
-    # the README's 8K table in one command: int8k_int4v (the default when it ran), the stock formats, KIVI-style int4, the old int4 preset, the best
+    # the 8K table in one command: int8k_int4v (the default when it ran), the stock formats, KIVI-style int4, the old int4 preset, the best
     # <= 4.5-bit format (wf4) and the 8-bit-key candidate (rot8k_int4v), one baseline pass on the same 4 x 8192 held-out tokens
     "long8k_all": "python -m kvcompress kv=int8k_int4v eval=long export=none eval.compare=[native_int8,native_fp8,native_nvfp4,kivi_int4,int4,wf4,rot8k_int4v]",
     # the kv=auto choice (tuned on calibration text at 1K) measured at 8K on the same held-out windows
@@ -216,18 +216,18 @@ def load_results() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
 
 
-def write_readme(results: dict[str, dict]) -> None:
-    text = README.read_text()
+def write_doc(results: dict[str, dict]) -> None:
+    text = DOC.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit("make_results: README.md has no results markers")
+        raise SystemExit(f"make_results: {DOC.relative_to(ROOT)} has no results markers")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + render(results) + tail)
+    DOC.write_text(head + render(results) + tail)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--render", action="store_true", help="only re-render the README from docs/results")
+    ap.add_argument("--render", action="store_true", help="only re-render docs/results.md from docs/results/*.json")
     ap.add_argument("--only", default=None, choices=list(COMMANDS), help="rerun only this one")
     a = ap.parse_args()
     if not a.render:
@@ -238,8 +238,8 @@ def main() -> int:
             out, tmp = RESULTS / f"{name}.json", RESULTS / f".{name}.json.tmp"
             tmp.write_text(json.dumps(run(name, cmd), indent=1) + "\n")
             tmp.replace(out)  # a run that fails or is interrupted leaves the previous result whole
-    write_readme(load_results())
-    print(f"[make_results] rendered {README} from {RESULTS}")
+    write_doc(load_results())
+    print(f"[make_results] rendered {DOC} from {RESULTS}")
     return 0
 
 

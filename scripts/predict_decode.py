@@ -28,7 +28,8 @@ from kvcompress.kernels import plan  # noqa: E402
 from kvcompress.kernels.aot import Variant, compile_all  # noqa: E402
 from kvcompress.kernels.bytes_model import CONTEXTS, FORMATS, FP16, MODELS, ROW_COLUMNS, DecodeShape, decode_bytes  # noqa: E402
 
-README_BEGIN, README_END = "<!-- predict_decode:begin -->", "<!-- predict_decode:end -->"
+BEGIN, END = "<!-- predict_decode:begin -->", "<!-- predict_decode:end -->"
+DOC = ROOT / "docs" / "kernels.md"  # the page the table is rendered into
 GPUS = ("H200", "H100")
 
 
@@ -86,7 +87,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "predict_decode.json")
-    ap.add_argument("--readme", action="store_true", help="render the table into README.md between its markers")
+    ap.add_argument("--readme", action="store_true", help="render the table into docs/kernels.md between its markers")
     a = ap.parse_args()
     rows = predict(audit_formats())
     print("PREDICTED from the compiled code (bytes moved / peak HBM bandwidth), NOT measured; batch 1, all layers of one decode step")
@@ -99,13 +100,12 @@ def main() -> int:
                                "assumptions": "memory-bound: time = bytes / peak HBM bandwidth; launch latency and the reduce kernel's launch not modelled"}, indent=2))
     tmp.replace(a.json)
     if a.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        i, j = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+        text = DOC.read_text()
+        i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
         block = ("\n**Predicted from the compiled code, not measured** (`python scripts/predict_decode.py --readme`; bytes moved per decode "
                  "step over peak HBM bandwidth, batch 1, all layers; each kernel's SASS audited first: payload via 128-bit loads for int8k_int4v, no spills). "
                  "A GPU owner measures the same rows with `python scripts/bench_decode_attention.py`.\n\n" + table(rows))
-        readme.write_text(text[:i] + block + text[j:])
+        DOC.write_text(text[:i] + block + text[j:])
     return 0
 
 

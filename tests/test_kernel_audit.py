@@ -91,10 +91,10 @@ def test_per_token_kernels_compile_without_spills_and_fill_the_sm(audit_per_toke
             assert k["occupancy"]["sm_90"]["warps_per_sm"] >= 16, k["name"]
 
 
-def test_readme_per_token_figures_are_the_audit(audit_per_token_sm90):
-    """The README's preset paragraphs quote the per-token variants' registers and residency from the audit."""
+def test_presets_per_token_figures_are_the_audit(audit_per_token_sm90):
+    """docs/presets.md's preset paragraphs quote the per-token variants' registers and residency from the audit."""
     kernels = {k["name"]: k for k in audit_per_token_sm90["kernels"]}
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "presets.md")).read().split())
     regs = {v: kernels[f"decode_split_rot_{v}"]["registers"] for v in ("d128_g8_rot8k_int4v", "d128_g8_rot7k_int5v", "d64_g3_rot7k_int5v")}
     assert f"`d128_g8_rot8k_int4v`: {regs['d128_g8_rot8k_int4v']} registers, no spills, 16 warps per SM" in text
     assert (f"`d128_g8_rot7k_int5v`, {regs['d128_g8_rot7k_int5v']} registers, and `d64_g3_rot7k_int5v`, {regs['d64_g3_rot7k_int5v']}; "
@@ -137,13 +137,14 @@ def test_grouped_kernels_compile_without_spills(audit_grouped_sm90):
             assert ml["bytes_per_cache_element"] <= 2.0 * pad * ml["format_bytes_per_cache_element"], (k["name"], ml)
             _payload_read_as_designed(k)
             assert ml["payload_bytes_per_iteration"]["KP"]["read"] == ml["block_t"] * 4 * grouped_decode_words({"KROW": 4 * words, "D": D})["NW_PAD"]
-    # the README's figures for this family are this audit's
+    # the figures docs/kernels.md and the README's verification table give for this family are this audit's
     dec = [k for k in kernels.values() if k["kernel"] == "decode_split_grp"]
     lo, hi = min(k["registers"] for k in dec), max(k["registers"] for k in dec)
     warps = {k["occupancy"]["sm_90"]["warps_per_sm"] for k in dec}
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "kernels.md")).read().split())
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert warps == {12} and f"compiles without spills at {lo}-{hi} registers" in text and "12 warps per SM on sm_90 (3 CTAs;" in text
-    assert f"(audited: {lo}-{hi} registers, 12 warps per SM," in text
+    assert f"(audited: {lo}-{hi} registers, 12 warps per SM," in readme
     assert "packed as 32-bit words (audited: at most 128 registers, 4 CTAs per SM on sm_90)" in text
     pb = kernels["decode_split_grp_d128_g8_wf4"]["main_loop"]["payload_bytes_per_iteration"]
     fmt, read = (sum(b[x] for b in pb.values()) for x in ("format", "read"))
@@ -390,7 +391,7 @@ def test_block_t_gives_every_thread_a_128_bit_share_of_the_value_payload():
 
 
 def test_predicted_int8k_int4v_speedup_over_fp16_at_32k():
-    """The README's prediction, recomputed from the bytes model (bandwidth cancels in the ratio)."""
+    """docs/kernels.md's prediction, recomputed from the bytes model (bandwidth cancels in the ratio)."""
     layers, hq, h, d = MODELS["llama3.1-70b"]
     f = FORMATS["int8k_int4v"]
     shape = DecodeShape(1, hq, h, d, 32768)
@@ -429,11 +430,11 @@ def test_audit_cli_audits_a_variant_outside_the_default_set(tmp_path):
     assert "main loop" in p.stdout.splitlines()[1] and not any(k["spills"] for k in kernels)
 
 
-def test_readme_kernel_figures_are_the_audit(audit_sm90):
-    """The README's sentence on the compiled decode kernel quotes `python -m kvcompress.kernels.audit --arch sm_90`."""
+def test_kernels_page_figures_are_the_audit(audit_sm90):
+    """docs/kernels.md's sentence on the compiled decode kernel quotes `python -m kvcompress.kernels.audit --arch sm_90`."""
     k = _decode(audit_sm90, "d128_g8_int8k_int4v")
     ml, occ = k["main_loop"], k["occupancy"]["sm_90"]
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "kernels.md")).read().split())
     assert "python -m kvcompress.kernels.audit --arch sm_90" in text
     assert f"{ml['bytes_per_cache_element']:.3f} bytes per cache element loaded for {ml['format_bytes_per_cache_element']:.3f} in the format" in text
     assert f"{occ['ctas_per_sm']} CTAs ({occ['warps_per_sm']} warps) per SM on sm_90" in text and not k["spills"]

@@ -1,4 +1,5 @@
-"""The README's predicted decode table comes from scripts/predict_decode.py and the bytes model."""
+"""The predicted decode table of docs/kernels.md comes from scripts/predict_decode.py and the bytes model, and so do the
+ratios docs/presets.md quotes."""
 import json
 import os
 import sys
@@ -34,27 +35,27 @@ def test_every_predicted_row_recomputes_from_the_bytes_model():
         assert r["payload_load_bits"] >= 64
 
 
-def test_readme_table_is_the_rendered_prediction():
-    from predict_decode import README_BEGIN, README_END, table
+def test_kernels_page_table_is_the_rendered_prediction():
+    from predict_decode import BEGIN, DOC, END, table
 
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text[text.index(README_BEGIN) + len(README_BEGIN): text.index(README_END)]
+    text = DOC.read_text()
+    block = text[text.index(BEGIN) + len(BEGIN): text.index(END)]
     assert table(_rows()) in block and "not measured" in block
 
 
-def test_readme_grouped_ratio_sentence_is_the_prediction():
+def test_presets_grouped_ratio_sentence_is_the_prediction():
     """The wf5/wf6 paragraph's predicted ratios to int8k_int4v (Llama-3.1-70B, 128K, H200) are the table's."""
     r = {(x["model"], x["gpu"], x["context"], x["format"]): x["kvc_us"] for x in _rows()}
     base = r[("llama3.1-70b", "H200", 131072, "int8k_int4v")]
     wf6, wf5 = (r[("llama3.1-70b", "H200", 131072, f)] / base for f in ("wf6", "wf5"))
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "presets.md")).read().split())
     assert f"The decode is predicted at {wf6:.2f}x (wf6) and {wf5:.2f}x (wf5) int8k_int4v's time per step at 128K on Llama-3.1-70B" in text
 
 
-def test_readme_wf3_sentence_is_the_prediction():
+def test_presets_wf3_sentence_is_the_prediction():
     """The wf3 paragraph's predicted ratio to wf4 and speedup over fp16 (Llama-3.1-70B, 128K, H200) are the table's."""
     r = {(x["model"], x["gpu"], x["context"], x["format"]): x for x in _rows()}
     wf3, wf4 = (r[("llama3.1-70b", "H200", 131072, f)] for f in ("wf3", "wf4"))
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "presets.md")).read().split())
     assert (f"a decode step at {wf3['kvc_us'] / wf4['kvc_us']:.2f}x wf4's time at 128K on Llama-3.1-70B (H200), "
             f"{wf3['speedup']:.2f}x faster than an fp16 read") in text

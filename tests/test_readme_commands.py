@@ -40,8 +40,8 @@ def test_the_check_refuses_an_undocumented_key(capsys):
     assert "kv.nope is not a known key" in capsys.readouterr().err
 
 
-# mentions that look like config keys but are not: a report.json field and a file name
-NOT_KEYS = {"export.artifacts.plugin_bundle.network.check", "model.safetensors.index.json"}
+# mentions that look like config keys but are not: a report.json field and file names
+NOT_KEYS = {"export.artifacts.plugin_bundle.network.check", "model.safetensors.index.json", "export.md"}
 
 
 def documented_keys():
@@ -120,4 +120,5 @@ def test_doc_links_resolve():
             if not target.exists() or (frag and target.suffix == ".md" and frag not in set(_anchors(target))):
                 broken.append(f"{doc.relative_to(ROOT)}: {m.group(1)}")
     assert n >= 15 and not broken, broken
-    assert {"quick-start", "per-model-tuning-kvauto", "per-model-keyvalue-split-kvrot_split"} <= set(_anchors(ROOT / "README.md"))
+    assert {"quick-start", "pointing-it-at-a-real-model", "what-the-report-means"} <= set(_anchors(ROOT / "README.md"))
+    assert {"per-model-tuning-kvauto", "per-model-keyvalue-split-kvrot_split"} <= set(_anchors(ROOT / "docs" / "tuning.md"))

@@ -1,5 +1,6 @@
-"""Every number in the README's results block comes from docs/results/*.json (rendered by
-scripts/make_results.py); this fails when the README and the committed results disagree."""
+"""Every number in the results block of docs/results.md comes from docs/results/*.json (rendered by
+scripts/make_results.py); this fails when the page and the committed results disagree. The same for the benchmark
+blocks of docs/models.md and docs/tuning.md."""
 import importlib.util
 import json
 
@@ -15,11 +16,11 @@ def _make_results():
     return mod
 
 
-def test_readme_results_block_is_rendered_from_the_committed_results():
+def test_results_block_is_rendered_from_the_committed_results():
     mr = _make_results()
     results = mr.load_results()
     assert results, "docs/results/ holds no results files"
-    readme = (ROOT / "README.md").read_text()
+    readme = mr.DOC.read_text()
     block = readme[readme.index(mr.BEGIN) : readme.index(mr.END) + len(mr.END)]
     assert block == mr.render(results)
     for name, r in results.items():
@@ -52,24 +53,24 @@ def test_results_files_are_data_with_provenance():
         assert r["formats"][0]["role"] == "primary"
 
 
-def test_readme_streaming_block_is_rendered_from_the_committed_benchmark():
+def test_streaming_block_is_rendered_from_the_committed_benchmark():
     spec = importlib.util.spec_from_file_location("bench_streaming", ROOT / "scripts" / "bench_streaming.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     r = json.loads(mod.RESULT.read_text())
-    readme = (ROOT / "README.md").read_text()
+    readme = mod.DOC.read_text()
     assert readme[readme.index(mod.BEGIN) : readme.index(mod.END) + len(mod.END)] == mod.render(r)
     assert r["command"] in readme and r["git_sha"] and r["synthetic"]["exported"]
 
 
 @pytest.mark.parametrize("model", ["smollm2_135m", "gemma3_270m"])
-def test_readme_tune_block_is_rendered_from_the_committed_benchmark(model):
+def test_tune_block_is_rendered_from_the_committed_benchmark(model):
     spec = importlib.util.spec_from_file_location("bench_tune", ROOT / "scripts" / "bench_tune.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     r = json.loads(mod.result_path(model).read_text())
     begin, end = mod.markers(model)
-    readme = (ROOT / "README.md").read_text()
+    readme = mod.DOC.read_text()
     assert readme[readme.index(begin) : readme.index(end) + len(end)] == mod.render(r)
     assert r["model"] == model and r["git_sha"] and "python scripts/bench_tune.py" in readme
     # kv=auto beside the default preset of today (conf/config.yaml), named in the results

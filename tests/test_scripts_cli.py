@@ -31,8 +31,8 @@ BAD = [
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory):
     """Every BAD case as `python SCRIPT ARGS` would run it, all for one interpreter start (conftest.run_cli_batch), with the
-    modification times of README.md and the results from before them."""
-    before = {p: p.stat().st_mtime_ns for p in [ROOT / "README.md", *(ROOT / "docs" / "results").glob("*.json")]}
+    modification times of README.md, docs/*.md and the results from before them."""
+    before = {p: p.stat().st_mtime_ns for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "docs" / "results").glob("*.json")]}
     return run_cli_batch([(args, None) for args, _ in BAD], tmp_path_factory.mktemp("batch"), script="first"), before
 
 

@@ -324,7 +324,7 @@ def assemble(spec: KVSpec, uniform: dict[LayerFormat, ScaleBook]) -> ScaleBook:
 
 log = logging.getLogger("kvcompress")
 ASYM_MSE_NOTE = ("asymmetric keys with kv.key.clip=mse: the q.k-score MSE search shrinks each range around its center; on the embedded "
-                 "model that gave more KL at 8K than kv.key.clip=minmax (README, long8k_asymk_mse; kv=int8k_asym_rotv uses minmax)")
+                 "model that gave more KL at 8K than kv.key.clip=minmax (docs/results.md, long8k_asymk_mse; kv=int8k_asym_rotv uses minmax)")
 
 
 def uniform_spec(spec: KVSpec, f: LayerFormat) -> KVSpec:
