@@ -78,7 +78,7 @@ COMMANDS = {
 }
 
 
-# KL mean ratios the README's text argues from, rendered (not typed) under their table: (format, against)
+# KL mean ratios the docs' text argues from, rendered (not typed) under their table: (format, against)
 RATIOS = {
     "long8k_all": [("wf4", "kivi_int4"), ("wf4", "native_nvfp4"), ("rot8k_int4v", "int8k_int4v")],
     "long8k_rot4": [("rot4", "kivi_int4")],
@@ -108,7 +108,7 @@ def _fmt_drop(t: dict | None, key: str) -> str:
 
 
 def summarise(report: dict, command: str, run_dir: Path) -> dict:
-    """What the README shows, from a report.json (plus provenance)."""
+    """What docs/results.md shows, from a report.json (plus provenance)."""
     formats = [{"name": report["kv"]["name"], "tier": "custom" if report["kv"]["format"] == "kvcompress" else "native", "role": "primary",
                 "quality": report["quality"], "memory": report["memory"], "tasks": report.get("tasks"), "verdict": report["verdict"],
                 "verdict_basis": report.get("verdict_basis", []), "attribution": report.get("attribution")}]
@@ -167,7 +167,7 @@ def _ran_as(r: dict) -> str:
 
 
 def render(results: dict[str, dict]) -> str:
-    """The README block: one table per results file."""
+    """The block of docs/results.md: one table per results file."""
     out = [BEGIN]
     for name, r in sorted(results.items()):
         t = r["stage_times_s"]

@@ -337,6 +337,30 @@ def test_safetensors_writer_streams_rows_and_leaves_nothing_when_incomplete(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no half-written files
 
 
+def test_one_dtype_table_writes_what_safetensors_and_the_reader_read(tmp_path):
+    """models.st_dtypes: every dtype the streaming writer names is the name safetensors itself writes, and kvcompress's
+    reader maps it back."""
+    from safetensors.torch import load_file, save_file
+
+    from kvcompress.models.checkpoint import read_header
+    from kvcompress.models.st_dtypes import DTYPE_NAMES, ST_DTYPES
+    from kvcompress.targets.st_writer import SafetensorsWriter
+
+    tensors = {str(dt).removeprefix("torch."): torch.zeros(2, 3).to(dt) for dt in DTYPE_NAMES}
+    save_file(tensors, str(tmp_path / "ref.safetensors"))
+    w = SafetensorsWriter(tmp_path / "ours.safetensors", {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+    for k, v in tensors.items():
+        w.write(k, v)
+    w.close()
+    ref, _ = read_header(tmp_path / "ref.safetensors")
+    ours, _ = read_header(tmp_path / "ours.safetensors")
+    back = load_file(str(tmp_path / "ours.safetensors"))
+    for k, v in tensors.items():
+        assert ours[k]["dtype"] == ref[k]["dtype"] == DTYPE_NAMES[v.dtype] and ST_DTYPES[ours[k]["dtype"]] == v.dtype, k
+        assert back[k].dtype == v.dtype, k
+    assert len(DTYPE_NAMES) == len(ST_DTYPES)
+
+
 @pytest.mark.slow
 def test_streamed_run_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
     """A 4.8 GB synthetic Llama (hidden 2048): profile, fit, validate and export streamed with peak

@@ -17,9 +17,8 @@ from kvcompress.errors import UserError
 from kvcompress.models import int_weights, mxfp4_weights, nvfp4_weights
 from kvcompress.models.fp8_weights import FLOAT8, dequantize, scale_name
 from kvcompress.models.quantized import quantization_config, stated_bits, weight_block_size
+from kvcompress.models.st_dtypes import ST_DTYPES
 
-ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64,
-             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def read_header(path: Path) -> tuple[dict, int]:

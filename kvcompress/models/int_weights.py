@@ -163,7 +163,7 @@ def int8_names(entries) -> dict[str, dict[str, str | None]]:
     beside a `<m>.weight_scale`; parts: INT8_PARTS (the static activation scale and zero point of W8A8 with static inputs
     are not the weight's, but travel with it). entries: stored name -> Checkpoint entry (path, header, start), safetensors
     header entry or tensor."""
-    def dtype(e):
+    def dtype(e):  # not models.st_dtypes.entry_dtype: this module is copied into the bundle alone (targets.bundle.WEIGHT_READERS)
         if isinstance(e, torch.Tensor):
             return "I8" if e.dtype == torch.int8 else None
         return (e[1] if isinstance(e, tuple) else e).get("dtype")

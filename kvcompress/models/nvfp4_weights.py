@@ -29,7 +29,8 @@ ROLES = ("codes", "scale", "global", "input")  # what packed_names maps to store
 
 
 def _dtype(entry) -> str | None:
-    """The safetensors dtype string of a Checkpoint entry (models.checkpoint) (path, header, start), a bare header, or a tensor."""
+    """The safetensors dtype string of a Checkpoint entry (models.checkpoint) (path, header, start), a bare header, or a tensor.
+    Not models.st_dtypes.entry_dtype: this module is copied into the bundle alone (targets.bundle.WEIGHT_READERS)."""
     if entry is None:
         return None
     if isinstance(entry, torch.Tensor):
