@@ -60,9 +60,9 @@ def native_cmd(exe: str, ckpt: Path, out: str, max_seq_len: int, max_batch_size:
             "--max_seq_len", str(max_seq_len), "--max_batch_size", str(max_batch_size)]
 
 
-def fp16_kv_view(ckpt: Path) -> Path:
-    """A checkpoint directory that is `ckpt` with kv_cache_quant_algo = null (rank files symlinked)."""
-    view = Path(tempfile.mkdtemp(prefix="kvc_fp16kv_"))
+def fp16_kv_view(ckpt: Path, view: Path) -> Path:
+    """Make `view` (a new or empty directory) the checkpoint `ckpt` with kv_cache_quant_algo = null (rank files symlinked)."""
+    view.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["quantization"]["kv_cache_quant_algo"] = None
     (view / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -239,9 +239,6 @@ def main() -> int:
     if not (ckpt / "config.json").is_file():
         print(f"error: --ckpt {a.ckpt} has no config.json (expected export/trtllm_ckpt/tp<N>)", file=sys.stderr)
         return 2
-    if a.kv_cache == "fp16":
-        ckpt = fp16_kv_view(ckpt)
-        print(f"fp16 KV fallback: building from {ckpt}")
     if importlib.util.find_spec("tensorrt_llm") is None:
         print(f"error: tensorrt_llm is not importable here; install tensorrt_llm=={PINNED} on a GPU host", file=sys.stderr)
         return 2
@@ -253,9 +250,13 @@ def main() -> int:
     if exe is None:
         print("error: trtllm-build not found (TensorRT engine backend removed after the 1.2 line)", file=sys.stderr)
         return 2
-    cmd = native_cmd(exe, ckpt, a.out, a.max_seq_len or 8192, a.max_batch_size)
-    print(" ".join(cmd))
-    return subprocess.run(cmd).returncode
+    with tempfile.TemporaryDirectory(prefix="kvc_fp16kv_") as d:  # the fp16-KV view lives as long as the build
+        if a.kv_cache == "fp16":
+            ckpt = fp16_kv_view(ckpt, Path(d))
+            print(f"fp16 KV fallback: building from {ckpt} (removed after the build)")
+        cmd = native_cmd(exe, ckpt, a.out, a.max_seq_len or 8192, a.max_batch_size)
+        print(" ".join(cmd))
+        return subprocess.run(cmd).returncode
 
 
 if __name__ == "__main__":

@@ -259,6 +259,11 @@ class RunConfig(Frozen):
                     except ValueError as e:
                         why = e.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(e, "errors") else str(e)
                         raise ValueError(f"tune.menu format {f.label} does not fit kv={self.kv.name}: {why}") from None
+        if "profile" in self.stages and not self.stats:  # water-filled keys weigh channels by whole groups of calibration tokens
+            for spec in self.validated_specs().values():
+                if spec.key.alloc == "waterfill" and self.calib.seq_len < spec.key.group_tokens:
+                    raise ValueError(f"kv={spec.name}: kv.key.group_tokens={spec.key.group_tokens} needs calibration windows that hold a "
+                                     f"whole group; calib.seq_len={self.calib.seq_len}: use calib.seq_len >= {spec.key.group_tokens}")
         if "tune" in self.stages and not self.kv.is_auto:
             raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto, split or budget (kv=auto, kv=rot_split, kv=int8k_budget); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):

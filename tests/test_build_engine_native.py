@@ -13,6 +13,9 @@ STUB = """#!{py}
 import json, os, sys
 with open(os.environ["KVC_TEST_ARGV"], "w") as f:
     json.dump(sys.argv[1:], f)
+ckpt = sys.argv[sys.argv.index("--checkpoint_dir") + 1]  # what the build reads, as it is while the build runs
+with open(os.environ["KVC_TEST_ARGV"] + ".ckpt", "w") as f:
+    json.dump({{"config": json.load(open(os.path.join(ckpt, "config.json"))), "rank0": os.path.realpath(os.path.join(ckpt, "rank0.safetensors"))}}, f)
 sys.exit(int(os.environ.get("KVC_TEST_RC", "0")))
 """
 
@@ -30,7 +33,8 @@ def _setup(tmp_path, rc=0):
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps({"architecture": "LlamaForCausalLM", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     (ckpt / "rank0.safetensors").write_bytes(b"stand-in")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": str(tmp_path / "site"), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
            "KVC_TEST_ARGV": str(tmp_path / "argv.json"), "KVC_TEST_RC": str(rc)}
     return ckpt, env
 
@@ -57,11 +61,11 @@ def test_native_tier_fp16_fallback_builds_from_a_view_without_kv_quantization(tm
     p = _run(env, "--ckpt", str(ckpt), "--out", str(tmp_path / "engine"), "--kv-cache", "fp16", "--max-seq-len", "4096")
     assert p.returncode == 0, p.stderr
     flags = _flags(json.loads((tmp_path / "argv.json").read_text()))
-    view = flags["--checkpoint_dir"]
-    assert view != str(ckpt) and flags["--max_seq_len"] == "4096"
-    cfg = json.loads(open(os.path.join(view, "config.json")).read())
-    assert cfg["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": None}  # the weights' quantization kept
-    assert os.path.realpath(os.path.join(view, "rank0.safetensors")) == str((ckpt / "rank0.safetensors").resolve())
+    assert flags["--checkpoint_dir"] != str(ckpt) and flags["--max_seq_len"] == "4096"
+    seen = json.loads((tmp_path / "argv.json.ckpt").read_text())  # the view as trtllm-build read it
+    assert seen["config"]["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": None}  # the weights' quantization kept
+    assert seen["rank0"] == str((ckpt / "rank0.safetensors").resolve())
+    assert not os.path.exists(flags["--checkpoint_dir"]) and not list((tmp_path / "tmp").iterdir())  # removed after the build
 
 
 def test_native_tier_returns_trtllm_builds_exit_code(tmp_path):

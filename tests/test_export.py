@@ -230,7 +230,7 @@ def test_export_ships_the_validated_format_and_remeasures_it(tmp_path, kv, algo)
     try:
         import build_engine
 
-        view = build_engine.fp16_kv_view(out / "trtllm_ckpt" / "tp1")
+        view = build_engine.fp16_kv_view(out / "trtllm_ckpt" / "tp1", tmp_path / "view")
         assert json.loads((view / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] is None
         assert (view / "rank0.safetensors").resolve() == (out / "trtllm_ckpt" / "tp1" / "rank0.safetensors").resolve()
     finally:

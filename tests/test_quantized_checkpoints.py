@@ -116,12 +116,10 @@ def test_other_weight_formats_are_one_line(tmp_path, qcfg, name):
     assert p.returncode != 0 and "stores its weights quantized" in p.stderr and "Traceback" not in p.stderr and not (tmp_path / "r").exists()
 
 
-def test_kv_only_quantization_and_unscaled_float8():
+def test_kv_only_quantization_and_unscaled_float8(tmp_path):
     """This project's own FP8 HF checkpoint quantizes only the KV cache: its weights read as stored. A float8 weight
     without a stored scale is one line."""
-    import tempfile
-
-    d = Path(tempfile.mkdtemp())
+    d = tmp_path
     (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt", "kv_cache_scheme": {"type": "float"}}}))
     assert weight_quantization(d) is None
     save_file({"w": torch.ones(4, 4).to(torch.float8_e4m3fn)}, str(d / "model.safetensors"))

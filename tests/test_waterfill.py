@@ -131,8 +131,13 @@ def test_a_group_longer_than_the_calibration_windows_is_a_clear_error(tiny_stats
 
     with pytest.raises(UserError, match=r"no calibration window holds a whole group of 128 tokens \(calib.seq_len=64\)"):
         fit(tiny_stats, KVSpec(name="wf", window=128, **{**WF, "key": {**WF["key"], "group_tokens": 128}}))
-    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=wf4", "export=none", cache_dir=tmp_path / "c")
-    assert r.returncode != 0 and "calib.seq_len >= 128" in r.stderr and "Traceback" not in r.stderr
+    # the command line says so before any work: no profile, no run directory
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=wf4", "export=none", f"hydra.run.dir={tmp_path / 'r'}", cache_dir=tmp_path / "c")
+    assert r.returncode != 0 and "kv=wf4: kv.key.group_tokens=128 needs calibration windows that hold a whole group; calib.seq_len=64" in r.stderr
+    assert "Traceback" not in r.stderr and "profile" not in r.stderr.lower() and not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+    r = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv=int8k_int4v", "eval.compare=[wf4]", "export=none", f"hydra.run.dir={tmp_path / 'r'}",
+                cache_dir=tmp_path / "c")  # a compared format too
+    assert r.returncode != 0 and "kv=wf4: kv.key.group_tokens=128" in r.stderr and not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("name,kw", [("waterfill", WF), ("uniform", UNIFORM), ("waterfill5", WF5), ("waterfill3", WF3)])
