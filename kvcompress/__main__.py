@@ -78,10 +78,20 @@ def hydra_main(cfg) -> None:
 
 
 def remove_if_empty(run_dir: Path) -> None:
-    """A run that failed on user input leaves no directory behind (Hydra creates it first)."""
+    """A run that failed on user input leaves no directory behind (Hydra creates it first, and under ./runs/ its parents
+    runs/<model>/<kv>/: those left empty go too; a directory outside ./runs/ that held the run, e.g. hydra.run.dir's
+    parent, is the user's and stays)."""
     leftovers = [p for p in run_dir.iterdir() if p.name != ".hydra" and p.suffix != ".log"] if run_dir.is_dir() else [1]
     if not leftovers:
         shutil.rmtree(run_dir, ignore_errors=True)
+        runs = Path.cwd().resolve() / "runs"
+        for parent in run_dir.resolve().parents:
+            if parent != runs and runs not in parent.parents:
+                break
+            try:
+                parent.rmdir()  # only an empty directory
+            except OSError:
+                break
 
 
 def _unraisable(u) -> None:

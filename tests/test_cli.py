@@ -54,6 +54,8 @@ BAD = [
     (["kv=int8k_budget", "kv.key.bits=16", "kv.value.bits=16"], "kv.layers=budget spends the bytes of the static family's format layer by layer"),
     (["kv=int8k_asym_rotv", "kv.key.symmetric=true", "kv.key.max_position=2048"], "kv.key.max_position=2048 sets where asymmetric static keys' ranges hold"),
     (["kv=native_int8", "kv.pair_context=8192"], "kv.pair_context=8192 sets the context kv.fold_pairs chooses its angles for"),
+    (["calib.seq_len=64", "kv=wf4", "export=none"], "kv=wf4: kv.key.group_tokens=128 needs calibration windows that hold a whole group; "
+                                                    "calib.seq_len=64: use calib.seq_len >= 128"),  # was after profiling
 ]
 
 
@@ -88,7 +90,17 @@ def test_bad_input_one_line_nonzero_no_artifacts(bad_runs, i):
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("kvcompress: error:") and needle in lines[0]
     assert "Traceback" not in p.stderr + p.stdout
-    assert not run_dir.exists() or not any(run_dir.glob("*.safetensors"))
+    assert not run_dir.exists()
+
+
+def test_bad_input_leaves_no_directory_under_runs(tmp_path):
+    """Without hydra.run.dir a run goes to ./runs/<model>/<kv>/<time>/, which Hydra creates before the config is checked: a
+    run refused on its input leaves none of it (it left runs/<model>/<kv>/ empty); a ./runs/ that held other runs stays."""
+    p = run_cli("model=tiny_llama", "calib.seq_len=64", "kv=wf4", "export=none", cwd=tmp_path, timeout=120)
+    assert p.returncode != 0 and "calib.seq_len >= 128" in p.stderr and not (tmp_path / "runs").exists(), p.stderr
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)
+    p = run_cli("model=tiny_llama", "calib.seq_len=64", "kv=wf4", "export=none", cwd=tmp_path, timeout=120)
+    assert p.returncode != 0 and [q.name for q in (tmp_path / "runs").iterdir()] == ["earlier"]
 
 
 def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
