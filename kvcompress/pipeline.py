@@ -235,6 +235,8 @@ def finish(r: Run, times: dict[str, float]) -> None:
                 lines.append(f"  {name}: not written ({why})")
             if ex.get("text_decoder_only"):
                 lines.append(f"  text decoder only: {ex['text_decoder_only']}")
+            if ex.get("next_step_custom_tier_on_gpu_host"):  # the run's own format, validated as primary
+                lines.append(f"custom tier ({data['kv']['name']}) on a GPU host: {ex['next_step_custom_tier_on_gpu_host']}")
             lines.append(f"on a GPU host: {ex.get('next_step_on_gpu_host')}")
             if ex.get("check_on_gpu_host"):
                 lines.append(f"serve-path check on a GPU host: {ex['check_on_gpu_host']}")

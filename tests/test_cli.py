@@ -196,6 +196,17 @@ def test_default_command_runs_every_stage_and_ends_with_a_summary(tmp_path):
     assert {c["status"] for c in m["checks"]} == {"passed", "skipped"}  # skipped: the network oracle, the tiny model has no HF directory
     assert [c["check"] for c in m["checks"] if c["status"] == "skipped"] == ["custom-tier network graph (CPU oracle, reference plugins) decodes like CompressedCache"]
     assert not list(run.glob(".export*"))
+    # the custom tier's steps name the bundle's real files: no TensorRT headers here, so the plugin library is built with CMake
+    # first; the tiny model has no HF directory, so no network check file: the engine gets a short run instead of --check
+    steps = m["next_step_custom_tier_on_gpu_host"]
+    assert f"custom tier (int8k_asym_rotv) on a GPU host: {steps}" in out and steps.startswith("cd export/plugin_bundle && cmake -S plugins -B build")
+    v = m["artifacts"]["plugin_bundle"]["variant"]["name"]
+    bundle = run / "export" / "plugin_bundle"
+    assert f'-DKVC_VARIANTS="{v}"' in steps and f"python acceptance/{v}/verify.py --plugin-lib build/libkvcompress_trt.so" in steps
+    assert "--tier custom --run engine_custom" in steps and "--check" not in steps
+    for f in ("plugins/CMakeLists.txt", "kernels/sm_90", f"acceptance/{v}/verify.py", "build_engine.py"):
+        assert (bundle / f).exists(), f
+    assert f"custom tier (int8k_asym_rotv) on a GPU host: `{steps}`" in (run / "report.md").read_text()
     p = run_cli(*TINY, "export=none", f"hydra.run.dir={tmp_path / 'r2'}", cache_dir=tmp_path / "cache")
     assert p.returncode == 0 and not (tmp_path / "r2" / "export").exists()
 

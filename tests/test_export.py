@@ -979,3 +979,23 @@ def test_the_export_checks_the_disk_before_writing(tmp_path, monkeypatch):
     check_disk(run, 10**9, [1, 2, 4], False)  # 4 GB at 1 byte a parameter: may fit (FP8 weights)
     with pytest.raises(UserError, match=r"export: its 5 checkpoint\(s\) of 1.10B parameters need at least 5.5 GB and 5.0 GB are free under .*nothing was written"):
         check_disk(run, 11 * 10**8, [1, 2, 4, 8], False)
+
+
+def test_custom_tier_steps_follow_what_the_bundle_holds(tmp_path):
+    """The custom tier's GPU-host commands: the plugin library this export compiled (lib/sm_90) is used as it is, else CMake
+    builds it for every variant; one acceptance kit per variant; the engine checked against the validated decoding where the
+    export wrote the check file."""
+    from kvcompress.targets.bundle import custom_tier_steps
+
+    one = {"variant": {"name": "d64_g3_x"}}
+    steps = custom_tier_steps(tmp_path, one)
+    assert 'cmake -S plugins -B build -DTENSORRT_ROOT=<TensorRT install> -DKVC_KERNELS=kernels/sm_90 -DKVC_VARIANTS="d64_g3_x"' in steps
+    assert "--plugin-lib build/libkvcompress_trt.so --out engine_custom" in steps and "--run engine_custom" in steps
+    (tmp_path / "lib" / "sm_90").mkdir(parents=True)
+    (tmp_path / "lib" / "sm_90" / "libkvcompress_trt.so").write_bytes(b"")
+    (tmp_path / "network_check.safetensors").write_bytes(b"")
+    mixed = {"variant": {"name": "d64_g3_a"}, "variants": {"d64_g3_a": {}, "d64_g3_b": {}}}
+    steps = custom_tier_steps(tmp_path, mixed)
+    assert "cmake" not in steps and steps.count("verify.py --plugin-lib lib/sm_90/libkvcompress_trt.so") == 2
+    assert "acceptance/d64_g3_b/verify.py" in steps and steps.split("   (")[0].endswith("python build_engine.py --tier custom --check engine_custom")
+

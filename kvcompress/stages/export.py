@@ -31,7 +31,7 @@ from kvcompress.hashing import file_fingerprint
 from kvcompress.scalebook import ScaleBook
 from kvcompress.spec import NATIVE_ALGO
 from kvcompress.targets import recheck
-from kvcompress.targets.bundle import copy_network, custom_network, plugin_bundle
+from kvcompress.targets.bundle import copy_network, custom_network, custom_tier_steps, plugin_bundle
 from kvcompress.targets.checks import Checks
 from kvcompress.targets.native import write_native_checkpoints
 from kvcompress.targets.route import check_disk, check_exportable, engine_status, export_route, hf_only, tp_advice
@@ -147,9 +147,7 @@ def export(run, books: dict[str, ScaleBook], report: dict, out: Path) -> dict:
         "engine_built": False,
         "engine_reason": why,
         "next_step_on_gpu_host": f"python export/build_engine.py --ckpt {ckpt0} --out engine   (tensorrt_llm=={TRTLLM_VERSION}; the native tier)",
-        **({"next_step_custom_tier_on_gpu_host": "cd export/plugin_bundle && python acceptance/<variant>/verify.py --plugin-lib lib/<arch>/libkvcompress_trt.so; "
-            "python build_engine.py --tier custom --bundle . --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom; "
-            "python build_engine.py --tier custom --run engine_custom --prompt 'Hello'   (tensorrt_llm==1.2.1; not run here)"} if "plugin_bundle" in artifacts else {}),
+        **({"next_step_custom_tier_on_gpu_host": custom_tier_steps(out / "plugin_bundle", artifacts["plugin_bundle"])} if "plugin_bundle" in artifacts else {}),
         "check_on_gpu_host": HF_SERVE_CHECK,
         "fallback_fp16_kv": f"python export/build_engine.py --ckpt {ckpt0} --out engine_fp16kv --kv-cache fp16"
         "   (the same folded weights with an unquantized KV cache: a rollback without re-exporting)",

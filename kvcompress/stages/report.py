@@ -171,6 +171,8 @@ def render_md(r: Report) -> str:
     out += ["", "## What was verified", ""] + [f"- **{k}**: {v}" for k, v in r.verified.items()]
     if r.export:
         out += ["", "## Export", "", f"- TensorRT engine built: **{r.export['engine_built']}** ({r.export['engine_reason']})",
+                *([f"- custom tier ({r.kv['name']}) on a GPU host: `{r.export['next_step_custom_tier_on_gpu_host']}`"]
+                  if r.export.get("next_step_custom_tier_on_gpu_host") else []),
                 f"- next step on a GPU host: `{r.export['next_step_on_gpu_host']}`", f"- operator fallback: `{r.export['fallback_fp16_kv']}`"]
         out += [f"- serve-path check on a GPU host: `{r.export['check_on_gpu_host']}`"] if r.export.get("check_on_gpu_host") else []
         out += [f"- **{head}**: {text}" if loud else f"- {head}: {text}" for head, text, loud in export_notes(r.export)]

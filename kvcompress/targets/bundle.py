@@ -21,7 +21,9 @@ from kvcompress.errors import UserError
 from kvcompress.kernels.aot import Variant
 from kvcompress.scalebook import ScaleBook
 from kvcompress.targets import launchers
+from kvcompress.targets.network_check import CHECK_FILE
 from kvcompress.targets.checks import Checks
+from kvcompress.targets.trtllm_ckpt import TRTLLM_VERSION
 
 log = logging.getLogger("kvcompress")
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,6 +238,25 @@ def _compile_launchers(kdir: Path, files: list[Path], arch: str, checks: Checks)
         if c.returncode:
             errs.append(c.stderr.strip()[-300:])
     checks.add(f"C launchers {arch} compile against cuda.h (gcc -Wall -Werror)", not errs, errs or f"{sum(f.suffix == '.c' for f in files)} files")
+
+
+def custom_tier_steps(bundle: Path, info: dict) -> str:
+    """The commands, from the run directory, that take the custom tier to a checked engine on an sm_90 GPU host (kernels/sm_80
+    for an A100): the plugin library with CMake unless this export compiled it (TENSORRT_INCLUDE_DIR), each variant's
+    acceptance kit, the engine, and its check against the validated decoding where the export wrote one (else a short run).
+    info: the manifest's plugin_bundle artifact (its variant, or its per-layer variants)."""
+    variants = list(info.get("variants") or [info["variant"]["name"]])
+    lib = "lib/sm_90/libkvcompress_trt.so"
+    steps = ["cd export/plugin_bundle"]
+    if not (bundle / lib).is_file():
+        lib = "build/libkvcompress_trt.so"
+        steps.append(f'cmake -S plugins -B build -DTENSORRT_ROOT=<TensorRT install> -DKVC_KERNELS=kernels/sm_90 -DKVC_VARIANTS="{";".join(variants)}" '
+                     "&& cmake --build build")
+    steps += [f"python acceptance/{v}/verify.py --plugin-lib {lib}" for v in variants]
+    steps.append(f"python build_engine.py --tier custom --bundle . --plugin-lib {lib} --out engine_custom")
+    steps.append("python build_engine.py --tier custom --check engine_custom" if (bundle / CHECK_FILE).is_file()
+                 else "python build_engine.py --tier custom --run engine_custom --prompt 'Hello'")
+    return " && ".join(steps) + f"   (tensorrt_llm=={TRTLLM_VERSION}; not run here)"
 
 
 def _compile_plugin(kdir: Path, variant: list[str], out: Path, arch: str, checks: Checks) -> None:
