@@ -998,4 +998,5 @@ def test_custom_tier_steps_follow_what_the_bundle_holds(tmp_path):
     steps = custom_tier_steps(tmp_path, mixed)
     assert "cmake" not in steps and steps.count("verify.py --plugin-lib lib/sm_90/libkvcompress_trt.so") == 2
     assert "acceptance/d64_g3_b/verify.py" in steps and steps.split("   (")[0].endswith("python build_engine.py --tier custom --check engine_custom")
+    assert "-DKVC_KERNELS=kernels/sm_80" in custom_tier_steps(tmp_path, {**one, "kernels": {"sm_80": []}})  # a bundle built for sm_80 only
 

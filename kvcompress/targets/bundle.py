@@ -241,16 +241,18 @@ def _compile_launchers(kdir: Path, files: list[Path], arch: str, checks: Checks)
 
 
 def custom_tier_steps(bundle: Path, info: dict) -> str:
-    """The commands, from the run directory, that take the custom tier to a checked engine on an sm_90 GPU host (kernels/sm_80
-    for an A100): the plugin library with CMake unless this export compiled it (TENSORRT_INCLUDE_DIR), each variant's
-    acceptance kit, the engine, and its check against the validated decoding where the export wrote one (else a short run).
+    """The commands, from the run directory, that take the custom tier to a checked engine on a GPU host of the bundle's first
+    architecture (sm_90 where the export built it; kernels/sm_80 for an A100): the plugin library with CMake unless this
+    export compiled it (TENSORRT_INCLUDE_DIR), each variant's acceptance kit, the engine, and its check against the
+    validated decoding where the export wrote one (else a short run).
     info: the manifest's plugin_bundle artifact (its variant, or its per-layer variants)."""
     variants = list(info.get("variants") or [info["variant"]["name"]])
-    lib = "lib/sm_90/libkvcompress_trt.so"
+    archs = sorted(info.get("kernels") or ["sm_90"], key=lambda a: a != "sm_90")
+    lib = f"lib/{archs[0]}/libkvcompress_trt.so"
     steps = ["cd export/plugin_bundle"]
     if not (bundle / lib).is_file():
         lib = "build/libkvcompress_trt.so"
-        steps.append(f'cmake -S plugins -B build -DTENSORRT_ROOT=<TensorRT install> -DKVC_KERNELS=kernels/sm_90 -DKVC_VARIANTS="{";".join(variants)}" '
+        steps.append(f'cmake -S plugins -B build -DTENSORRT_ROOT=<TensorRT install> -DKVC_KERNELS=kernels/{archs[0]} -DKVC_VARIANTS="{";".join(variants)}" '
                      "&& cmake --build build")
     steps += [f"python acceptance/{v}/verify.py --plugin-lib {lib}" for v in variants]
     steps.append(f"python build_engine.py --tier custom --bundle . --plugin-lib {lib} --out engine_custom")
