@@ -182,8 +182,8 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                                         variant["block_t"]) for tp in TP_SIZES if tn.tp_allowed(g.n_heads, g.n_kv_heads, tp)}
     no.write_network_files(out, spec, no.plugin_params(book))
     hf_dir = spec["weights"]["hf_dir"]
-    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, *NETWORK_FILES, *WEIGHT_READERS], "splits_at_8k": splits, "weights_hf_dir": hf_dir,
-            "build": "python build_engine.py --tier custom --bundle plugin_bundle --plugin-lib lib/<arch>/libkvcompress_trt.so --out engine_custom (not run here)"}
+    # the commands that build and check its engine: the manifest's next_step_custom_tier_on_gpu_host (custom_tier_steps)
+    info = {"files": [no.tn.SPEC_FILE, no.tn.PARAMS_FILE, *NETWORK_FILES, *WEIGHT_READERS], "splits_at_8k": splits, "weights_hf_dir": hf_dir}
     moe = spec["arch"].get("moe")
     if moe:  # the graph's expert MLP is exact but dense: say what it costs where the operator reads the export
         E, k = moe["num_experts"], moe["top_k"]
@@ -200,8 +200,6 @@ def custom_network(run, book: ScaleBook, variant: dict, out: Path, checks: Check
                                        "note": "the fewest tensor-parallel GPUs (build_engine.py --tp) that hold the fp16 weights and one "
                                                "sequence's cache; build_engine.py refuses an engine larger than its GPU; TensorRT's "
                                                "activations and workspace come on top"}
-        if mem["tp"] > 1:
-            info["build"] = info["build"].replace("--out engine_custom", f"--out engine_custom --tp {mem['tp']}")
         if not fits:
             log.warning("export: the custom-tier engine needs %s, more than a %g GB GPU holds (export.gpu_memory_gb) even split over "
                         "its most tensor-parallel GPUs (a divisor of its %d kv heads up to %d)", tn.memory_line(mem), cfg.export.gpu_memory_gb,
