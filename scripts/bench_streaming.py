@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "docs" / "bench" / "streaming.json"
 DOC = ROOT / "docs" / "models.md"  # the page its block is rendered into (Large models)
-BEGIN, END = "<!-- streaming-bench:begin (rendered by scripts/bench_streaming.py --readme from docs/bench/streaming.json) -->", "<!-- streaming-bench:end -->"
+BEGIN, END = "<!-- streaming-bench:begin (rendered by scripts/bench_streaming.py --render from docs/bench/streaming.json) -->", "<!-- streaming-bench:end -->"
 
 
 def render(r: dict) -> str:
@@ -150,12 +150,12 @@ def main() -> None:
     ap.add_argument("--skip-time", action="store_true", help="skip part 2 (in-memory vs streamed time on the embedded model)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="compute device of both parts (a GPU host: cuda:0; peak RSS is then host memory)")
-    ap.add_argument("--readme", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into {DOC.relative_to(ROOT)}")
+    ap.add_argument("--render", action="store_true", help=f"write {RESULT.relative_to(ROOT)} and render it into {DOC.relative_to(ROOT)}")
     a = ap.parse_args()
     from datetime import datetime, timezone
 
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
-    out = {"command": "python scripts/bench_streaming.py --readme", "device": a.device, "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
+    out = {"command": "python scripts/bench_streaming.py --render", "device": a.device, "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
         s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d), device=a.device)
     print(f"synthetic Llama: {s['layers']} layers, hidden {s['hidden']}, checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB (float32)")
@@ -171,7 +171,7 @@ def main() -> None:
         print(f"  identical statistics: {t['identical_stats']}; {agreement(t)}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
-    if a.readme:
+    if a.render:
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(out, indent=1) + "\n")
         write_doc(out)

@@ -3,7 +3,7 @@
     python scripts/bench_tune.py                  # embedded model, default config (export on)
     python scripts/bench_tune.py --export none    # without the export stage
     python scripts/bench_tune.py --model gemma3_270m --export none   # the second model family
-    python scripts/bench_tune.py --readme         # re-render docs/tuning.md's blocks from docs/bench/tune*.json
+    python scripts/bench_tune.py --render         # re-render docs/tuning.md's blocks from docs/bench/tune*.json
 
 Warms the machine's caches first (float weights, kv_stats: `stages=[profile]`), then runs
 `python -m kvcompress` (the default preset, conf/config.yaml's kv: int8k_asym_rotv today; the results name it
@@ -37,7 +37,7 @@ def result_path(model: str) -> Path:
 def markers(model: str) -> tuple[str, str]:
     rel = result_path(model).relative_to(ROOT)
     tag = "tune-bench" if model == DEFAULT_MODEL else f"tune-bench:{model}"
-    return f"<!-- {tag}:begin (rendered by scripts/bench_tune.py --readme from {rel}) -->", f"<!-- {tag}:end -->"
+    return f"<!-- {tag}:begin (rendered by scripts/bench_tune.py --render from {rel}) -->", f"<!-- {tag}:end -->"
 
 
 def layer_map(layers: list[str], sliding: list[int]) -> str:
@@ -103,9 +103,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--export", default="trtllm", choices=["trtllm", "none"])
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/tune.json")
-    ap.add_argument("--readme", action="store_true", help="only render docs/bench/tune*.json into docs/tuning.md (no run)")
+    ap.add_argument("--render", action="store_true", help="only render docs/bench/tune*.json into docs/tuning.md (no run)")
     a = ap.parse_args()
-    if a.readme:
+    if a.render:
         for f in sorted((ROOT / "docs" / "bench").glob("tune*.json")):
             write_doc(json.loads(f.read_text()))
         return

@@ -1,6 +1,6 @@
 """Predicted decode-attention time per decode step, from the compiled kernels and the bytes model.
 
-    python scripts/predict_decode.py [--json docs/bench/predict_decode.json] [--readme]
+    python scripts/predict_decode.py [--json docs/bench/predict_decode.json] [--render]
 
 PREDICTED, NOT MEASURED. For Llama-3.1-70B and -8B shapes (batch 1) at 4K, 32K and 128K context
 on H200 (4.8 TB/s) and H100 (3.35 TB/s): the bytes one decode step's attention moves through HBM
@@ -87,7 +87,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "predict_decode.json")
-    ap.add_argument("--readme", action="store_true", help="render the table into docs/kernels.md between its markers")
+    ap.add_argument("--render", action="store_true", help="render the table into docs/kernels.md between its markers")
     a = ap.parse_args()
     rows = predict(audit_formats())
     print("PREDICTED from the compiled code (bytes moved / peak HBM bandwidth), NOT measured; batch 1, all layers of one decode step")
@@ -96,13 +96,13 @@ def main() -> int:
         print(" ".join(f"{r[c]:>12.2f}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in ROW_COLUMNS))
     a.json.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.json.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"columns": ROW_COLUMNS, "rows": rows, "command": "python scripts/predict_decode.py --readme",
+    tmp.write_text(json.dumps({"columns": ROW_COLUMNS, "rows": rows, "command": "python scripts/predict_decode.py --render",
                                "assumptions": "memory-bound: time = bytes / peak HBM bandwidth; launch latency and the reduce kernel's launch not modelled"}, indent=2))
     tmp.replace(a.json)
-    if a.readme:
+    if a.render:
         text = DOC.read_text()
         i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
-        block = ("\n**Predicted from the compiled code, not measured** (`python scripts/predict_decode.py --readme`; bytes moved per decode "
+        block = ("\n**Predicted from the compiled code, not measured** (`python scripts/predict_decode.py --render`; bytes moved per decode "
                  "step over peak HBM bandwidth, batch 1, all layers; each kernel's SASS audited first: payload via 128-bit loads for int8k_int4v, no spills). "
                  "A GPU owner measures the same rows with `python scripts/bench_decode_attention.py`.\n\n" + table(rows))
         DOC.write_text(text[:i] + block + text[j:])

@@ -159,8 +159,10 @@ def test_the_head_phase_reads_the_head_once_when_it_fits(tmp_path, monkeypatch, 
         assert q.keys() == q_mem.keys() and q["tokens"] == q_mem["tokens"] and q["top1_agree"] == q_mem["top1_agree"]
         for k in ("ppl_baseline", "ppl_compressed"):
             assert q[k] == pytest.approx(q_mem[k], rel=1e-6), k
-        for k in ("kl_mean", "kl_p99", "kl_max"):  # float32 log-probabilities: about 1e-7 of noise on either side
-            assert q[k] == pytest.approx(q_mem[k], rel=1e-2, abs=1e-7), k
+        # float32 log-probabilities: a few 1e-7 of noise on either side, by instruction set (3e-7 on kl_max's 2.8e-5 with
+        # ATEN_CPU_CAPABILITY=avx2, 1e-7 with AVX-512); a head applied to the wrong rows or positions is off by far more
+        for k in ("kl_mean", "kl_p99", "kl_max"):
+            assert q[k] == pytest.approx(q_mem[k], rel=1e-2, abs=1e-6), k
     # export's re-measurement: the kept baseline's head, applied after the run, scored against itself
     reads.clear()
     acc = QualityAccumulator()
