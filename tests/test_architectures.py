@@ -161,6 +161,7 @@ def test_reference_attention_fused_and_explicit_agree_with_a_direct_softmax(soft
     """reference.mixed_attention (CPU: fused parts merged by log-sum-exp; with a cap: the explicit softmax) against one
     direct softmax written here: scores q.k * scale, capped, masked (causal, sliding 11, chunk), sink column appended."""
     from kvcompress import reference as ref
+    from kvcompress.reference import attention as ref_attention
 
     g = torch.Generator().manual_seed(5)
     B, Hq, Hkv, S, D = 2, 4, 2, 29, 16
@@ -170,7 +171,7 @@ def test_reference_attention_fused_and_explicit_agree_with_a_direct_softmax(soft
     pos = torch.arange(S)
     kw = dict(sink_tokens=2, window=4, scaling=0.3, sliding_window=11, softcap=softcap, sink_logits=sink, chunk=chunk)
     fused = ref.mixed_attention(q, k, v, kh, vh, pos, q_block=8, **kw)
-    explicit = ref._mixed_attention_explicit(q, k, v, kh, vh, pos, q_block=8, **kw)
+    explicit = ref_attention._mixed_attention_explicit(q, k, v, kh, vh, pos, q_block=8, **kw)
     hp = ref.fp16_mask(pos, S, 2, 4)  # [S, S]: which keys a query reads in fp16
     kk = torch.where(hp[None, None, :, :, None], k[:, :, None], kh[:, :, None]).repeat_interleave(2, 1)  # [B, Hq, Tq, S, D]
     vv = torch.where(hp[None, None, :, :, None], v[:, :, None], vh[:, :, None]).repeat_interleave(2, 1)

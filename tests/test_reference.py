@@ -176,7 +176,8 @@ def test_mixed_attention_limits(gqa, D):
 def test_fused_mixed_attention_equals_explicit(window, sinks, sliding):
     """The CPU path (two fused attentions merged by log-sum-exp) equals the explicit softmax over the
     mixed scores; float64 so only the summation order differs (1e-10)."""
-    from kvcompress.reference import _mixed_attention_explicit, mixed_attention
+    from kvcompress.reference import mixed_attention
+    from kvcompress.reference.attention import _mixed_attention_explicit
 
     g = torch.Generator().manual_seed(window)
     B, Hq, Hkv, T, D = 2, 6, 2, 37, 16

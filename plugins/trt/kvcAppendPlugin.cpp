@@ -1,6 +1,6 @@
 // TensorRT IPluginV3 "KvcAppend" (namespace kvcompress): quantize-on-write of one new token per sequence
 // into the packed store and the fp16 window/sinks ring, launching the AOT-compiled Triton kv_append
-// kernel (bit-exact with kvcompress/reference.py in the interpreter tests). Thin: no numerics here.
+// kernel (bit-exact with kvcompress/reference/ in the interpreter tests). Thin: no numerics here.
 //
 // Compiled (not run) against TensorRT v10.13.3's public headers (plugins/README.md, tests/test_plugins.py).
 //
