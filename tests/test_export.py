@@ -999,4 +999,8 @@ def test_custom_tier_steps_follow_what_the_bundle_holds(tmp_path):
     assert "cmake" not in steps and steps.count("verify.py --plugin-lib lib/sm_90/libkvcompress_trt.so") == 2
     assert "acceptance/d64_g3_b/verify.py" in steps and steps.split("   (")[0].endswith("python build_engine.py --tier custom --check engine_custom")
     assert "-DKVC_KERNELS=kernels/sm_80" in custom_tier_steps(tmp_path, {**one, "kernels": {"sm_80": []}})  # a bundle built for sm_80 only
+    # an engine over 2 GPUs is built with --tp 2 and checked with one process per rank (build_engine.py refuses otherwise)
+    steps = custom_tier_steps(tmp_path, {**one, "network": {"engine_memory": {"tp": 2}}}).split("   (")[0]
+    assert "--out engine_custom --tp 2 && mpirun -n 2 python build_engine.py --tier custom --check engine_custom" in steps
+    assert steps.count("mpirun") == 1
 

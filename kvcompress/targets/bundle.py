@@ -242,7 +242,8 @@ def custom_tier_steps(bundle: Path, info: dict) -> str:
     """The commands, from the run directory, that take the custom tier to a checked engine on a GPU host of the bundle's first
     architecture (sm_90 where the export built it; kernels/sm_80 for an A100): the plugin library with CMake unless this
     export compiled it (TENSORRT_INCLUDE_DIR), each variant's acceptance kit, the engine (over the fewest tensor-parallel GPUs
-    that hold it), and its check against the validated decoding where the export wrote one (else a short run).
+    that hold it), and its check against the validated decoding where the export wrote one (else a short run), under
+    mpirun -n N for an engine of N tensor-parallel ranks.
     info: the manifest's plugin_bundle artifact (its variant, or its per-layer variants)."""
     variants = list(info.get("variants") or [info["variant"]["name"]])
     archs = sorted(info.get("kernels") or ["sm_90"], key=lambda a: a != "sm_90")
@@ -255,8 +256,9 @@ def custom_tier_steps(bundle: Path, info: dict) -> str:
     steps += [f"python acceptance/{v}/verify.py --plugin-lib {lib}" for v in variants]
     tp = ((info.get("network") or {}).get("engine_memory") or {}).get("tp", 1)  # the fewest GPUs that hold the engine
     steps.append(f"python build_engine.py --tier custom --bundle . --plugin-lib {lib} --out engine_custom" + (f" --tp {tp}" if tp > 1 else ""))
-    steps.append("python build_engine.py --tier custom --check engine_custom" if (bundle / CHECK_FILE).is_file()
-                 else "python build_engine.py --tier custom --run engine_custom --prompt 'Hello'")
+    launch = f"mpirun -n {tp} " if tp > 1 else ""  # a tensor-parallel engine runs one process per rank (engine_rank refuses otherwise)
+    steps.append(f"{launch}python build_engine.py --tier custom --check engine_custom" if (bundle / CHECK_FILE).is_file()
+                 else f"{launch}python build_engine.py --tier custom --run engine_custom --prompt 'Hello'")
     return " && ".join(steps) + f"   (tensorrt_llm=={TRTLLM_VERSION}; not run here)"
 
 
