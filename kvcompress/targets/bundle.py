@@ -255,8 +255,9 @@ def custom_tier_steps(bundle: Path, info: dict) -> str:
                      "&& cmake --build build")
     steps += [f"python acceptance/{v}/verify.py --plugin-lib {lib}" for v in variants]
     tp = ((info.get("network") or {}).get("engine_memory") or {}).get("tp", 1)  # the fewest GPUs that hold the engine
-    steps.append(f"python build_engine.py --tier custom --bundle . --plugin-lib {lib} --out engine_custom" + (f" --tp {tp}" if tp > 1 else ""))
-    launch = f"mpirun -n {tp} " if tp > 1 else ""  # a tensor-parallel engine runs one process per rank (engine_rank refuses otherwise)
+    # a tensor-parallel engine is built for its N ranks and runs one process per rank (engine_rank refuses otherwise)
+    build_tp, launch = (f" --tp {tp}", f"mpirun -n {tp} ") if tp > 1 else ("", "")
+    steps.append(f"python build_engine.py --tier custom --bundle . --plugin-lib {lib} --out engine_custom{build_tp}")
     steps.append(f"{launch}python build_engine.py --tier custom --check engine_custom" if (bundle / CHECK_FILE).is_file()
                  else f"{launch}python build_engine.py --tier custom --run engine_custom --prompt 'Hello'")
     return " && ".join(steps) + f"   (tensorrt_llm=={TRTLLM_VERSION}; not run here)"
