@@ -122,6 +122,25 @@ def needs_model(cfg: RunConfig) -> bool:
     return any(s in cfg.stages for s in ("validate", "export", "tune")) or ("profile" in cfg.stages and not cfg.stats)
 
 
+def check_context(cfg: RunConfig, max_position: int) -> None:
+    """Refuse, before profiling, a sequence the run would feed the model past its context (max_position_embeddings):
+    positions it was not trained or configured for, and past where asymmetric static keys' ranges hold
+    (kv.key.max_position, the model's by default). A task's answer tokens follow its prompt of eval.tasks.lengths."""
+    lengths = []
+    if "profile" in cfg.stages and not cfg.stats:
+        lengths.append(("calib.seq_len", cfg.calib.seq_len))
+    if "tune" in cfg.stages:
+        lengths.append(("tune.seq_len", cfg.tune.seq_len))
+    if {"validate", "export"} & set(cfg.stages):
+        lengths.append(("eval.seq_len", cfg.eval.seq_len))
+    if "validate" in cfg.stages and cfg.eval.tasks.names:
+        lengths += [("eval.tasks.lengths", n) for n in cfg.eval.tasks.lengths]
+    for key, n in lengths:
+        if n > max_position:
+            raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" model {cfg.model.name}'s context "
+                            f"(max_position_embeddings={max_position}): use at most {max_position}")
+
+
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
     prov = base_provenance()
     if needs_model(cfg):
@@ -152,6 +171,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     r = Run(cfg, run_dir, progress)
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
+        check_context(cfg, r.lm.geometry.max_position)
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp

@@ -56,6 +56,11 @@ BAD = [
     (["kv=native_int8", "kv.pair_context=8192"], "kv.pair_context=8192 sets the context kv.fold_pairs chooses its angles for"),
     (["calib.seq_len=64", "kv=wf4", "export=none"], "kv=wf4: kv.key.group_tokens=128 needs calibration windows that hold a whole group; "
                                                     "calib.seq_len=64: use calib.seq_len >= 128"),  # was after profiling
+    # past the model's context (tiny_llama: max_position 4096), refused before profiling (eval.seq_len ran, unwarned)
+    (["eval.seq_len=4097"], "eval.seq_len=4097 is past model tiny_llama's context (max_position_embeddings=4096): use at most 4096"),
+    (["calib.seq_len=5000", "export=none"], "calib.seq_len=5000 is past model tiny_llama's context (max_position_embeddings=4096)"),
+    (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[1024,8192]"], "eval.tasks.lengths contains 8192, past model tiny_llama's context"),
+    (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
 ]
 
 
