@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.config import RunConfig
-from kvcompress.data import load_texts
+from kvcompress.data import EVAL_IS_CALIB, load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
@@ -158,10 +158,10 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
         model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
-    if "profile" in cfg.stages and not cfg.stats:
-        load_texts(cfg.calib)  # and on bad text files, before the model loads
-    if {"validate", "export"} & set(cfg.stages):
-        load_texts(cfg.eval, "eval")
+    calib = load_texts(cfg.calib) if "profile" in cfg.stages and not cfg.stats else None  # and on bad text files, before the model loads
+    held_out = load_texts(cfg.eval, "eval") if {"validate", "export"} & set(cfg.stages) else None
+    if calib is not None and held_out is not None and calib.sha256 == held_out.sha256:  # validate's check (stages.validate), before profiling
+        raise UserError(EVAL_IS_CALIB)
     if "validate" in cfg.stages and cfg.eval.tasks.names:  # the exact minimum depends on the tokenizer (eval.tasks.base.assemble)
         need = max(s.window for s in cfg.validated_specs().values()) + FACT_GAP
         short = [n for n in cfg.eval.tasks.lengths if n <= need]
@@ -172,6 +172,8 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
         check_context(cfg, r.lm.geometry.max_position)
+        if held_out is not None:  # the eval text holds a window (token_windows' error), before profiling: tokenizing it is cheap beside that
+            token_windows(r.lm.tokenizer, held_out, 1, cfg.eval.seq_len)
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp

@@ -61,7 +61,17 @@ BAD = [
     (["calib.seq_len=5000", "export=none"], "calib.seq_len=5000 is past model tiny_llama's context (max_position_embeddings=4096)"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[1024,8192]"], "eval.tasks.lengths contains 8192, past model tiny_llama's context"),
     (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
+    # the eval text's own faults, before profiling (both were found by validate, after profile and fit)
+    (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=64"], "tokens; windows of 64 tokens need at least 64"),
+    (["calib=files", "calib.paths=[SAME]", "eval.source=files", "eval.paths=[SAME]"], "eval text is the calibration text; validation needs held-out text"),
 ]
+
+
+def _fill(arg: str, files: dict) -> str:
+    """arg with each placeholder (EMPTY, SHORT, SAME) replaced by the path of its file."""
+    for name, path in files.items():
+        arg = arg.replace(name, str(path))
+    return arg
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +83,10 @@ def bad_runs(tmp_path_factory):
         d = tmp_path_factory.mktemp(f"bad{i}")
         empty = d / "empty.txt"
         empty.write_text("  \n")
-        runs.append(([*TINY[:1], *(a.replace("EMPTY", str(empty)) for a in args), f"hydra.run.dir={d / 'run'}"], d / "cache"))
+        (d / "short.txt").write_text("A few words of held-out text.\n")
+        (d / "same.txt").write_text("Calibration text given as the held-out text as well. " * 200)
+        files = {"EMPTY": empty, "SHORT": d / "short.txt", "SAME": d / "same.txt"}
+        runs.append(([*TINY[:1], *(_fill(a, files) for a in args), f"hydra.run.dir={d / 'run'}"], d / "cache"))
         dirs.append(d)
     return list(zip(run_cli_batch(runs, tmp_path_factory.mktemp("batch")), dirs, runs))
 

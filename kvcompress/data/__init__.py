@@ -43,6 +43,9 @@ def _read_file(path: Path, field: str, group: str) -> list[str]:
     return out
 
 
+EVAL_IS_CALIB = "eval text is the calibration text; validation needs held-out text (eval.split=heldout or other eval.paths)"
+
+
 def load_texts(cfg, group: str = "calib") -> TextSet:
     """Texts of a CalibConfig or EvalConfig (source=builtin: the shipped corpus split; files: <group>.paths);
     group names the config group in errors."""

@@ -19,7 +19,7 @@ import torch
 
 from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
-from kvcompress.data import load_texts, token_windows
+from kvcompress.data import EVAL_IS_CALIB, load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import ATTRIBUTION_SIDES, DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
@@ -187,7 +187,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     check_supported(lm.model, name)
     texts = load_texts(eval_cfg, "eval")
     if calib_sha is not None and texts.sha256 == calib_sha:
-        raise UserError("eval text is the calibration text; validation needs held-out text (eval.split=heldout or other eval.paths)")
+        raise UserError(EVAL_IS_CALIB)
     windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
     check = self_check(lm, windows[:1], name)
     by_name = {b.spec.name: b for b in books.values()}
