@@ -125,7 +125,8 @@ def needs_model(cfg: RunConfig) -> bool:
 def check_context(cfg: RunConfig, max_position: int) -> None:
     """Refuse, before profiling, a sequence the run would feed the model past its context (max_position_embeddings):
     positions it was not trained or configured for, and past where asymmetric static keys' ranges hold
-    (kv.key.max_position, the model's by default). A task's answer tokens follow its prompt of eval.tasks.lengths."""
+    (kv.key.max_position, the model's by default). A task's few answer tokens follow its prompt of eval.tasks.lengths, so a
+    task at the full context (eval=long's 8192 on SmolLM2) scores them just past it."""
     lengths = []
     if "profile" in cfg.stages and not cfg.stats:
         lengths.append(("calib.seq_len", cfg.calib.seq_len))
@@ -139,6 +140,22 @@ def check_context(cfg: RunConfig, max_position: int) -> None:
         if n > max_position:
             raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" model {cfg.model.name}'s context "
                             f"(max_position_embeddings={max_position}): use at most {max_position}")
+
+
+def check_texts(cfg: RunConfig, tokenizer, held_out) -> None:
+    """Before profiling, what validate would find wrong with the held-out text `held_out` (None: no validate or export):
+    too few tokens for one window (token_windows' error), or a task length too short for its prompt's facts to sit before
+    every fp16 window (eval.tasks.base.assemble's error; the estimate before the model loads lets some through).
+    Tokenizing the text is cheap beside profiling."""
+    if held_out is None:
+        return
+    token_windows(tokenizer, held_out, 1, cfg.eval.seq_len)
+    if "validate" in cfg.stages and cfg.eval.tasks.names:
+        from kvcompress.eval.retrieval import task_samples
+
+        auto = cfg.kv.layers == "auto" and "tune" in cfg.stages  # kv=auto may choose a window of tune.windows
+        window = max([s.window for s in cfg.validated_specs().values()] + (cfg.tune.windows if auto else []))
+        task_samples(tokenizer, [i for t in held_out.texts for i in tokenizer.encode(t)], cfg.eval.tasks, window)
 
 
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
@@ -171,9 +188,6 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     r = Run(cfg, run_dir, progress)
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
-        check_context(cfg, r.lm.geometry.max_position)
-        if held_out is not None:  # the eval text holds a window (token_windows' error), before profiling: tokenizing it is cheap beside that
-            token_windows(r.lm.tokenizer, held_out, 1, cfg.eval.seq_len)
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
@@ -188,6 +202,9 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             log.warning("export: %s (estimated at 2 bytes a parameter; FP8 weights kept as stored take half)", advice)
         if disk := disk_warning(run_dir, n_params, cfg.export.tp_sizes, hf_only(r.lm.model)):
             log.warning("export: %s", disk)
+    if needs_model(cfg):
+        check_context(cfg, r.lm.geometry.max_position)
+        check_texts(cfg, r.lm.tokenizer, held_out)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

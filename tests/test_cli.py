@@ -61,6 +61,8 @@ BAD = [
     (["calib.seq_len=5000", "export=none"], "calib.seq_len=5000 is past model tiny_llama's context (max_position_embeddings=4096)"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[1024,8192]"], "eval.tasks.lengths contains 8192, past model tiny_llama's context"),
     (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
+    # a task length the estimate before loading the model lets through (window + 16 < 150) but the prompt's facts do not fit
+    (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey prompt needs at least"),
     # the eval text's own faults, before profiling (both were found by validate, after profile and fit)
     (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=64"], "tokens; windows of 64 tokens need at least 64"),
     (["calib=files", "calib.paths=[SAME]", "eval.source=files", "eval.paths=[SAME]"], "eval text is the calibration text; validation needs held-out text"),

@@ -174,15 +174,16 @@ def _greedy(model, prompt: list[int], n: int, cache, stepwise: bool = False) -> 
     return out[0, len(prompt) :].tolist()
 
 
+def task_samples(tokenizer, corpus_ids: list[int], cfg, window: int) -> list:
+    """cfg: TasksConfig. Every sample of cfg.names x lengths x depths x seeds, facts before an fp16 window of `window`
+    tokens (a length too short for that is refused: eval.tasks.base.assemble)."""
+    return [TASKS.get(name)(tokenizer, corpus_ids, length, depth, seed, window)
+            for name in cfg.names for length in cfg.lengths for depth in cfg.depths for seed in range(cfg.seeds)]
+
+
 def run_tasks(lm, books: dict, corpus_ids: list[int], cfg, window: int, progress: bool = True) -> dict[str, dict]:
     """cfg: TasksConfig; books: {name: ScaleBook}. Returns {name: task summary} (fp16 inside each)."""
-    samples = [
-        TASKS.get(name)(lm.tokenizer, corpus_ids, length, depth, seed, window)
-        for name in cfg.names
-        for length in cfg.lengths
-        for depth in cfg.depths
-        for seed in range(cfg.seeds)
-    ]
+    samples = task_samples(lm.tokenizer, corpus_ids, cfg, window)
     rows = []
     streamed = lm.streamer is not None  # the greedy cross-check decodes token by token: in memory only
     greedy = {name: [0, 0] for name, b in books.items() if not b.spec.is_native and not streamed}  # [agree, checked]
