@@ -119,6 +119,10 @@ class TasksConfig(Frozen):
     prompt: Literal["auto", "context", "decode"] = "auto"
 
 
+TUNE_GATES = ("ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree")  # the gates the tune stage can measure on its windows
+NO_TUNE_GATE = f"tune: eval.gates has none of {', '.join(TUNE_GATES)}; kv=auto needs at least one to search against"
+
+
 class Gate(Frozen):
     """A release gate: the report fails when `metric` exceeds `max`."""
 
@@ -249,6 +253,8 @@ class RunConfig(Frozen):
                              "that is validated but never shipped: add export=none")
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
+        if self.kv.layers == "auto" and "tune" in self.stages and not any(g.name in TUNE_GATES for g in self.eval.gates):
+            raise ValueError(NO_TUNE_GATE)
         if self.kv.layers == "auto":  # a menu format the spec cannot hold fails here, in one line, before any work
             from kvcompress.spec import mixed_spec
 

@@ -122,6 +122,16 @@ def needs_model(cfg: RunConfig) -> bool:
     return any(s in cfg.stages for s in ("validate", "export", "tune")) or ("profile" in cfg.stages and not cfg.stats)
 
 
+def check_formats(cfg: RunConfig, head_dim: int) -> None:
+    """Every format the run fits (the kv format, its native fallbacks, eval.compare) applies at head_dim: what profile and fit
+    would refuse, before profiling and before the run directory exists."""
+    for role, spec in cfg.validated_specs().items():
+        try:
+            spec.check_geometry(head_dim)
+        except UserError as e:
+            raise (e if role == "primary" else UserError(f"{spec.name} (validated beside kv={cfg.kv.name}: {role}): {e}")) from None
+
+
 def check_context(cfg: RunConfig, max_position: int) -> None:
     """Refuse, before profiling, a sequence the run would feed the model past its context (max_position_embeddings):
     positions it was not trained or configured for, and past where asymmetric static keys' ranges hold
@@ -188,11 +198,11 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     r = Run(cfg, run_dir, progress)
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
+        check_formats(cfg, r.lm.geometry.head_dim)  # what each format itself refuses, before what the export cannot carry
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp
 
-        cfg.kv.check_geometry(r.lm.geometry.head_dim)  # what the format itself refuses, before what the export cannot carry
         check_exportable(r.lm.model, cfg.kv, cfg.export.dtype)  # before anything is written; the model is needed by validate and export anyway
         for tp in ([] if hf_only(r.lm.model) else cfg.export.tp_sizes):  # and the tensor-parallel sizes the model's shapes allow
             check_tp(r.lm.geometry, tp, r.lm.model.config)
@@ -204,6 +214,10 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             log.warning("export: %s", disk)
     if needs_model(cfg):
         check_context(cfg, r.lm.geometry.max_position)
+        if cfg.kv.layers == "auto" and "tune" in cfg.stages:  # kv=auto's menu at this head_dim (the tune stage's check)
+            from kvcompress.stages.tune import applicable_menu
+
+            applicable_menu(cfg.kv, cfg.tune.menu, r.lm.geometry.head_dim, warn=False)
         check_texts(cfg, r.lm.tokenizer, held_out)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)

@@ -363,7 +363,7 @@ class KVSpec(Frozen):
         # the values' rotation folded into W_v/W_o works in blocks (reference.hadamard_block); the kernels' need a power of two
         if (self.key.rotate == "hadamard" or (self.value.rotate == "hadamard" and not self.value_rotation_folded)) and head_dim & (head_dim - 1):
             raise UserError(f"kv.key.rotate/kv.value.rotate=hadamard needs a power-of-two head_dim here (rotated in the kernels); got head_dim={head_dim}")
-        g = self.value.group_size or head_dim
+        g = head_dim if self.is_native else self.value.group_size or head_dim  # a native format's scales are per layer: no groups
         if head_dim % g:
             raise UserError(f"kv.value.group_size={self.value.group_size} must divide head_dim={head_dim}")
         if self.outlier_channels >= head_dim:

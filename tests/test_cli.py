@@ -63,6 +63,16 @@ BAD = [
     (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
     # a task length the estimate before loading the model lets through (window + 16 < 150) but the prompt's facts do not fit
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey prompt needs at least"),
+    # kv=auto's own faults, before profiling (both were found by the tune stage, after profile and fit)
+    (["kv=auto", "eval.gates=[{name:retrieval_drop,max:0.1}]"], "tune: eval.gates has none of ppl_delta_rel, kl_mean, kl_p99, top1_disagree"),
+    (["kv=auto", "kv.value.group_size=0", "tune.menu=[{key_bits:8,value_bits:4,value_group:32}]", "model.tiny.head_dim=48", "export=none"],
+     "tune.menu has no quantized format that applies to head_dim=48"),
+    # and the export's: at head_dim 48 the custom tier's kernels, not the native fallback's value groups (a native format has none)
+    (["model.tiny.head_dim=48", "kv.value.group_size=16"], "export=trtllm: the custom tier's kernels (kv=int8k_asym_rotv) take a power-of-two head_dim; this LlamaForCausalLM has head_dim=48"),
+    # a format's geometry, before the run directory exists (was in profile, after config.json; eval.compare in fit)
+    (["kv=int8k_int4v", "model.tiny.head_dim=36", "export=none"], "kv.value.group_size=32 must divide head_dim=36"),
+    (["eval.compare=[native_nvfp4]", "model.tiny.head_dim=40", "kv.value.group_size=8", "export=none"],
+     "native_nvfp4 (validated beside kv=int8k_asym_rotv: compare:native_nvfp4): kv=native_nvfp4 needs head_dim divisible by its 16-element blocks"),
     # the eval text's own faults, before profiling (both were found by validate, after profile and fit)
     (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=64"], "tokens; windows of 64 tokens need at least 64"),
     (["calib=files", "calib.paths=[SAME]", "eval.source=files", "eval.paths=[SAME]"], "eval text is the calibration text; validation needs held-out text"),

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 
-from kvcompress.config import kv_preset
+from kvcompress.config import NO_TUNE_GATE, TUNE_GATES, kv_preset
 from kvcompress.data import load_texts, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.sensitivity import layer_sensitivity
@@ -46,7 +46,6 @@ from kvcompress.stats import KVStats
 
 log = logging.getLogger("kvcompress")
 FP16 = LayerFormat(key_bits=16, value_bits=16)
-TUNE_GATES = ("ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree")  # measurable on the tuning windows
 
 
 def spec_bytes(spec: KVSpec, geom, context: int) -> float:
@@ -279,6 +278,23 @@ def tune_budget(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, prog
     return book, record
 
 
+def applicable_menu(spec: KVSpec, menu: list[LayerFormat], head_dim: int, warn: bool = True) -> list[LayerFormat]:
+    """The quantized formats of tune.menu that apply at head_dim (each left out is logged when `warn`); none is an error
+    (the pipeline asks before profiling, with warn=False)."""
+    out = []
+    for f in dict.fromkeys(f for f in menu if not f.is_fp16):
+        try:
+            uniform_spec(spec, f).check_geometry(head_dim)
+            out.append(f)
+        except UserError as e:
+            if warn:
+                log.warning("tune: menu format %s does not apply to this model (%s); left out", f.label, e)
+    if not out:
+        raise UserError(f"tune.menu has no quantized format that applies to head_dim={head_dim} (fp16 is always allowed); "
+                        "give at least one, e.g. {key_bits: 8, value_bits: 4, value_group: 32}")
+    return out
+
+
 def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: bool = True) -> tuple[ScaleBook, dict]:
     """(ScaleBook of the chosen per-layer spec, the search record). cfg: TuneConfig."""
     if spec.is_split:
@@ -286,18 +302,9 @@ def tune(lm, stats: KVStats, spec: KVSpec, cfg, eval_cfg, calib_cfg, progress: b
     if spec.is_budget:
         return tune_budget(lm, stats, spec, cfg, eval_cfg, calib_cfg, progress)
     t0, geom, L, context, limits = _start(lm, cfg, eval_cfg)
-    if not limits:
-        raise UserError(f"tune: eval.gates has none of {', '.join(TUNE_GATES)}; kv=auto needs at least one to search against")
-    menu = []
-    for f in dict.fromkeys(f for f in cfg.menu if not f.is_fp16):
-        try:
-            uniform_spec(spec, f).check_geometry(geom.head_dim)
-            menu.append(f)
-        except UserError as e:
-            log.warning("tune: menu format %s does not apply to this model (%s); left out", f.label, e)
-    if not menu:
-        raise UserError(f"tune.menu has no quantized format that applies to head_dim={geom.head_dim} (fp16 is always allowed); "
-                        "give at least one, e.g. {key_bits: 8, value_bits: 4, value_group: 32}")
+    if not limits:  # RunConfig refuses it before any work; tune() called on its own as well
+        raise UserError(NO_TUNE_GATE)
+    menu = applicable_menu(spec, cfg.menu, geom.head_dim)
     texts, windows = _windows(lm, cfg, calib_cfg)
     log.info("tune: %d menu formats x %d layers on %d x %d calibration tokens; limits %s (gates x margin %.2f); bytes at %d tokens",
              len(menu), L, *windows.shape, limits, cfg.margin, context)
