@@ -122,14 +122,20 @@ def needs_model(cfg: RunConfig) -> bool:
     return any(s in cfg.stages for s in ("validate", "export", "tune")) or ("profile" in cfg.stages and not cfg.stats)
 
 
-def check_formats(cfg: RunConfig, head_dim: int) -> None:
-    """Every format the run fits (the kv format, its native fallbacks, eval.compare) applies at head_dim: what profile and fit
-    would refuse, before profiling and before the run directory exists."""
+def check_formats(cfg: RunConfig, lm) -> None:
+    """Every format the run fits (the kv format, its native fallbacks, eval.compare) applies to the model's head_dim, and a
+    fold the user forced (kv.fold_*=true) is one the model can take: what profile and fit would refuse, before profiling
+    and before the run directory exists."""
     for role, spec in cfg.validated_specs().items():
         try:
-            spec.check_geometry(head_dim)
+            spec.check_geometry(lm.geometry.head_dim)
         except UserError as e:
             raise (e if role == "primary" else UserError(f"{spec.name} (validated beside kv={cfg.kv.name}: {role}): {e}")) from None
+    if cfg.kv.is_native and True in (cfg.kv.fold_keys, cfg.kv.fold_values, cfg.kv.fold_pairs):
+        from kvcompress.stages.fit import check_fold_flags
+        from kvcompress.stages.profile import fold_obstacles, key_norm, rope_pairs_of
+
+        check_fold_flags(cfg.kv, fold_obstacles(lm.model), rope_pairs_of(lm.model, lm.geometry), key_norm(lm.model, lm.geometry))
 
 
 def check_context(cfg: RunConfig, max_position: int) -> None:
@@ -196,9 +202,13 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
+    if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
+        from kvcompress.stages.export import check_validated
+
+        check_validated(run_dir, {} if "fit" in cfg.stages else r.book_paths())
     if needs_model(cfg):
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
-        check_formats(cfg, r.lm.geometry.head_dim)  # what each format itself refuses, before what the export cannot carry
+        check_formats(cfg, r.lm)  # what each format itself refuses, before what the export cannot carry
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
         from kvcompress.targets.trtllm_ckpt import check_tp

@@ -73,6 +73,11 @@ BAD = [
     (["kv=int8k_int4v", "model.tiny.head_dim=36", "export=none"], "kv.value.group_size=32 must divide head_dim=36"),
     (["eval.compare=[native_nvfp4]", "model.tiny.head_dim=40", "kv.value.group_size=8", "export=none"],
      "native_nvfp4 (validated beside kv=int8k_asym_rotv: compare:native_nvfp4): kv=native_nvfp4 needs head_dim divisible by its 16-element blocks"),
+    # a fold the model cannot take, from the model itself (was fit's check of the profiled header)
+    (["model=tiny_qwen3", "kv=native_fp8", "kv.fold_pairs=true", "export=none"],
+     "kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm=shared), where no RoPE-pair rotation can be folded"),
+    # export alone into a directory validate never wrote, before the model loads (was after loading it)
+    (["export=trtllm", "stages=[export]"], "stage export ships only what validate measured: run it with fit and validate"),
     # the eval text's own faults, before profiling (both were found by validate, after profile and fit)
     (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=64"], "tokens; windows of 64 tokens need at least 64"),
     (["calib=files", "calib.paths=[SAME]", "eval.source=files", "eval.paths=[SAME]"], "eval text is the calibration text; validation needs held-out text"),

@@ -165,8 +165,11 @@ def test_kv_auto_config_adds_the_tune_stage_and_refuses_contradictions():
     from kvcompress.paths import load_preset
 
     base = {"model": load_preset("model", "tiny_llama"), "kv": load_preset("kv", "auto"), "calib": load_preset("calib", "smoke"),
-            "eval": load_preset("eval", "smoke"), "export": {"name": "none"}, "stages": None, "cache_dir": "/tmp/x"}
+            "eval": {**load_preset("eval", "smoke"), "gates": [{"name": "kl_mean", "max": 0.05}]}, "export": {"name": "none"}, "stages": None,
+            "cache_dir": "/tmp/x"}
     assert to_run_config(base).stages == ["profile", "fit", "tune", "validate"]
+    with pytest.raises(UserError, match="tune: eval.gates has none of ppl_delta_rel, kl_mean, kl_p99, top1_disagree"):  # eval=smoke's: none
+        to_run_config({**base, "eval": load_preset("eval", "smoke")})
     with pytest.raises(UserError, match="add tune to stages"):
         to_run_config({**base, "stages": ["profile", "fit", "validate"]})
     with pytest.raises(UserError, match="fixed formats"):

@@ -274,11 +274,16 @@ def _build(ckpt: Path, engine: Path) -> dict:
     return {"returncode": p.returncode, "log_tail": (p.stdout + p.stderr)[-2000:]}
 
 
+def check_validated(run_dir: Path, book_paths: dict[str, Path]) -> None:
+    """Export ships only what validate measured: the run directory's report and ScaleBooks must be there."""
+    if not (run_dir / "report.json").is_file() or any(not Path(p).is_file() for p in book_paths.values()):
+        raise UserError("stage export ships only what validate measured: run it with fit and validate (the default stages)")
+
+
 def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:
     """Pipeline glue: export into a temporary directory, rename to export/ when complete."""
     report_path = run.dir / "report.json"
-    if not report_path.is_file() or any(not Path(p).is_file() for p in book_paths.values()):
-        raise UserError("stage export ships only what validate measured: run it with fit and validate (the default stages)")
+    check_validated(run.dir, book_paths)
     report = json.loads(report_path.read_text())
     books = {role: run.scalebook(Path(p)) for role, p in book_paths.items()}
     final, tmp = run.dir / "export", run.dir / ".export.tmp"

@@ -48,6 +48,22 @@ def _native_error(x: torch.Tensor, f: torch.Tensor, scale: float, fmt: str, qq: 
     return float(gram_score_error(dx.transpose(0, 1), qq).mean())
 
 
+def check_fold_flags(spec: KVSpec, blocked: dict[str, str], pairs: torch.Tensor | None, knorm: str) -> None:
+    """A fold the user forced (kv.fold_keys/values/pairs=true) that this model cannot take: a side its attention cannot
+    take folded (profile.fold_obstacles), pair rotations without (i, i + head_dim/2) RoPE pairs, or with keys normalised
+    before RoPE (profile.key_norm). Fit checks the profiled header; the pipeline the model itself, before profiling."""
+    for side, flag in (("keys", spec.fold_keys), ("values", spec.fold_values), ("pairs", spec.fold_pairs)):
+        why = blocked.get("keys" if side == "pairs" else side)
+        if why and flag is True:
+            raise UserError(f"kv.fold_{side}=true: {why}; allowed for this model: kv.fold_{side}=auto or false")
+    if spec.fold_pairs is True and not is_half_split(pairs):
+        raise UserError(f"kv.fold_pairs=true: this model's RoPE pairs are not (i, i + head_dim/2) (partial or interleaved rotary: first pair "
+                        f"{tuple(pairs[:, 0].tolist())}); the pair rotations are for that layout only; allowed: kv.fold_pairs=auto or false")
+    if spec.fold_pairs is True and knorm != "none":
+        raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "
+                        "rotation can be folded; allowed: kv.fold_pairs=auto or false")
+
+
 def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor], dict]:
     """TensorRT-LLM INT8/FP8 KV: fold factors and one scale per layer (amax of the folded K and V).
 
@@ -56,16 +72,13 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     values), among "no fold" and the allowed strengths. Folding never raises the shared amax, so
     the per-layer scale is the same for every candidate.
     """
+    knorm = stats.header.get("key_norm", "none")  # profile.key_norm: where the key fold can live
+    pairs = stats.tensors.get("rope_pairs")  # the model's RoPE pairs (partial rotary: its own)
     blocked = stats.header.get("fold_obstacles") or {}  # profile.fold_obstacles: a side the model's attention cannot take folded
-    for side, flag in (("keys", spec.fold_keys), ("values", spec.fold_values), ("pairs", spec.fold_pairs)):
-        why = blocked.get("keys" if side == "pairs" else side)
-        if why and flag is True:
-            raise UserError(f"kv.fold_{side}=true: {why}; allowed for this model: kv.fold_{side}=auto or false")
+    check_fold_flags(spec, blocked, pairs, knorm)
     L, H, D = stats["k_absmax"].shape
     k_abs, v_abs = stats["k_absmax"], stats["v_absmax"]
     target = torch.maximum(k_abs.amax(dim=(1, 2)), v_abs.amax(dim=(1, 2)))  # [L] the shared K/V amax
-    knorm = stats.header.get("key_norm", "none")  # profile.key_norm: where the key fold can live
-    pairs = stats.tensors.get("rope_pairs")  # the model's RoPE pairs (partial rotary: its own)
     if knorm == "shared":  # one k_norm weight for every head (Qwen3): the key factors must be head-independent
         k_abs = k_abs.amax(1, keepdim=True).expand_as(k_abs)
     offset = float(stats.header.get("key_norm_offset", 0.0)) if knorm != "none" else 0.0  # Gemma's (1 + w) norm weights
@@ -97,15 +110,9 @@ def native_tensors(stats: KVStats, spec: KVSpec) -> tuple[dict[str, torch.Tensor
     scale = scale * headroom
     rot = torch.zeros(L, H, D // 2)
     half_split = is_half_split(pairs)
-    if not half_split and spec.fold_pairs is True:
-        raise UserError(f"kv.fold_pairs=true: this model's RoPE pairs are not (i, i + head_dim/2) (partial or interleaved rotary: first pair "
-                        f"{tuple(pairs[:, 0].tolist())}); the pair rotations are for that layout only; allowed: kv.fold_pairs=auto or false")
     if not half_split and spec.pairs_folded:
         info["fold_pairs"] = "off: partial or interleaved rotary (the key factors are tied over the model's own RoPE pairs; no pair rotation is chosen)"
     if knorm != "none":
-        if spec.fold_pairs is True:
-            raise UserError(f"kv.fold_pairs=true: this model normalises each head's keys before RoPE (key_norm={knorm}), where no RoPE-pair "
-                            "rotation can be folded; allowed: kv.fold_pairs=auto or false")
         info["key_norm"] = (f"{knorm}: the model normalises each head's keys before RoPE, so the key factors fold into its q/k norm weights"
                             + (" (one per channel, shared by every head)" if knorm == "shared" else "")
                             + (f"; the norms multiply by (w + {offset:g}), so the factors scale that and stay >= {OFFSET_FLOOR}" if offset else "")
