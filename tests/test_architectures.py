@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -349,15 +351,17 @@ def test_a_blocked_half_of_the_fold_is_left_unfolded(arch):
     from conftest import ROOT
     from kvcompress.spec import KVSpec
     from kvcompress.targets.route import export_route
-    from kvcompress.stages.fit import native_tensors
+    from kvcompress.stages.fit import check_fold_flags
+    from kvcompress.stages.profile import fold_obstacles
 
     assert _folded_logit_error(arch, ignore_obstacles=True) > 1e-2
     assert _folded_logit_error(arch) < 1e-4
-    stats = type("S", (), {"header": {"fold_obstacles": {BLOCKED[arch]: "a norm"}}})()
+    blocked = fold_obstacles(tiny(arch, **SURVEY.get(arch, {})).model)
+    assert list(blocked) == [BLOCKED[arch]]
     base = yaml.safe_load((ROOT / "conf" / "kv" / "native_fp8.yaml").read_text())
-    for flag in [f"fold_{BLOCKED[arch]}"] + (["fold_pairs"] if BLOCKED[arch] == "keys" else []):
-        with pytest.raises(UserError, match=f"kv.{flag}=true: a norm; allowed for this model: kv.{flag}=auto or false"):
-            native_tensors(stats, KVSpec(**{**base, flag: True}))
+    for flag in [f"fold_{BLOCKED[arch]}"] + (["fold_pairs"] if BLOCKED[arch] == "keys" else []):  # fit's and the pipeline's check
+        with pytest.raises(UserError, match=f"kv.{flag}=true: {re.escape(blocked[BLOCKED[arch]])}; allowed for this model: kv.{flag}=auto or false"):
+            check_fold_flags(KVSpec(**{**base, flag: True}), blocked, None, "none")
     if arch == "bitnet":
         with pytest.raises(UserError, match="add export=none"):
             export_route(tiny(arch, **SURVEY.get(arch, {})).model)
