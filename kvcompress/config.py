@@ -253,7 +253,7 @@ class RunConfig(Frozen):
                              "that is validated but never shipped: add export=none")
         if self.kv.is_auto and "fit" in self.stages and "validate" in self.stages and "tune" not in self.stages:
             raise ValueError(f"kv={self.kv.name} chooses its per-layer formats in the tune stage: add tune to stages")
-        if self.kv.layers == "auto" and "tune" in self.stages and not any(g.name in TUNE_GATES for g in self.eval.gates):
+        if self.tunes_layout and not any(g.name in TUNE_GATES for g in self.eval.gates):
             raise ValueError(NO_TUNE_GATE)
         if self.kv.layers == "auto":  # a menu format the spec cannot hold fails here, in one line, before any work
             from kvcompress.spec import mixed_spec
@@ -292,6 +292,16 @@ class RunConfig(Frozen):
             if spec.name not in {s.name for s in specs.values()} and not (spec.is_native and spec.format in {s.format for s in specs.values()}):
                 specs[f"compare:{name}"] = spec
         return specs
+
+    @property
+    def tunes_layout(self) -> bool:
+        """kv=auto with tune in the stages: the layer formats, window and sinks are chosen by tune, after profile and fit."""
+        return self.kv.layers == "auto" and "tune" in self.stages
+
+    def task_window(self) -> int:
+        """The fp16 window the task prompts' facts must sit before: the largest of every validated format's, and under
+        kv=auto with tune in the stages every window tune may choose (tune.windows), as tune runs after the checks."""
+        return max([s.window for s in self.validated_specs().values()] + (list(self.tune.windows) if self.tunes_layout else []))
 
     def trtllm_format(self) -> str:
         """native_int8 | native_fp8 | native_nvfp4: the KV format of trtllm_ckpt/."""

@@ -169,9 +169,7 @@ def check_texts(cfg: RunConfig, tokenizer, held_out) -> None:
     if "validate" in cfg.stages and cfg.eval.tasks.names:
         from kvcompress.eval.retrieval import task_samples
 
-        auto = cfg.kv.layers == "auto" and "tune" in cfg.stages  # kv=auto may choose a window of tune.windows
-        window = max([s.window for s in cfg.validated_specs().values()] + (cfg.tune.windows if auto else []))
-        task_samples(tokenizer, [i for t in held_out.texts for i in tokenizer.encode(t)], cfg.eval.tasks, window)
+        task_samples(tokenizer, [i for t in held_out.texts for i in tokenizer.encode(t)], cfg.eval.tasks, cfg.task_window())
 
 
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
@@ -196,10 +194,11 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if calib is not None and held_out is not None and calib.sha256 == held_out.sha256:  # validate's check (stages.validate), before profiling
         raise UserError(EVAL_IS_CALIB)
     if "validate" in cfg.stages and cfg.eval.tasks.names:  # the exact minimum depends on the tokenizer (eval.tasks.base.assemble)
-        need = max(s.window for s in cfg.validated_specs().values()) + FACT_GAP
+        need = (window := cfg.task_window()) + FACT_GAP
         short = [n for n in cfg.eval.tasks.lengths if n <= need]
         if short:
-            raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window + {FACT_GAP} "
+            which = " (the largest kv=auto may choose from tune.windows)" if cfg.tunes_layout and window in cfg.tune.windows else ""
+            raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window{which} + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
     if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
@@ -224,7 +223,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             log.warning("export: %s", disk)
     if needs_model(cfg):
         check_context(cfg, r.lm.geometry.max_position)
-        if cfg.kv.layers == "auto" and "tune" in cfg.stages:  # kv=auto's menu at this head_dim (the tune stage's check)
+        if cfg.tunes_layout:  # kv=auto's menu at this head_dim (the tune stage's check)
             from kvcompress.stages.tune import applicable_menu
 
             applicable_menu(cfg.kv, cfg.tune.menu, r.lm.geometry.head_dim, warn=False)

@@ -63,6 +63,9 @@ BAD = [
     (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
     # a task length the estimate before loading the model lets through (window + 16 < 150) but the prompt's facts do not fit
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey prompt needs at least"),
+    # under kv=auto the facts must sit before any window tune may choose (its windows are chosen after profile and fit)
+    (["kv=auto", "tune.windows=[32,512]", "eval.tasks.names=[passkey]", "eval.tasks.lengths=[300]"],
+     "eval.tasks.lengths contains 300: task prompts must be longer than the fp16 window (the largest kv=auto may choose from tune.windows) + 16 (528 tokens)"),
     # kv=auto's own faults, before profiling (both were found by the tune stage, after profile and fit)
     (["kv=auto", "eval.gates=[{name:retrieval_drop,max:0.1}]"], "tune: eval.gates has none of ppl_delta_rel, kl_mean, kl_p99, top1_disagree"),
     (["kv=auto", "kv.value.group_size=0", "tune.menu=[{key_bits:8,value_bits:4,value_group:32}]", "model.tiny.head_dim=48", "export=none"],
