@@ -129,6 +129,12 @@ class Gate(Frozen):
     name: Literal["ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree", "retrieval_drop", "exact_match_drop"]
     max: float
 
+    @model_validator(mode="after")
+    def _reachable(self) -> "Gate":
+        if self.name in ("kl_mean", "kl_p99", "top1_disagree") and self.max < 0:  # the drops and ppl_delta_rel can be negative
+            raise ValueError(f"gate {self.name} has max={self.max}, but {self.name} is never negative, so every format would fail: use max >= 0")
+        return self
+
 
 class EvalConfig(Frozen):
     name: str
@@ -270,6 +276,7 @@ class RunConfig(Frozen):
                 if spec.key.alloc == "waterfill" and self.calib.seq_len < spec.key.group_tokens:
                     raise ValueError(f"kv={spec.name}: kv.key.group_tokens={spec.key.group_tokens} needs calibration windows that hold a "
                                      f"whole group; calib.seq_len={self.calib.seq_len}: use calib.seq_len >= {spec.key.group_tokens}")
+        self._check_reach()
         if "tune" in self.stages and not self.kv.is_auto:
             raise ValueError(f"stage tune searches per-layer formats for kv.layers=auto, split or budget (kv=auto, kv=rot_split, kv=int8k_budget); kv={self.kv.name} has fixed formats")
         if self.kv.is_native and self.export.native_kv not in ("auto", NATIVE_ALGO[self.kv.format]):
@@ -278,6 +285,30 @@ class RunConfig(Frozen):
                 "the exported checkpoint must be the validated format: use export.native_kv=auto"
             )
         return self
+
+    def fp16_reach(self, spec: KVSpec) -> tuple[int, str]:
+        """(the number of leading positions of a sequence whose attention reads only fp16 K/V, how that number is set): the
+        sinks plus the recent window (the token leaving the window is the first compressed entry read). Under kv=auto
+        with tune, the largest of tune.sinks + tune.windows, which tune may choose."""
+        if spec is self.kv and self.tunes_layout:
+            return max(self.tune.sinks) + max(self.tune.windows), f"the largest of tune.sinks + tune.windows: {max(self.tune.sinks)} + {max(self.tune.windows)}"
+        return spec.sink_tokens + spec.window, f"kv.sink_tokens={spec.sink_tokens} + kv.window={spec.window}"
+
+    def _check_reach(self) -> None:
+        """Windows too short for any token to read a compressed entry measure nothing: a validation on them passes any
+        format (eval.seq_len=16 with the default's 4 sinks and 128-token window gave PASS at 2.35x) and tune would pick
+        the cheapest. Refused for validate's windows (also the export's re-measure) and tune's."""
+        lengths = ([("eval.seq_len", self.eval.seq_len, self.validated_specs().items())] if {"validate", "export"} & set(self.stages) else []) + \
+                  ([("tune.seq_len", self.tune.seq_len, [("primary", self.kv)])] if "tune" in self.stages else [])
+        for key, n, specs in lengths:
+            for role, spec in specs:
+                if spec.is_baseline or spec.is_native:
+                    continue
+                reach, how = self.fp16_reach(spec)
+                if n <= reach + 1:  # position p predicts token p + 1; the first to read a compressed entry is p = reach
+                    which = f"kv={spec.name}" if role == "primary" else f"{spec.name} (validated beside kv={self.kv.name}: {role})"
+                    raise ValueError(f"{key}={n}: no position would read a compressed entry of {which}, whose first {reach} positions attend "
+                                     f"to fp16 K/V only ({how}); use {key} > {reach + 1} (the default is 1024)")
 
     def validated_specs(self) -> dict[str, KVSpec]:
         """Every format this run fits and validates: the kv format, plus the native fallbacks that

@@ -16,7 +16,7 @@ BAD = [
     (["calib=files", "calib.paths=[EMPTY]"], "has no text"),
     (["calib=files"], "calib.paths is empty"),
     (["eval.source=files", "eval.paths=[/nope/held.txt]"], "eval.paths entry '/nope/held.txt' does not exist"),  # before profiling
-    (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=64"], "eval text"),
+    (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=200"], "eval text"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[100]"], "eval.tasks.lengths contains 100: task prompts must be longer than the fp16 window + 16"),
     (["kv.foo=1"], "kv.foo is not a known key"),
     (["eval.tasks.prompt=foo"], "eval.tasks.prompt='foo' is invalid: Input should be 'auto', 'context' or 'decode'"),
@@ -66,6 +66,15 @@ BAD = [
     # under kv=auto the facts must sit before any window tune may choose (its windows are chosen after profile and fit)
     (["kv=auto", "tune.windows=[32,512]", "eval.tasks.names=[passkey]", "eval.tasks.lengths=[300]"],
      "eval.tasks.lengths contains 300: task prompts must be longer than the fp16 window (the largest kv=auto may choose from tune.windows) + 16 (528 tokens)"),
+    # windows in which no position reads a compressed entry measure nothing (eval.seq_len=16 gave the default PASS at 2.35x)
+    (["eval.seq_len=133", "eval.tasks.names=[]"], "eval.seq_len=133: no position would read a compressed entry of kv=int8k_asym_rotv, whose first 132 "
+                                                 "positions attend to fp16 K/V only (kv.sink_tokens=4 + kv.window=128); use eval.seq_len > 133"),
+    (["kv=native_int8", "eval.compare=[int8k_int4v]", "eval.seq_len=100", "eval.tasks.names=[]", "export=none"],
+     "eval.seq_len=100: no position would read a compressed entry of int8k_int4v (validated beside kv=native_int8: compare:int8k_int4v)"),
+    (["kv=auto", "eval.gates=[{name:kl_mean,max:0.1}]", "tune.windows=[0,64]", "tune.seq_len=69"],
+     "tune.seq_len=69: no position would read a compressed entry of kv=auto, whose first 68 positions attend to fp16 K/V only (the largest of "
+     "tune.sinks + tune.windows: 4 + 64)"),
+    (["eval.gates=[{name:kl_p99,max:-0.1}]"], "eval.gates.0: gate kl_p99 has max=-0.1, but kl_p99 is never negative, so every format would fail"),
     # kv=auto's own faults, before profiling (both were found by the tune stage, after profile and fit)
     (["kv=auto", "eval.gates=[{name:retrieval_drop,max:0.1}]"], "tune: eval.gates has none of ppl_delta_rel, kl_mean, kl_p99, top1_disagree"),
     (["kv=auto", "kv.value.group_size=0", "tune.menu=[{key_bits:8,value_bits:4,value_group:32}]", "model.tiny.head_dim=48", "export=none"],
@@ -82,7 +91,7 @@ BAD = [
     # export alone into a directory validate never wrote, before the model loads (was after loading it)
     (["export=trtllm", "stages=[export]"], "stage export ships only what validate measured: run it with fit and validate"),
     # the eval text's own faults, before profiling (both were found by validate, after profile and fit)
-    (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=64"], "tokens; windows of 64 tokens need at least 64"),
+    (["eval.source=files", "eval.paths=[SHORT]", "eval.seq_len=200"], "tokens; windows of 200 tokens need at least 200"),
     (["calib=files", "calib.paths=[SAME]", "eval.source=files", "eval.paths=[SAME]"], "eval text is the calibration text; validation needs held-out text"),
 ]
 
@@ -194,10 +203,13 @@ def report(run_dir):
 def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     cache = tmp_path / "cache"
     runs = {}
-    for name, extra in {"fp16": ["kv=fp16"], "full_window": ["kv.window=100000", "eval.tasks.names=[]"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
+    for name, extra in {"fp16": ["kv=fp16"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
         runs[name] = tmp_path / name
         p = run_cli(*TINY, *extra, "export=none", f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
         assert p.returncode == 0, p.stderr
+    # a window longer than the text reads only fp16 K/V: it measures nothing and is refused (it used to pass with KL ~0)
+    p = run_cli(*TINY, "kv.window=100000", "eval.tasks.names=[]", "export=none", f"hydra.run.dir={tmp_path / 'full'}", cache_dir=cache, timeout=120)
+    assert p.returncode == 2 and "eval.seq_len=160: no position would read a compressed entry" in p.stderr and not (tmp_path / "full").exists(), p.stderr
     r = report(runs["w128"])
     for key in ("ppl_baseline", "ppl_compressed", "ppl_delta_rel", "kl_mean", "top1_agree"):
         assert key in r["quality"]
@@ -206,11 +218,12 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     assert r["memory"]["compression_ratio"] > 2.0
     fp16 = report(runs["fp16"])["quality"]
     assert fp16["ppl_delta"] == 0.0 and fp16["kl_mean"] == 0.0 and fp16["top1_agree"] == 1.0
-    full = report(runs["full_window"])["quality"]
     w0 = report(runs["w0"])["quality"]
     w128 = r["quality"]
-    # a window longer than the text: only the fp16 rounding of K/V remains (~0)
-    assert abs(full["ppl_delta_rel"]) < 1e-4 and full["kl_mean"] < 0.5 * w128["kl_mean"]
+    # eval=smoke's 160-token windows: with the 132 fp16 positions of sinks + window, few read the compressed store (said);
+    # with no window, most do (nothing said)
+    assert "int8k_asym_rotv: 27 of the 159 scored positions of each window read a compressed entry" in " ".join(r["notes"]), r["notes"]
+    assert not any("scored positions" in n for n in report(runs["w0"])["notes"])
     assert w0["kl_mean"] > 3 * w128["kl_mean"] > 0
     planner = r["planner"]["llama70b"]["rows"]
     row32k = next(x for x in planner if x["context"] == 32768)

@@ -187,7 +187,7 @@ def test_bad_tune_input_one_line(tmp_path, args, needle):
 
 def test_kv_auto_end_to_end_on_the_tiny_model(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96", "tune.margin=1.0",
+    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=160", "tune.margin=1.0",
                 "eval.gates=[{name: kl_mean, max: 0.05}]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
     t = json.loads((run / "tune.json").read_text())
@@ -214,7 +214,7 @@ def test_kv_auto_report_renders_offline_in_headless_chromium(tmp_path):
             pytest.fail("chromium is missing in CI: .ci/run must install Debian's chromium")
         pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
     run = tmp_path / "run"
-    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+    r = run_cli("model=tiny_llama", "kv=auto", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=160",
                 "eval.gates=[{name: kl_mean, max: 0.05}]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
     page = run / "report.html"
@@ -282,7 +282,7 @@ def test_kv_rot_split_end_to_end_on_the_tiny_model(tmp_path):
     """python -m kvcompress kv=rot_split: the tune stage runs by itself, the report shows the split search, and the
     validated ScaleBook holds the chosen splits."""
     run = tmp_path / "run"
-    r = run_cli("model=tiny_llama", "kv=rot_split", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+    r = run_cli("model=tiny_llama", "kv=rot_split", "export=none", "calib=smoke", "eval=smoke", "tune.seq_len=160",
                 f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
     t = json.loads((run / "tune.json").read_text())
@@ -382,7 +382,7 @@ def test_kv_int8k_budget_end_to_end_on_the_tiny_model(tmp_path):
     """python -m kvcompress kv=int8k_budget: the tune stage runs by itself, the report shows the budget search, the
     validated ScaleBook holds the chosen formats, and the custom tier ships it."""
     run = tmp_path / "run"
-    r = run_cli("model=tiny_llama", "kv=int8k_budget", "calib=smoke", "eval=smoke", "tune.seq_len=96",
+    r = run_cli("model=tiny_llama", "kv=int8k_budget", "calib=smoke", "eval=smoke", "tune.seq_len=160",
                 f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert r.returncode == 0, r.stderr[-3000:]
     t = json.loads((run / "tune.json").read_text())

@@ -180,6 +180,17 @@ def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: 
                         verdict=verdict, verdict_basis=basis, fit=book.fit_info, attribution=attribution)
 
 
+def few_compressed_positions(spec, seq_len: int) -> str | None:
+    """A note when fewer than half of a window's scored positions read a compressed entry (the first sinks + window attend
+    to fp16 K/V only; RunConfig refuses windows where none does): the format's numbers then mostly measure the fp16 part."""
+    reach = spec.sink_tokens + spec.window
+    n = max(seq_len - 1 - reach, 0)  # position p predicts token p + 1 and reads a compressed entry from p = reach on
+    if spec.is_baseline or spec.is_native or 2 * n >= seq_len - 1:
+        return None
+    return (f"{spec.name}: {n} of the {seq_len - 1} scored positions of each window read a compressed entry (the first "
+            f"{reach} attend to its {spec.sink_tokens} sinks and {spec.window}-token window in fp16): raise eval.seq_len for a verdict on the compressed store")
+
+
 def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = None, progress: bool = True, keep_baseline: bool = False):
     """books: {role: ScaleBook}, role "primary" first. Returns (Report, the kept metrics.Baseline or None)."""
     t0 = time.time()
@@ -205,6 +216,10 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     knorm = next((b.fit_info.get("key_norm") for b in books.values() if b.spec.is_native and b.fit_info.get("key_norm")), None)
     if knorm:  # Qwen3, Gemma 3: where the native key fold lives (profile.key_norm)
         notes.append(f"native formats: key_norm={knorm}")
+    for b in books.values():
+        if (few := few_compressed_positions(b.spec, int(windows.shape[1]))):
+            notes.append(few)
+            log.warning("validate: %s", few)
     if eval_cfg.tasks.names and lm.streamer is not None and eval_cfg.tasks.greedy:
         notes.append("greedy cross-check not run: the model is streamed layer by layer (generation decodes token by token); tasks are scored through the same executor")
     if eval_cfg.tasks.names:
