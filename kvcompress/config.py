@@ -118,6 +118,20 @@ class TasksConfig(Frozen):
     # cache, decode-equivalent; native tier: TensorRT-LLM's exact context phase); context or decode for every format
     prompt: Literal["auto", "context", "decode"] = "auto"
 
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v: list[float]) -> list[float]:
+        if not v or not all(0.0 <= d <= 1.0 for d in v):
+            raise ValueError(f"must be a non-empty list of fractions of the prompt in [0, 1] where the facts go; got {v}")
+        return v
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"must be a non-empty list of prompt lengths in tokens; got {v}")
+        return v
+
 
 TUNE_GATES = ("ppl_delta_rel", "kl_mean", "kl_p99", "top1_disagree")  # the gates the tune stage can measure on its windows
 NO_TUNE_GATE = f"tune: eval.gates has none of {', '.join(TUNE_GATES)}; kv=auto needs at least one to search against"

@@ -142,7 +142,8 @@ def check_context(cfg: RunConfig, max_position: int) -> None:
     """Refuse, before profiling, a sequence the run would feed the model past its context (max_position_embeddings):
     positions it was not trained or configured for, and past where asymmetric static keys' ranges hold
     (kv.key.max_position, the model's by default). A task's few answer tokens follow its prompt of eval.tasks.lengths, so a
-    task at the full context (eval=long's 8192 on SmolLM2) scores them just past it."""
+    task at the full context (eval=long's 8192 on SmolLM2) scores them just past it. Validation windows and task prompts past
+    a validated format's kv.key.max_position (positions its asymmetric key ranges were fitted for) are refused as well."""
     lengths = []
     if "profile" in cfg.stages and not cfg.stats:
         lengths.append(("calib.seq_len", cfg.calib.seq_len))
@@ -156,6 +157,12 @@ def check_context(cfg: RunConfig, max_position: int) -> None:
         if n > max_position:
             raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" model {cfg.model.name}'s context "
                             f"(max_position_embeddings={max_position}): use at most {max_position}")
+    for spec in cfg.validated_specs().values():  # a format whose asymmetric key ranges hold at fewer positions (kv.key.max_position)
+        limit = spec.key.max_position
+        for key, n in lengths if limit and limit < max_position else ():
+            if key.startswith("eval") and n > limit:
+                raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" kv.key.max_position={limit}, "
+                                f"the positions {spec.name}'s asymmetric key ranges hold at: validate at most {limit} or raise kv.key.max_position")
 
 
 def check_texts(cfg: RunConfig, tokenizer, held_out) -> None:

@@ -61,6 +61,10 @@ BAD = [
     (["calib.seq_len=5000", "export=none"], "calib.seq_len=5000 is past model tiny_llama's context (max_position_embeddings=4096)"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[1024,8192]"], "eval.tasks.lengths contains 8192, past model tiny_llama's context"),
     (["kv=auto", "tune.seq_len=4100"], "tune.seq_len=4100 is past model tiny_llama's context"),
+    # and past the positions a format's asymmetric key ranges were fitted for (kv.key.max_position=100 validated at 160, unwarned)
+    (["kv.key.max_position=100"], "eval.seq_len=1024 is past kv.key.max_position=100, the positions int8k_asym_rotv's asymmetric key ranges hold at"),
+    (["kv.key.max_position=1100", "eval.tasks.lengths=[2048]"], "eval.tasks.lengths contains 2048, past kv.key.max_position=1100"),
+    (["eval.tasks.depths=[1.5]"], "eval.tasks.depths: must be a non-empty list of fractions of the prompt in [0, 1] where the facts go; got [1.5]"),
     # a task length the estimate before loading the model lets through (window + 16 < 150) but the prompt's facts do not fit
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey prompt needs at least"),
     # under kv=auto the facts must sit before any window tune may choose (its windows are chosen after profile and fit)
