@@ -100,7 +100,9 @@ def run(args: list[str], env: dict, run_dir: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2_135m")
+    from kvcompress.paths import preset_names
+
+    ap.add_argument("--model", default="smollm2_135m", choices=preset_names("model"), help="a model preset (conf/model)")
     ap.add_argument("--export", default="trtllm", choices=["trtllm", "none"])
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/tune.json")
     ap.add_argument("--render", action="store_true", help="only render docs/bench/tune*.json into docs/tuning.md (no run)")

@@ -9,6 +9,7 @@ share a passage. Run with the Python the files were made with (3.11) to reproduc
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ OUT = Path(__file__).resolve().parents[1] / "kvcompress" / "data" / "text"
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: the files' place is fixed (OUT)
     names = sorted(topics.topics)
     calib = [topics.topics[n].strip() for i, n in enumerate(names) if i % 3 != 2]
     held = [topics.topics[n].strip() for i, n in enumerate(names) if i % 3 == 2]

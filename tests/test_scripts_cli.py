@@ -25,6 +25,8 @@ BAD = [
     (["scripts/check_cache_eval.py", "--windows", "0"], "argument --windows: '0' is not an integer >= 1"),
     (["scripts/bench_profile.py", "--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
     (["scripts/bench_streaming.py", "--gb", "0"], "argument --gb: '0' is not a number > 0"),
+    (["scripts/bench_tune.py", "--model", "nope"], "argument --model: invalid choice: 'nope' (choose from 'gemma3_270m'"),  # ran the CLI first
+    (["scripts/make_text_corpus.py", "--out", "x"], "unrecognized arguments: --out x"),  # ignored: rewrote the shipped texts
 ]
 
 
