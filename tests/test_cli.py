@@ -15,6 +15,8 @@ BAD = [
     (["model=llama70b", "model.path=/does/not/exist"], "/does/not/exist"),
     (["calib=files", "calib.paths=[EMPTY]"], "has no text"),
     (["calib=files"], "calib.paths is empty"),
+    (["calib=files", "calib.paths=[BINFILE]"], "is not UTF-8 text (byte 0: invalid start byte); allowed: UTF-8 text or JSON lines"),  # was a traceback
+    (["eval.source=files", "eval.paths=[TEXTDIR]"], "is a directory; give its files"),  # was "does not exist"
     (["eval.source=files", "eval.paths=[/nope/held.txt]"], "eval.paths entry '/nope/held.txt' does not exist"),  # before profiling
     (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=200"], "eval text"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[100]"], "eval.tasks.lengths contains 100: task prompts must be longer than the fp16 window + 16"),
@@ -101,7 +103,7 @@ BAD = [
 
 
 def _fill(arg: str, files: dict) -> str:
-    """arg with each placeholder (EMPTY, SHORT, SAME) replaced by the path of its file."""
+    """arg with each placeholder (EMPTY, SHORT, SAME, BINFILE, TEXTDIR) replaced by the path of its file."""
     for name, path in files.items():
         arg = arg.replace(name, str(path))
     return arg
@@ -118,7 +120,9 @@ def bad_runs(tmp_path_factory):
         empty.write_text("  \n")
         (d / "short.txt").write_text("A few words of held-out text.\n")
         (d / "same.txt").write_text("Calibration text given as the held-out text as well. " * 200)
-        files = {"EMPTY": empty, "SHORT": d / "short.txt", "SAME": d / "same.txt"}
+        (d / "bin.txt").write_bytes(bytes(range(128, 256)) * 8)
+        (d / "texts").mkdir()
+        files = {"EMPTY": empty, "SHORT": d / "short.txt", "SAME": d / "same.txt", "BINFILE": d / "bin.txt", "TEXTDIR": d / "texts"}
         runs.append(([*TINY[:1], *(_fill(a, files) for a in args), f"hydra.run.dir={d / 'run'}"], d / "cache"))
         dirs.append(d)
     return list(zip(run_cli_batch(runs, tmp_path_factory.mktemp("batch")), dirs, runs))

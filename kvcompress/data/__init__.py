@@ -25,12 +25,20 @@ class TextSet:
 def _read_file(path: Path, field: str, group: str) -> list[str]:
     if path.suffix not in SUFFIXES:
         raise UserError(f"{group}.paths entry {str(path)!r} has suffix {path.suffix!r}; allowed: .txt, .jsonl, or none (plain text)")
+    if path.is_dir():
+        raise UserError(f"{group}.paths entry {str(path)!r} is a directory; give its files (.txt, .jsonl or plain text)")
     if not path.is_file():
         raise UserError(f"{group}.paths entry {str(path)!r} does not exist")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{group}.paths entry {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); allowed: UTF-8 text or JSON lines") from None
+    except OSError as e:
+        raise UserError(f"{group}.paths entry {str(path)!r} cannot be read ({e.strerror})") from None
     if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8")]
+        return [raw]
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
