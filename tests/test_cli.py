@@ -148,6 +148,47 @@ def test_bad_input_one_line_nonzero_no_artifacts(bad_runs, i):
     assert not run_dir.exists()
 
 
+BROKEN_DIRS = {  # a tiny Llama directory with one fault -> the one line it gives
+    "garbage_weights": "model.safetensors is not a readable safetensors file (SafetensorError",
+    "no_tokenizer": "has no tokenizer (one of tokenizer.json, tokenizer.model, tokenizer_config.json)",
+    "missing_tensor": "the checkpoint lacks 1 of the model's tensors, e.g. ['model.layers.1.self_attn.k_proj.weight']; a model with randomly",
+    "missing_tensor_streamed": "lacks 1 of the model's tensors, e.g. ['model.layers.1.self_attn.k_proj.weight']",
+    "gpt2": "holds a model_type='gpt2' model (GPT2LMHeadModel), which kvcompress does not take",
+}
+
+
+def test_broken_model_directories_are_one_line_errors(tmp_path):
+    """A model directory kvcompress cannot use: one line, no traceback, no run directory, before profiling. Before: a bad
+    safetensors file or a missing tokenizer gave a traceback; a missing tensor was initialised at random by transformers
+    in memory, and streamed failed mid-run after the run directory was written."""
+    from safetensors.torch import save_file
+
+    from conftest import tiny_llama_dir
+
+    runs = []
+    for name in BROKEN_DIRS:
+        d = tmp_path / name
+        sd = tiny_llama_dir(d)
+        if name == "garbage_weights":
+            (d / "model.safetensors").write_bytes(b"not a safetensors file")
+        elif name == "no_tokenizer":
+            for f in d.glob("tokenizer*"):
+                f.unlink()
+        elif name.startswith("missing_tensor"):
+            sd.pop("model.layers.1.self_attn.k_proj.weight")
+            save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+        elif name == "gpt2":
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+        streamed = "model.streaming=true" if name.endswith("streamed") else "model.streaming=false"
+        runs.append((["model=llama3_8b", f"model.path={d}", "model.device=cpu", streamed, "calib=smoke", "eval=smoke", "export=none",
+                      f"hydra.run.dir={tmp_path / ('run_' + name)}"], tmp_path / "cache"))
+    for (name, needle), p in zip(BROKEN_DIRS.items(), run_cli_batch(runs, tmp_path / "batch")):
+        errors = [line for line in p.stderr.splitlines() if "error:" in line]
+        assert p.returncode == 2 and len(errors) == 1 and needle in errors[0], (name, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr and not (tmp_path / f"run_{name}").exists(), name
+
+
 def test_bad_input_leaves_no_directory_under_runs(tmp_path):
     """Without hydra.run.dir a run goes to ./runs/<model>/<kv>/<time>/, which Hydra creates before the config is checked: a
     run refused on its input leaves none of it (it left runs/<model>/<kv>/ empty); a ./runs/ that held other runs stays."""

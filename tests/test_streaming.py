@@ -452,7 +452,7 @@ def test_a_directory_that_is_not_a_supported_model_is_one_line(tmp_path):
         cfg = {"model_type": "bert", "architectures": ["BertModel"]} if case == "bert" else {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
         (d / "config.json").write_text("{not json" if case == "not_json" else json.dumps(cfg))
         (d / ("pytorch_model.bin" if case == "bin_only" else "model.safetensors")).write_bytes(b"\0" * 16)
-        needle = {"bert": "model_type='bert' model, not a decoder-only causal LM", "bin_only": "no *.safetensors weights", "not_json": "config.json is not a JSON object"}[case]
+        needle = {"bert": "model_type='bert' model (BertModel), which kvcompress does not take", "bin_only": "no *.safetensors weights", "not_json": "config.json is not a JSON object"}[case]
         for mode in ("true", "false"):
             runs.append((["model=llama3_8b", f"model.path={d}", "model.device=cpu", f"model.streaming={mode}", "export=none", f"hydra.run.dir={tmp_path / 'run'}"], None))
             needles.append(needle)

@@ -129,6 +129,8 @@ class Checkpoint:
         return list(self.entries[key][1]["shape"])
 
     def stored_dtype(self, key: str) -> torch.dtype:
+        if key not in self.entries:
+            raise UserError(f"checkpoint {str(self.dir)!r} lacks tensor {key!r}, which the model needs")
         return ST_DTYPES[self.entries[key][1]["dtype"]]
 
     def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:

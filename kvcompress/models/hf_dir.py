@@ -15,6 +15,21 @@ from kvcompress.models.checkpoint import Checkpoint
 from kvcompress.models.streaming import load_streamed, should_stream
 from kvcompress.models.tokenizer import HFTokenizer
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def check_safetensors(p: Path, given: str) -> None:
+    """Every *.safetensors file of `p` has a readable header (read alone; no tensor is loaded)."""
+    from safetensors import safe_open
+
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:  # SafetensorError (a bad header), OSError: one line naming the file
+            raise UserError(f"model.path={given!r}: {f.name} is not a readable safetensors file ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+
+
 def check_dir(cfg) -> Path:
     if not cfg.path:
         raise UserError(
@@ -42,10 +57,13 @@ def check_dir(cfg) -> Path:
         model_type, archs = text.get("model_type"), [tcls]
     cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
     if not (isinstance(cls, str) and cls.endswith("ForCausalLM")) or (archs and not any(str(a).endswith("ForCausalLM") for a in archs)):
-        raise UserError(f"model.path={cfg.path!r} holds a model_type={model_type!r} model, not a decoder-only causal LM "
-                        "transformers knows (e.g. llama, mistral, qwen2)")
+        raise UserError(f"model.path={cfg.path!r} holds a model_type={model_type!r} model" + (f" ({archs[0]})" if archs else "")
+                        + ", which kvcompress does not take: it takes the decoder-only *ForCausalLM models transformers knows (e.g. llama, mistral, qwen2)")
     if not any(p.glob("*.safetensors")):
         raise UserError(f"model.path={cfg.path!r} has no *.safetensors weights (kvcompress reads safetensors only, never pickled .bin files)")
+    check_safetensors(p, cfg.path)
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model.path={cfg.path!r} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files beside its weights")
     weight_quantization(p)  # weights stored in a format kvcompress cannot read: one line, before anything loads
     return p
 
@@ -55,7 +73,10 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = check_dir(cfg)
-    tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    try:
+        tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    except (OSError, ValueError) as e:  # tokenizer files transformers cannot read
+        raise UserError(f"model.path={cfg.path!r}: its tokenizer cannot be loaded ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
     identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
     wrapper = multimodal_arch(p)
     if wrapper:
@@ -78,7 +99,10 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
                             f"(read from model.language_model.* or language_model.model.*)")
         forget_decoder_renaming(model)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(p), output_loading_info=True, **kwargs)
+        if info.get("missing_keys"):  # transformers would initialise them at random
+            raise UserError(f"model.path={cfg.path!r}: the checkpoint lacks {len(info['missing_keys'])} of the model's tensors, e.g. "
+                            f"{sorted(info['missing_keys'])[:3]}; a model with randomly initialised weights is refused")
     if cfg.device != "auto":
         model = model.to(cfg.device)
     identity |= {"model_type": model.config.model_type, "name_or_path": getattr(model.config, "_name_or_path", None)}

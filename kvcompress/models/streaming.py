@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from kvcompress.errors import UserError
 from kvcompress.models.checkpoint import Checkpoint
+from kvcompress.models.st_dtypes import ST_DTYPES
 from kvcompress.models.quantized import weight_quantization
 
 HEAD_CHUNK_BYTES = 64 << 20  # embedding / lm_head chunk size (in the compute dtype)
@@ -70,6 +71,10 @@ class LayerStreamer:
         self.head_key = "lm_head.weight" if "lm_head.weight" in checkpoint else self.embed_key  # tied embeddings
         if self.embed_key not in checkpoint:
             raise UserError(f"checkpoint {str(checkpoint.dir)!r} has no {self.embed_key}")
+        # every parameter the layers need, before any work (a missing one was found mid-run, after the run directory was written)
+        missing = [n for n, _ in model.named_parameters() if n != "lm_head.weight" and n not in self.ckpt]
+        if missing:
+            raise UserError(f"checkpoint {str(checkpoint.dir)!r} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
         self.vocab, self.hidden_size = checkpoint.shape(self.embed_key)
         esize = torch.empty(0, dtype=dtype).element_size()
         self.layer_bytes = max(sum(p.numel() for p in self.layers[0].parameters()) * esize, 1)
@@ -393,7 +398,12 @@ def build_empty(model_dir: Path | None, dtype: torch.dtype, config=None):
 def weights_exceed_device(ckpt: Checkpoint, dtype: torch.dtype, device: str) -> bool:
     """model.streaming=auto: stream when the weights (in the compute dtype) exceed 80% of what the
     compute device has free (CPU: available RAM; CUDA: free device memory)."""
-    stored = ckpt.stored_dtype("model.embed_tokens.weight").itemsize
+    key = "model.embed_tokens.weight"
+    if key not in ckpt.entries:  # another naming: the first floating-point tensor stands for the stored width
+        key = next((k for k, e in ckpt.entries.items() if ST_DTYPES.get(e[1]["dtype"], torch.int8).is_floating_point), None)
+        if key is None:
+            raise UserError(f"checkpoint {str(ckpt.dir)!r} holds no floating-point tensor (model.embed_tokens.weight or another)")
+    stored = ckpt.stored_dtype(key).itemsize
     need = ckpt.nbytes() * dtype.itemsize / stored
     return need > 0.8 * free_bytes(device)
 
