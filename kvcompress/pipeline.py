@@ -100,7 +100,19 @@ class Run:
         return {"scalebook": path, "tune": self.dir / TUNE_FILE}
 
     def scalebook(self, path: Path) -> ScaleBook:
-        return ScaleBook.load(path, self.lm.geometry.to_dict())
+        book = ScaleBook.load(path, self.lm.geometry.to_dict())
+        check_profiled_on(book.provenance.get("stats", {}).get("model"), self.lm.identity.get("sha256"), self.cfg.model.name, f"scalebook {path}")
+        return book
+
+
+def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str, what: str) -> None:
+    """Refuse statistics (or a ScaleBook fitted from them) profiled on another model than the run's: its scales would be
+    validated and shipped for a model they were never measured on (a geometry check passes between models of one shape).
+    `profiled`: the model record of their provenance (profile's lm.identity); `fingerprint`: the run's model's."""
+    theirs = (profiled or {}).get("sha256")
+    if theirs and fingerprint and theirs != fingerprint:
+        raise UserError(f"{what} was profiled on model {profiled.get('name', '?')} (fingerprint {theirs[:12]}), not on this run's model {name} "
+                        f"(fingerprint {fingerprint[:12]}): profile this model (drop stats= / add profile and fit to stages)")
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -195,7 +207,9 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
 
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
     if needs_model(cfg):
-        model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
+        fingerprint = model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
+        if cfg.stats:  # and on statistics of another model, before it loads
+            check_profiled_on(KVStats.load(cfg.stats).header.get("provenance", {}).get("model"), fingerprint, cfg.model.name, f"stats={cfg.stats}")
     calib = load_texts(cfg.calib) if "profile" in cfg.stages and not cfg.stats else None  # and on bad text files, before the model loads
     held_out = load_texts(cfg.eval, "eval") if {"validate", "export"} & set(cfg.stages) else None
     if calib is not None and held_out is not None and calib.sha256 == held_out.sha256:  # validate's check (stages.validate), before profiling
@@ -208,6 +222,10 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window{which} + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
+    if needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model?
+        for path in r.book_paths().values():
+            if path.is_file():
+                check_profiled_on(ScaleBook.load(path).provenance.get("stats", {}).get("model"), fingerprint, cfg.model.name, f"scalebook {path}")
     if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
         from kvcompress.stages.export import check_validated
 

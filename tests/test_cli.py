@@ -189,6 +189,23 @@ def test_broken_model_directories_are_one_line_errors(tmp_path):
         assert "Traceback" not in p.stderr and not (tmp_path / f"run_{name}").exists(), name
 
 
+def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
+    """stats= from another model of the same shape, and validate on an earlier run's books of another model: refused in one
+    line before the model loads (tiny_qwen2 with tiny_llama's kv_stats validated and passed); the earlier run is untouched."""
+    first = tmp_path / "llama"
+    p = run_cli(*TINY, "stages=[profile,fit]", "export=none", f"hydra.run.dir={first}", cache_dir=tmp_path / "c", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    config = (first / "config.json").read_text()
+    other = ["model=tiny_qwen2", "calib=smoke", "eval=smoke", "export=none"]
+    runs = [([*other, f"stats={first / 'kv_stats.safetensors'}", f"hydra.run.dir={tmp_path / 'qwen'}"], tmp_path / "c"),
+            ([*other, "stages=[validate]", f"hydra.run.dir={first}"], tmp_path / "c")]
+    for p in run_cli_batch(runs, tmp_path / "batch"):
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and "was profiled on model tiny_llama" in lines[0], p.stderr[-2000:]
+        assert "not on this run's model tiny_qwen2" in lines[0] and "Traceback" not in p.stderr
+    assert not (tmp_path / "qwen").exists() and (first / "config.json").read_text() == config
+
+
 def test_bad_input_leaves_no_directory_under_runs(tmp_path):
     """Without hydra.run.dir a run goes to ./runs/<model>/<kv>/<time>/, which Hydra creates before the config is checked: a
     run refused on its input leaves none of it (it left runs/<model>/<kv>/ empty); a ./runs/ that held other runs stays."""
