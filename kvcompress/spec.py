@@ -168,7 +168,7 @@ class KVSpec(Frozen):
         if self.is_native and (self.window or self.sink_tokens or self.outlier_channels):
             raise ValueError(f"kv.format={self.format} has no window, sinks or outlier channels; set kv.window=0 kv.sink_tokens=0 kv.outlier_channels=0")
         if (self.fold_keys is True or self.fold_values is True) and not self.is_native:
-            raise ValueError("kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8) only")
+            raise ValueError(f"kv.fold_keys / kv.fold_values apply to the native formats (native_int8, native_fp8, native_nvfp4) only; kv.format={self.format}")
         if self.key.group_tokens and (self.is_native or self.outlier_channels or self.window < self.key.group_tokens):
             raise ValueError(f"kv.key.group_tokens={self.key.group_tokens} (token-grouped keys) needs the kvcompress format, no outlier channels "
                              f"and kv.window >= group_tokens (a group is quantized once all its tokens left the window); got window={self.window}")
