@@ -110,7 +110,9 @@ def load_gguf(cfg, cache_dir) -> LoadedModel:
     gguf = gguf_path(cfg, cache_dir)
     if not gguf.is_file():
         raise UserError(f"model.path={str(gguf)!r} does not exist (expected a .gguf file)")
-    fp = file_fingerprint(gguf)
+    # joined parts were checked against model.sha256 (join_parts): the same fingerprint model_fingerprint gives, which
+    # file_fingerprint's edge hash of a file over 1 GiB would not be (stats= and earlier ScaleBooks are checked against it)
+    fp = cfg.sha256 if cfg.parts and cfg.sha256 and not cfg.path else file_fingerprint(gguf)
     out = Path(cache_dir) / "models" / fp[:16]
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
