@@ -273,6 +273,14 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
         runs[name] = tmp_path / name
         p = run_cli(*TINY, *extra, "export=none", f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
         assert p.returncode == 0, p.stderr
+    # held-out text too short for disjoint windows: they overlap, and the report says so (it did not)
+    small = tmp_path / "small.txt"
+    small.write_text("Held-out prose, a little of it. " * 9)  # 288 bytes: 288 tokens of the tiny byte tokenizer, 2 x 160 needed
+    p = run_cli(*TINY, "kv.window=0", "eval.source=files", f"eval.paths=[{small}]", "eval.tasks.names=[]", "export=none",
+                f"hydra.run.dir={tmp_path / 'small'}", cache_dir=cache, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rs = report(tmp_path / "small")
+    assert rs["eval"]["text_tokens"] < 320 and any(n.startswith("eval: 2 windows of 160 tokens overlap (the text has") for n in rs["notes"]), rs["notes"]
     # a window longer than the text reads only fp16 K/V: it measures nothing and is refused (it used to pass with KL ~0)
     p = run_cli(*TINY, "kv.window=100000", "eval.tasks.names=[]", "export=none", f"hydra.run.dir={tmp_path / 'full'}", cache_dir=cache, timeout=120)
     assert p.returncode == 2 and "eval.seq_len=160: no position would read a compressed entry" in p.stderr and not (tmp_path / "full").exists(), p.stderr
@@ -290,6 +298,7 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     # with no window, most do (nothing said)
     assert "int8k_asym_rotv: 27 of the 159 scored positions of each window read a compressed entry" in " ".join(r["notes"]), r["notes"]
     assert not any("scored positions" in n for n in report(runs["w0"])["notes"])
+    assert r["eval"]["text_tokens"] > 2 * 160 and not any("overlap" in n for n in r["notes"])
     assert w0["kl_mean"] > 3 * w128["kl_mean"] > 0
     planner = r["planner"]["llama70b"]["rows"]
     row32k = next(x for x in planner if x["context"] == 32768)

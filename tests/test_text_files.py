@@ -29,3 +29,11 @@ def test_bad_entries_name_their_group_and_value(tmp_path, name, needle):
     with pytest.raises(UserError) as e:
         load_texts(EvalConfig(name="files", source="files", paths=[str(p)]), "eval")
     assert str(e.value) == needle.format(p=p)
+
+
+def test_overlap_note_says_when_windows_cannot_be_disjoint():
+    from kvcompress.data import overlap_note
+
+    assert overlap_note(320, 2, 160, "eval") is None
+    note = overlap_note(319, 2, 160, "eval")
+    assert note.startswith("eval: 2 windows of 160 tokens overlap (the text has 319 tokens, fewer than 320)")

@@ -71,6 +71,15 @@ def load_texts(cfg, group: str = "calib") -> TextSet:
     return TextSet(texts, text_hash("\x00".join(texts)), origin, group)
 
 
+def overlap_note(n_tokens: int, n: int, seq_len: int, group: str) -> str | None:
+    """When n windows of seq_len tokens cannot all be disjoint in a text of n_tokens (token_windows then overlaps them,
+    evenly spread), what the numbers then count: some tokens more than once."""
+    if n * seq_len <= n_tokens:
+        return None
+    return (f"{group}: {n} windows of {seq_len} tokens overlap (the text has {n_tokens} tokens, fewer than {n * seq_len}): some tokens "
+            f"are counted more than once; give more text ({group}.paths) or fewer windows ({group}.n_windows)")
+
+
 def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0, bos: int | None = None) -> torch.Tensor:
     """n windows of seq_len tokens from the concatenated texts, evenly spread: LongTensor [n, seq_len].
 

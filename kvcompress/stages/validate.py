@@ -19,7 +19,7 @@ import torch
 
 from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
-from kvcompress.data import EVAL_IS_CALIB, load_texts, token_windows
+from kvcompress.data import EVAL_IS_CALIB, load_texts, overlap_note, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import ATTRIBUTION_SIDES, DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
@@ -216,6 +216,10 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     knorm = next((b.fit_info.get("key_norm") for b in books.values() if b.spec.is_native and b.fit_info.get("key_norm")), None)
     if knorm:  # Qwen3, Gemma 3: where the native key fold lives (profile.key_norm)
         notes.append(f"native formats: key_norm={knorm}")
+    n_text = sum(len(lm.tokenizer.encode(t)) for t in texts.texts)  # tokens of held-out text the windows are cut from
+    if (overlap := overlap_note(n_text, int(windows.shape[0]), int(windows.shape[1]), "eval")):
+        notes.append(overlap)
+        log.warning("validate: %s", overlap)
     for b in books.values():
         if (few := few_compressed_positions(b.spec, int(windows.shape[1]))):
             notes.append(few)
@@ -250,6 +254,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
             "sha256": texts.sha256,
             "n_windows": int(windows.shape[0]),
             "seq_len": int(windows.shape[1]),
+            "text_tokens": n_text,
             "path": "one-pass decode-equivalent attention (kvcompress.eval.attention)",
             "semantics": {"perplexity_kl_top1": DECODE_EQUIVALENT, "tasks": tasks and {name: t["semantics"] for name, t in tasks.items()}},
         },
