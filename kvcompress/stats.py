@@ -188,9 +188,10 @@ class StatsAccumulator:
         self.t["count"][layer] += k.shape[0] * k.shape[2]
         self._sample("k", layer, k)
         n = self._sample("v", layer, v)
-        n0 = int(self.n_sampled[layer])
-        self.t["sample_pos"][layer, n0 : n0 + n] = self.pos[:n].cpu()
-        self.n_sampled[layer] += n  # each layer has its own cursor: any batch/layer order
+        if n:  # none with calib.sample_tokens=0 (no sample positions set)
+            n0 = int(self.n_sampled[layer])
+            self.t["sample_pos"][layer, n0 : n0 + n] = self.pos[:n].cpu()
+            self.n_sampled[layer] += n  # each layer has its own cursor: any batch/layer order
 
     def _arc(self, layer: int, ka: torch.Tensor, kb: torch.Tensor) -> None:
         # ka, kb: [B, H, T, D/2] the two channels of each pair at positions 0..T-1 -> the pre-RoPE angle's bin

@@ -206,6 +206,16 @@ def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
     assert not (tmp_path / "qwen").exists() and (first / "config.json").read_text() == config
 
 
+def test_profile_without_raw_samples_runs(tmp_path):
+    """calib.sample_tokens=0 (allowed: no raw K/V rows kept) profiled, fitted and validated (it was a TypeError in profile);
+    the MSE clip search, which needs the rows, falls back to the raw range and says so."""
+    run = tmp_path / "r"
+    p = run_cli(*TINY, "calib.sample_tokens=0", "kv=int8k_int4v", "kv.key.clip=mse", "eval.tasks.names=[]", "export=none",
+                f"hydra.run.dir={run}", cache_dir=tmp_path / "c", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "calib.sample_tokens=0" in json.dumps(report(run)["scalebook"]["fit"])
+
+
 def test_bad_input_leaves_no_directory_under_runs(tmp_path):
     """Without hydra.run.dir a run goes to ./runs/<model>/<kv>/<time>/, which Hydra creates before the config is checked: a
     run refused on its input leaves none of it (it left runs/<model>/<kv>/ empty); a ./runs/ that held other runs stays."""
