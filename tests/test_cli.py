@@ -206,6 +206,22 @@ def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
     assert not (tmp_path / "qwen").exists() and (first / "config.json").read_text() == config
 
 
+@pytest.mark.parametrize("group", ["", "calib=smoke", "calib=long", "calib=files", "eval=smoke", "eval=long", "export=none"])
+def test_every_config_field_can_be_set_on_the_command_line(group):
+    """Each field of the tune, export, eval (and its tasks) and calib sections is a key of the composed config, which Hydra's
+    struct mode needs to take `section.field=value` without a '+' (tune.max_checks and tune.seed were not: refused as unknown)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from kvcompress.config import CalibConfig, EvalConfig, ExportConfig, TasksConfig, TuneConfig
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        c = compose("config", overrides=[group] if group else [])
+    for keys, model in ((c.tune, TuneConfig), (c.export, ExportConfig), (c.eval, EvalConfig), (c.eval.tasks, TasksConfig), (c.calib, CalibConfig)):
+        assert set(model.model_fields) <= set(keys.keys()), (model.__name__, set(model.model_fields) - set(keys.keys()))
+
+
 def test_profile_without_raw_samples_runs(tmp_path):
     """calib.sample_tokens=0 (allowed: no raw K/V rows kept) profiled, fitted and validated (it was a TypeError in profile);
     the MSE clip search, which needs the rows, falls back to the raw range and says so."""
