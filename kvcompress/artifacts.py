@@ -60,6 +60,8 @@ def save_artifact(path: str | Path, tensors: dict[str, torch.Tensor], header: di
 def load_artifact(path: str | Path, kind: str, versions: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an artifact; refuse a different kind or an unknown format_version with a clear error."""
     path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"{kind} artifact {str(path)!r} is a directory; give the .safetensors file in it")
     if not path.is_file():
         raise ArtifactError(f"{kind} artifact {str(path)!r} does not exist")
     try:
@@ -70,7 +72,12 @@ def load_artifact(path: str | Path, kind: str, versions: tuple[int, ...]) -> tup
         raise ArtifactError(f"{str(path)!r} is not a readable safetensors file ({type(e).__name__})") from None
     if HEADER_KEY not in meta:
         raise ArtifactError(f"{str(path)!r} has no kvcompress header; it was not written by kvcompress")
-    header = json.loads(meta[HEADER_KEY])
+    try:
+        header = json.loads(meta[HEADER_KEY])
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{str(path)!r} has a kvcompress header that is not a JSON object; the file is damaged")
     if header.get("kind") != kind:
         raise ArtifactError(f"{str(path)!r} is a {header.get('kind')!r} artifact, expected {kind!r}")
     if header.get("format_version") not in versions:

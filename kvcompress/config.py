@@ -306,7 +306,7 @@ class RunConfig(Frozen):
         with tune, the largest of tune.sinks + tune.windows, which tune may choose."""
         if spec is self.kv and self.tunes_layout:
             return max(self.tune.sinks) + max(self.tune.windows), f"the largest of tune.sinks + tune.windows: {max(self.tune.sinks)} + {max(self.tune.windows)}"
-        return spec.sink_tokens + spec.window, f"kv.sink_tokens={spec.sink_tokens} + kv.window={spec.window}"
+        return spec.fp16_positions, f"kv.sink_tokens={spec.sink_tokens} + kv.window={spec.window}"
 
     def _check_reach(self) -> None:
         """Windows too short for any token to read a compressed entry measure nothing: a validation on them passes any

@@ -19,9 +19,9 @@ from kvcompress.stats import KVStats
 
 
 def top_ratios(absmax: torch.Tensor, top: int) -> list[tuple[int, float]]:
-    """absmax: [D] -> [(channel, absmax / median)] for the `top` largest channels."""
+    """absmax: [D] -> [(channel, absmax / median)] for the `top` largest channels (every channel when there are fewer)."""
     med = absmax.median().clamp(min=1e-12)
-    vals, idx = absmax.topk(top)
+    vals, idx = absmax.topk(min(top, absmax.numel()))
     return [(int(i), float(v / med)) for v, i in zip(vals, idx)]
 
 

@@ -22,10 +22,13 @@ def default_presets() -> dict[str, str]:
 
 
 def load_preset(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml as a plain dict (interpolations resolved)."""
+    """conf/<group>/<name>.yaml as a plain dict (interpolations resolved), without its Hydra defaults list (what a preset
+    changes in other groups when the CLI composes it, e.g. model=llama3_8b's calib=long: not a field of the group)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), resolve=True)
+    d = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), resolve=True)
+    d.pop("defaults", None)
+    return d
 
 
 def default_cache_dir() -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcompress.artifacts import atomic_write_json
 from kvcompress.config import RunConfig
-from kvcompress.data import EVAL_IS_CALIB, load_texts, token_windows
+from kvcompress.data import EVAL_IS_CALIB, load_texts, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
@@ -101,7 +101,7 @@ class Run:
 
     def scalebook(self, path: Path) -> ScaleBook:
         book = ScaleBook.load(path, self.lm.geometry.to_dict())
-        check_profiled_on(book.provenance.get("stats", {}).get("model"), self.lm.identity.get("sha256"), self.cfg.model.name, f"scalebook {path}")
+        check_profiled_on(book.profiled("model"), self.lm.identity.get("sha256"), self.cfg.model.name, f"scalebook {path}")
         return book
 
 
@@ -167,14 +167,22 @@ def check_context(cfg: RunConfig, max_position: int) -> None:
         lengths += [("eval.tasks.lengths", n) for n in cfg.eval.tasks.lengths]
     for key, n in lengths:
         if n > max_position:
-            raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" model {cfg.model.name}'s context "
+            raise UserError(f"{_past(key, n)} model {cfg.model.name}'s context "
                             f"(max_position_embeddings={max_position}): use at most {max_position}")
     for spec in cfg.validated_specs().values():  # a format whose asymmetric key ranges hold at fewer positions (kv.key.max_position)
         limit = spec.key.max_position
+        if limit and limit > max_position:  # allowed (a context extended past the config's, e.g. by RoPE scaling), but it costs precision
+            log.warning("kv.key.max_position=%d (%s) is past model %s's context (max_position_embeddings=%d): its asymmetric key ranges "
+                        "cover positions the model is not configured for, wider than they need be", limit, spec.name, cfg.model.name, max_position)
         for key, n in lengths if limit and limit < max_position else ():
             if key.startswith("eval") and n > limit:
-                raise UserError((f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past") + f" kv.key.max_position={limit}, "
+                raise UserError(f"{_past(key, n)} kv.key.max_position={limit}, "
                                 f"the positions {spec.name}'s asymmetric key ranges hold at: validate at most {limit} or raise kv.key.max_position")
+
+
+def _past(key: str, n: int) -> str:
+    """The start of check_context's refusal: "eval.tasks.lengths contains 9000, past" / "eval.seq_len=9000 is past"."""
+    return f"{key} contains {n}, past" if key.endswith("lengths") else f"{key}={n} is past"
 
 
 def check_texts(cfg: RunConfig, tokenizer, held_out) -> None:
@@ -184,11 +192,12 @@ def check_texts(cfg: RunConfig, tokenizer, held_out) -> None:
     Tokenizing the text is cheap beside profiling."""
     if held_out is None:
         return
-    token_windows(tokenizer, held_out, 1, cfg.eval.seq_len)
+    ids = text_ids(tokenizer, held_out)
+    token_windows(tokenizer, held_out, 1, cfg.eval.seq_len, ids=ids)
     if "validate" in cfg.stages and cfg.eval.tasks.names:
         from kvcompress.eval.retrieval import task_samples
 
-        task_samples(tokenizer, [i for t in held_out.texts for i in tokenizer.encode(t)], cfg.eval.tasks, cfg.task_window())
+        task_samples(tokenizer, ids, cfg.eval.tasks, cfg.task_window())
 
 
 def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
@@ -225,7 +234,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
     if needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model?
         for path in r.book_paths().values():
             if path.is_file():
-                check_profiled_on(ScaleBook.load(path).provenance.get("stats", {}).get("model"), fingerprint, cfg.model.name, f"scalebook {path}")
+                check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}")
     if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
         from kvcompress.stages.export import check_validated
 
@@ -253,6 +262,12 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
 
             applicable_menu(cfg.kv, cfg.tune.menu, r.lm.geometry.head_dim, warn=False)
         check_texts(cfg, r.lm.tokenizer, held_out)
+    if "validate" in cfg.stages:  # what validate will note, said before profiling (the run goes on: the verdict still holds, on few positions)
+        from kvcompress.stages.validate import few_compressed_positions
+
+        for spec in cfg.validated_specs().values():
+            if not (spec is cfg.kv and cfg.tunes_layout) and (few := few_compressed_positions(spec, cfg.eval.seq_len)):
+                log.warning("before profiling: %s", few)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -58,6 +58,10 @@ class ScaleBook:
     def value_group(self, layer: int) -> int:
         return self.layer_spec(layer).value_group(self.geometry["head_dim"])
 
+    def profiled(self, what: str) -> dict:
+        """The `what` record ("model", "calib") of the statistics this book was fitted from ({} if not recorded)."""
+        return self.provenance.get("stats", {}).get(what) or {}
+
     def save(self, path: str | Path) -> None:
         header = {
             "kind": KIND,

@@ -280,6 +280,12 @@ class KVSpec(Frozen):
         return self.format != "kvcompress"
 
     @property
+    def fp16_positions(self) -> int:
+        """The leading positions of a sequence whose attention reads only fp16 K/V: the sinks plus the recent window
+        (position p = fp16_positions is the first to read a compressed entry; it predicts token p + 1)."""
+        return self.sink_tokens + self.window
+
+    @property
     def tier(self) -> str:
         """'native' (stock TensorRT-LLM KV format), 'custom' (the kvcompress format) or 'baseline'."""
         return "native" if self.is_native else ("baseline" if self.is_baseline else "custom")

@@ -14,19 +14,25 @@ import sys
 from pathlib import Path
 
 
-def collect(root: Path, model: str | None) -> list[dict]:
+def collect(root: Path, model: str | None, skipped: list[str] | None = None) -> list[dict]:
+    """One row per report.json under root (of `model` if given). A report.json that is not JSON or not a kvcompress report
+    (fields missing) is left out, its path and why appended to `skipped`."""
     rows = []
     for p in sorted(root.rglob("report.json")):
-        r = json.loads(p.read_text())
-        if model and r["model"].get("name") != model:
-            continue
-        q, m, t = r["quality"], r["memory"], r.get("tasks") or {}
-        drop = (t.get("retrieval") or {}).get("drop", {}).get("drop")
-        rows.append({
-            "run": str(p.parent), "model": r["model"].get("name"), "kv": r["kv"]["name"], "bits": m["bits_per_element"],
-            "bytes": m["bytes_per_token_compressed"], "ratio": m["compression_ratio"], "ppl_rel": q["ppl_delta_rel"],
-            "kl": q["kl_mean"], "top1": q["top1_agree"], "retrieval_drop": drop, "gates": len(r.get("gates", [])), "verdict": r.get("verdict", "pass"),
-        })
+        try:
+            r = json.loads(p.read_text(encoding="utf-8"))
+            if model and r["model"].get("name") != model:
+                continue
+            q, m, t = r["quality"], r["memory"], r.get("tasks") or {}
+            drop = (t.get("retrieval") or {}).get("drop", {}).get("drop")
+            rows.append({
+                "run": str(p.parent), "model": r["model"].get("name"), "kv": r["kv"]["name"], "bits": m["bits_per_element"],
+                "bytes": m["bytes_per_token_compressed"], "ratio": m["compression_ratio"], "ppl_rel": q["ppl_delta_rel"],
+                "kl": q["kl_mean"], "top1": q["top1_agree"], "retrieval_drop": drop, "gates": len(r.get("gates", [])), "verdict": r.get("verdict", "pass"),
+            })
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON (ValueError), or JSON of another shape
+            if skipped is not None:
+                skipped.append(f"{p}: not a kvcompress report ({type(e).__name__}: {e})")
     return rows
 
 
@@ -43,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     if not a.root.is_dir():
         print(f"kvcompress: error: {str(a.root)!r} is not a directory of runs", file=sys.stderr)
         return 2
-    rows = collect(a.root, a.model)
+    skipped: list[str] = []
+    rows = collect(a.root, a.model, skipped)
+    for why in skipped:
+        print(f"kvcompress: skipped {why}", file=sys.stderr)
     if not rows:
-        print(f"kvcompress: error: no report.json under {str(a.root)!r}" + (f" for model {a.model}" if a.model else ""), file=sys.stderr)
+        print(f"kvcompress: error: no {'readable ' if skipped else ''}report.json under {str(a.root)!r}" + (f" for model {a.model}" if a.model else ""), file=sys.stderr)
         return 2
     print(f"{'model':<14} {'kv':<14} {'bits/el':>7} {'ratio':>6} {'ppl delta':>10} {'KL mean':>9} {'top-1':>7} {'retr drop':>9} {'gates':>5} verdict  run")
     for r in sorted(rows, key=lambda r: (r["model"], -r["bytes"])):

@@ -38,8 +38,31 @@ def _load(group: str, name: str) -> dict:
     return load_preset(group, name)
 
 
-def model_config(name: str) -> ModelConfig:
-    return ModelConfig.model_validate(_load("model", name))
+def add_model_args(ap, default: str = "smollm2_135m") -> None:
+    """--model (a preset of conf/model) and --model-path (its model.path: the presets that read a local directory or file)."""
+    ap.add_argument("--model", default=default, help="a model preset (conf/model)")
+    ap.add_argument("--model-path", default=None, help="model.path for a preset that reads a local Hugging Face directory or GGUF file "
+                                                     "(e.g. --model llama3_8b --model-path /models/Llama-3.1-8B)")
+
+
+def model_config(name: str, path: str | None = None) -> ModelConfig:
+    d = _load("model", name)
+    if path is not None:
+        d["path"] = path
+    return ModelConfig.model_validate(d)
+
+
+def run(main) -> None:
+    """Run a script's main(): bad input found while it runs (a UserError: a model path, a text file, an artifact) is one line
+    on stderr and exit 2, not a traceback; otherwise exit with main's return code (None: 0)."""
+    from kvcompress.errors import UserError
+
+    try:
+        code = main()
+    except UserError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
 
 
 def kv_spec(name: str) -> KVSpec:

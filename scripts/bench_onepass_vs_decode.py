@@ -13,7 +13,7 @@ import math
 import time
 
 import torch
-from _common import cache_dir, calib_config, eval_config, kv_spec, model_config, positive
+from _common import add_model_args, cache_dir, calib_config, eval_config, kv_spec, model_config, positive, run
 
 from kvcompress.cache import CompressedCache
 from kvcompress.data import load_texts, token_windows
@@ -38,13 +38,13 @@ def decode(model, book, ids):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2_135m")
+    add_model_args(ap)
     ap.add_argument("--kv", default="int8k_int4v")
     ap.add_argument("--scalebook", default=None)
     ap.add_argument("--windows", type=positive, default=2)
     ap.add_argument("--seq-len", type=positive, default=1024)
     a = ap.parse_args()
-    mcfg, spec = model_config(a.model), kv_spec(a.kv)  # bad names fail before the model loads
+    mcfg, spec = model_config(a.model, a.model_path), kv_spec(a.kv)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())
     if a.scalebook:
         book = ScaleBook.load(a.scalebook, lm.geometry.to_dict())
@@ -80,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -11,7 +11,7 @@ import argparse
 import time
 
 import torch
-from _common import cache_dir, calib_config, model_config, positive
+from _common import add_model_args, cache_dir, calib_config, model_config, positive, run
 
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import load_model
@@ -26,11 +26,11 @@ def plain(lm, windows, batch):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2_135m")
+    add_model_args(ap)
     ap.add_argument("--calib", default="default")
     ap.add_argument("--repeats", type=positive, default=2)
     a = ap.parse_args()
-    mcfg, calib = model_config(a.model), calib_config(a.calib)  # bad names fail before the model loads
+    mcfg, calib = model_config(a.model, a.model_path), calib_config(a.calib)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())
     texts = load_texts(calib)
     windows = token_windows(lm.tokenizer, texts, calib.n_samples, calib.seq_len, seed=calib.seed)
@@ -51,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

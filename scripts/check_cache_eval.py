@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
-from _common import cache_dir, eval_config, positive
+from _common import cache_dir, eval_config, positive, run
 from transformers import DynamicCache
 
 from kvcompress.cache import CompressedCache
 from kvcompress.config import ModelConfig
 from kvcompress.data import load_texts, token_windows
+from kvcompress.errors import UserError
 from kvcompress.models import load_model
 from kvcompress.scalebook import ScaleBook
 
@@ -41,7 +41,7 @@ def main() -> None:
     a = ap.parse_args()
     missing = [f for f in ("report.json", "config.json", "scalebook.safetensors") if not (a.run_dir / f).is_file()]
     if missing:
-        sys.exit(f"kvcompress: error: {str(a.run_dir)!r} is not a validated run directory (missing {', '.join(missing)})")
+        raise UserError(f"{str(a.run_dir)!r} is not a validated run directory (missing {', '.join(missing)})")
     report = json.loads((a.run_dir / "report.json").read_text())
     cfg = json.loads((a.run_dir / "config.json").read_text())
     lm = load_model(ModelConfig.model_validate(cfg["model"]), cache_dir())  # the run's own model (its model.path, dtype, device)
@@ -69,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

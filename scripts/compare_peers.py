@@ -32,11 +32,11 @@ import random
 from pathlib import Path
 
 import torch
-from _common import cache_dir, calib_config, eval_config, kv_spec, model_config, positive
+from _common import add_model_args, cache_dir, calib_config, eval_config, kv_spec, model_config, positive, run
 
 from kvcompress import reference as ref
 from kvcompress.cache import CompressedCache
-from kvcompress.data import load_texts, token_windows
+from kvcompress.data import load_texts, text_ids, token_windows
 from kvcompress.eval.metrics import QualityAccumulator
 from kvcompress.eval.tasks import TASKS
 from kvcompress.models import load_model
@@ -158,7 +158,7 @@ def native_vs_modelopt(lm, calib_name: str = "default", eval_name: str = "defaul
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2_135m")
+    add_model_args(ap)
     ap.add_argument("--windows", type=positive, default=2)
     ap.add_argument("--seq-len", type=positive, default=1024)
     ap.add_argument("--chunk", type=positive, default=16)
@@ -171,7 +171,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.pair_context < 0:
         ap.error(f"--pair-context {a.pair_context}: allowed: 0 (no extra row) or a context > 0")
-    mcfg = model_config(a.model)
+    mcfg = model_config(a.model, a.model_path)
     calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
     lm = load_model(mcfg, cache_dir())
     native_vs_modelopt(lm, a.calib, a.eval, a.pair_context)
@@ -184,7 +184,7 @@ def main() -> None:
     ev = eval_config("default")
     texts = load_texts(ev)
     windows = token_windows(lm.tokenizer, texts, a.windows, a.seq_len, seed=ev.seed)
-    corpus = [i for t in texts.texts for i in lm.tokenizer.encode(t)]
+    corpus = text_ids(lm.tokenizer, texts)
     g = lm.geometry
     kvc_bits = sum(v for k, v in ref.spec_cache_nbytes(book.spec, g, a.seq_len).items() if k != "static") * 8 / (2 * g.n_layers * g.n_kv_heads * g.head_dim * a.seq_len)
     peers = {"kvcompress int8k_int4v": (lambda: CompressedCache(book), kvc_bits)}
@@ -225,4 +225,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     random.seed(0)
-    main()
+    run(main)

