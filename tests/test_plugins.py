@@ -155,6 +155,12 @@ def test_acceptance_kit_passes_on_cpu_and_fails_on_a_perturbed_golden(tmp_path, 
     node = model.graph.node[0]
     assert node.op_type == OP and {a.name for a in node.attribute} >= {"H", "G", "D", "splits", "cap", "sm_scale", "plugin_version", "plugin_namespace"}
     assert all(check_kit(kit).values())
+    if key_bits == 8:  # the GPU host's verify.py, here: TensorRT, CUDA or the library missing is one line and exit 2 (was a traceback)
+        import subprocess
+        import sys
+
+        p = subprocess.run([sys.executable, str(kit / "verify.py"), "--plugin-lib", str(tmp_path / "missing.so")], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("verify.py: error:"), p.stderr
     # negative: one golden value off (decode: by 1e-3; append: one payload byte) must fail that case, and only it
     dec = next(c["name"] for c in meta["cases"][6:] if c["op"] == OP)
     app = next(c["name"] for c in meta["cases"][6:] if c["op"] == "KvcAppend")

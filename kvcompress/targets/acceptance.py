@@ -326,7 +326,8 @@ For every case: parse the ONNX model (its node is the plugin KvcDecodeAttention 
 namespace kvcompress, version 1), build a strongly typed engine (aliased plugin I/O enabled for
 KvcAppend), run it on the GPU with the golden inputs and compare: the decode output at the kit's
 tolerance, the appended cache buffers bit-exact. One PASS/FAIL line per case; exit 1 if
-any case fails. Written by kvcompress (kvcompress/targets/acceptance.py); NOT run where kvcompress is
+any case fails, 2 (one line, no case run) without TensorRT, torch with CUDA, or the plugin library.
+Written by kvcompress (kvcompress/targets/acceptance.py); NOT run where kvcompress is
 developed (no GPU, no TensorRT there).
 """
 import argparse
@@ -342,9 +343,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plugin-lib", required=True)
     a = ap.parse_args()
-    import tensorrt as trt
-    import torch
-
+    try:
+        import tensorrt as trt
+        import torch
+    except ImportError as e:
+        print(f"verify.py: error: needs TensorRT and torch on a GPU host ({e})", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("verify.py: error: no CUDA device visible to torch: the kit runs its engines on a GPU", file=sys.stderr)
+        return 2
+    if not Path(a.plugin_lib).is_file():
+        print(f"verify.py: error: --plugin-lib {a.plugin_lib} does not exist (build it with the bundle's CMakeLists.txt)", file=sys.stderr)
+        return 2
     ctypes.CDLL(a.plugin_lib, mode=ctypes.RTLD_GLOBAL)  # its static registrar adds the creator to TensorRT's registry
     logger = trt.Logger(trt.Logger.WARNING)
     here = Path(__file__).resolve().parent
