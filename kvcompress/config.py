@@ -266,6 +266,10 @@ class RunConfig(Frozen):
             raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
         if "export" in self.stages and self.export.name == "none":
             raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
+        rewrites = [s for s in ("fit", "tune") if s in self.stages]
+        if "export" in self.stages and rewrites and "validate" not in self.stages:  # it shipped the new books under the old report
+            raise ValueError(f"stages={self.stages}: {' and '.join(rewrites)} (re)writes the ScaleBooks and export ships only what validate "
+                             "measured: add validate to stages")
         for name in self.eval.compare:
             kv_preset(name)  # a bad name fails here, before any work
         if self.kv.validate_only and "export" in self.stages:

@@ -81,6 +81,11 @@ class Run:
     def fit(self, stats_path: Path) -> dict[str, Path]:
         stats = KVStats.load(stats_path)
         paths = self.book_paths()
+        from kvcompress.stages.validate import REPORT_FILE
+
+        if (self.dir / REPORT_FILE).is_file() and "validate" not in self.cfg.stages:  # export then refuses them (check_validated)
+            log.warning("fit: %s in %s measured the ScaleBooks fit now rewrites: run validate again before reading it or exporting",
+                        REPORT_FILE, self.dir)
         for role, spec in self.cfg.validated_specs().items():
             if spec.is_auto:
                 continue  # kv=auto: the tune stage chooses and fits the per-layer formats
@@ -113,6 +118,33 @@ def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str,
     if theirs and fingerprint and theirs != fingerprint:
         raise UserError(f"{what} was profiled on model {profiled.get('name', '?')} (fingerprint {theirs[:12]}), not on this run's model {name} "
                         f"(fingerprint {fingerprint[:12]}): profile this model (drop stats= / add profile and fit to stages)")
+
+
+def check_books_are_the_config(cfg: RunConfig, book_paths: dict[str, Path]) -> None:
+    """Validate or export without fit reads the run directory's ScaleBooks: each must hold the format the config names for its
+    role, or the run validates and ships one format while its config.json records another (stages=[validate] kv=int4 in a
+    directory fitted for int8k_asym_rotv validated int8k_asym_rotv and rewrote config.json to int4). A format tune chooses
+    (kv=auto, rot_split, int8k_budget) is not compared: its book holds tune's per-layer choice, not the config's spec."""
+    for role, spec in cfg.validated_specs().items():
+        path = book_paths[role]
+        if spec.is_auto or not path.is_file():
+            continue
+        theirs = ScaleBook.load(path).spec
+        if theirs != spec:
+            mine, old = _flat(spec.model_dump(mode="json")), _flat(theirs.model_dump(mode="json"))
+            diff = [f"{k}: {old.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(mine.keys() | old.keys()) if mine.get(k) != old.get(k) and k != "kv.name"]
+            which = f"kv={spec.name}" if role == "primary" else f"{spec.name} ({role})"
+            held = f"holds kv={theirs.name}, not this run's {which}" if theirs.name != spec.name else f"was fitted with other settings than this run's {which}"
+            raise UserError(f"{path} {held} ({'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}): add fit to stages to refit it, "
+                            "or give the settings it was fitted with")
+
+
+def _flat(d: dict, prefix: str = "kv") -> dict:
+    """A nested dict as {"kv.key.bits": 8, ...}."""
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v}
+    return out
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -231,10 +263,11 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window{which} + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
-    if needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model?
+    if needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model and this config?
         for path in r.book_paths().values():
             if path.is_file():
                 check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}")
+        check_books_are_the_config(cfg, r.book_paths())
     if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
         from kvcompress.stages.export import check_validated
 

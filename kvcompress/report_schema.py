@@ -147,3 +147,4 @@ class Report(_M):
     notes: list[str] = []
     runtime_s: Optional[float] = None
     stage_times_s: dict = {}
+    validated_books: dict = {}  # {role: {file, sha256, kv}}: the ScaleBook files validate measured; export ships only these

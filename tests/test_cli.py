@@ -27,6 +27,8 @@ BAD = [
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
     (["export=none", "stages=[profile,fit,validate,export]"], "stages contains export but export=none"),
     (["export=trtllm", "stages=[profile,fit,validate]"], "export=trtllm was selected but stages="),
+    # fit without validate before export shipped the refitted books under the old report
+    (["stages=[profile,fit,export]"], "fit (re)writes the ScaleBooks and export ships only what validate measured: add validate to stages"),
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
     (["model.device=cuda:99"], "model.device=cuda:99 but this machine has"),
@@ -208,6 +210,46 @@ def test_broken_gguf_files_are_one_line_errors(tmp_path):
         errors = [line for line in p.stderr.splitlines() if "error:" in line]
         assert p.returncode == 2 and len(errors) == 1 and needle in errors[0] and str(tmp_path / name) in errors[0], (name, p.stderr[-2000:])
         assert "Traceback" not in p.stderr and not (tmp_path / f"run_{name}").exists(), name
+
+
+def test_validate_and_export_read_only_the_books_validate_measured(tmp_path):
+    """Without fit, validate and export read the run directory's ScaleBooks: a config naming another format is refused
+    (stages=[validate] kv=int4 validated the directory's int8k_asym_rotv and rewrote config.json to int4; stages=[export]
+    kv=int4 exported it labelled int4), and export ships only the book files report.json validated (a fit in the directory
+    after validate, then stages=[export], shipped the new books under the old report; a report of an older kvcompress
+    records none). Each refusal is one line, before the model loads, and leaves the directory as it was."""
+    run, cache = tmp_path / "run", tmp_path / "c"
+    p = run_cli(*TINY, f"hydra.run.dir={run}", cache_dir=cache, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    books = report(run)["validated_books"]
+    assert {r: b["kv"] for r, b in books.items()} == {"primary": "int8k_asym_rotv", "trtllm": "native_int8", "hf": "native_fp8"}
+    config = (run / "config.json").read_text()
+    refused = {("stages=[validate]", "kv=int4"): "scalebook.safetensors holds kv=int8k_asym_rotv, not this run's kv=int4 (kv.key.bits: 8 there, 4 here",
+               ("stages=[export]", "kv=int4"): "scalebook.safetensors holds kv=int8k_asym_rotv, not this run's kv=int4",
+               ("stages=[validate,export]", "kv.window=64"): "was fitted with other settings than this run's kv=int8k_asym_rotv (kv.window: 128 there, 64 here)"}
+    for (args, needle), p in zip(refused.items(), run_cli_batch([([*TINY, *a, f"hydra.run.dir={run}"], cache) for a in refused], tmp_path / "b1")):
+        errors = [line for line in p.stderr.splitlines() if "error:" in line]
+        assert p.returncode == 2 and len(errors) == 1 and needle in errors[0], (args, p.stderr[-2000:])
+        assert "Loading weights" not in p.stderr and (run / "config.json").read_text() == config, args
+    p = run_cli(*TINY, "stages=[export]", f"hydra.run.dir={run}", cache_dir=cache, timeout=300)  # the validated books: exported
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run_cli(*TINY, "stages=[profile,fit]", f"hydra.run.dir={run}", cache_dir=cache, timeout=300)  # refit: the report is stale
+    assert p.returncode == 0 and "fit: report.json in" in p.stdout and "measured the ScaleBooks fit now rewrites" in p.stdout, p.stdout[-2000:]
+    manifest = (run / "export" / "manifest.json").read_text()
+    older = json.loads((run / "report.json").read_text())
+    older.pop("validated_books")
+    (tmp_path / "older").mkdir()
+    for f in run.glob("scalebook*.safetensors"):
+        (tmp_path / "older" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "older" / "report.json").write_text(json.dumps(older))
+    cases = {run: "scalebook.safetensors: it changed since validate measured it (refit or replaced; report.json validated int8k_asym_rotv)",
+             tmp_path / "older": "report.json validated no primary ScaleBook (written by an older kvcompress, which did not record them)"}
+    for (d, needle), p in zip(cases.items(), run_cli_batch([([*TINY, "stages=[export]", f"hydra.run.dir={d}"], cache) for d in cases], tmp_path / "b2")):
+        errors = [line for line in p.stderr.splitlines() if "error:" in line]
+        assert p.returncode == 2 and len(errors) == 1 and needle in errors[0] and "run validate again" in errors[0], (d, p.stderr[-2000:])
+    assert (run / "export" / "manifest.json").read_text() == manifest and not (tmp_path / "older" / "export").exists()
+    p = run_cli(*TINY, "stages=[validate,export]", f"hydra.run.dir={run}", cache_dir=cache, timeout=300)  # measured again: shipped
+    assert p.returncode == 0, p.stderr[-2000:]
 
 
 def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):

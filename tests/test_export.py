@@ -784,7 +784,7 @@ def test_c_launchers_compile_against_cuda_h(tmp_path):
 
 
 def test_build_engine_always_fails_clearly_without_trtllm(tmp_path):
-    p = run_cli("model=tiny_llama", "calib=smoke", "export=trtllm", "export.build_engine=always", "stages=[profile,fit,export]",
+    p = run_cli("model=tiny_llama", "calib=smoke", "export=trtllm", "export.build_engine=always", "stages=[profile,fit,validate,export]",
                 f"hydra.run.dir={tmp_path / 'r'}", cache_dir=tmp_path / "cache")
     assert p.returncode == 2
     lines = [x for x in p.stderr.splitlines() if x.strip()]

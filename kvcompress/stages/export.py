@@ -275,9 +275,21 @@ def _build(ckpt: Path, engine: Path) -> dict:
 
 
 def check_validated(run_dir: Path, book_paths: dict[str, Path]) -> None:
-    """Export ships only what validate measured: the run directory's report and ScaleBooks must be there."""
-    if not (run_dir / "report.json").is_file() or any(not Path(p).is_file() for p in book_paths.values()):
+    """Export ships only what validate measured: the run directory's report and ScaleBooks must be there, and each book the
+    very file report.json validated (its sha256 in validated_books): a fit between validate and export (stages=[fit] in the
+    directory, then stages=[export]) shipped the new books under the old report."""
+    report = run_dir / "report.json"
+    if not report.is_file() or any(not Path(p).is_file() for p in book_paths.values()):
         raise UserError("stage export ships only what validate measured: run it with fit and validate (the default stages)")
+    if not book_paths:
+        return
+    measured = json.loads(report.read_text()).get("validated_books") or {}
+    for role, p in book_paths.items():
+        rec = measured.get(role)
+        if rec is None or rec.get("sha256") != file_fingerprint(p):
+            why = (f"report.json validated no {role} ScaleBook" + (" (written by an older kvcompress, which did not record them)" if not measured else "")
+                   if rec is None else f"it changed since validate measured it (refit or replaced; report.json validated {rec.get('kv')})")
+            raise UserError(f"stage export ships only what validate measured: {Path(p).name}: {why}; run validate again (stages=[validate,export])")
 
 
 def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:

@@ -26,6 +26,7 @@ from kvcompress.eval.gates import evaluate_gates
 from kvcompress.eval.metrics import (Baseline, QualityAccumulator, blocks, by_vocabulary, kl_mean, position_block, position_bucket, score_hidden,
                                      vocab_stats)
 from kvcompress.eval.retrieval import run_tasks
+from kvcompress.hashing import file_fingerprint
 from kvcompress.models.base import Geometry
 from kvcompress.models.streaming import run_calls_hidden
 from kvcompress.stages.profile import rope_pairs_of, rotary_dim
@@ -313,9 +314,11 @@ def validate_run(run, books: dict[str, Path]) -> dict[str, Path]:
     for p in books.values():
         if not Path(p).is_file():
             raise UserError("stage validate needs the run's scalebooks: add fit to stages")
+    hashes = {role: file_fingerprint(p) for role, p in books.items()}  # what export checks it ships (stages.export.check_validated)
     loaded = {role: run.scalebook(Path(p)) for role, p in books.items()}
     calib_sha = loaded["primary"].profiled("calib").get("sha256")
     report, kept = validate(run.lm, loaded, run.cfg.eval, calib_sha, run.progress, keep_baseline="export" in run.cfg.stages)
+    report.validated_books = {role: {"file": Path(p).name, "sha256": hashes[role], "kv": loaded[role].spec.name} for role, p in books.items()}
     tune_file = run.dir / "tune.json"
     if loaded["primary"].spec.is_mixed and tune_file.is_file():
         import json
