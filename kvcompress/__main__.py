@@ -104,9 +104,21 @@ def _unraisable(u) -> None:
     sys.__unraisablehook__(u)
 
 
+def check_output_dir(argv: list[str]) -> None:
+    """Hydra creates the run (or sweep) directory before the config reaches kvcompress: one it cannot create (under a
+    file, or not writable) was a NotADirectoryError traceback from Hydra."""
+    from kvcompress.paths import unusable_dir
+
+    given = {k: v for k, _, v in (a.partition("=") for a in argv if a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")))}
+    for key, path in (given or {"the run directory (./runs/)": "runs"}).items():
+        if "${" not in path and (why := unusable_dir(path)):
+            fail(f"{key}={path}: {why}" if key.startswith("hydra") else f"{key}: {why}; give hydra.run.dir=<a writable directory>")
+
+
 def main() -> None:
     sys.unraisablehook = _unraisable
     check_overrides(sys.argv[1:])
+    check_output_dir(sys.argv[1:])
     hydra_main()
 
 

@@ -15,6 +15,7 @@ from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
 from kvcompress.hashing import obj_hash
 from kvcompress.models import load_model, model_fingerprint
+from kvcompress.paths import check_cache_dir
 from kvcompress.provenance import base_provenance
 from kvcompress.scalebook import ScaleBook
 from kvcompress.stages.fit import fit
@@ -243,6 +244,8 @@ def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
 def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
     """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
     run_dir = Path(run_dir)
+    if needs_model(cfg) or "profile" in cfg.stages:  # converted weights and statistics are cached there
+        check_cache_dir(cfg.cache_dir)
     if "export" in cfg.stages:
         from kvcompress.targets.route import engine_status
 

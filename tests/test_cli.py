@@ -252,6 +252,22 @@ def test_validate_and_export_read_only_the_books_validate_measured(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
 
 
+def test_unusable_cache_and_run_directories_are_one_line_errors(tmp_path):
+    """KVCOMPRESS_CACHE on a file, and hydra.run.dir (or hydra.sweep.dir) under a file: one line naming the path, exit 2, no run
+    directory (NotADirectoryError tracebacks: the cache's after config.json was written, the run directory's from Hydra)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    runs = [([*TINY, "export=none", f"hydra.run.dir={tmp_path / 'r0'}"], afile),
+            ([*TINY, "export=none", f"hydra.run.dir={afile / 'sub'}"], tmp_path / "c"),
+            (["-m", *TINY, "export=none", "kv=int8,int4", f"hydra.sweep.dir={afile / 'sweep'}"], tmp_path / "c")]
+    needles = [f"cache_dir='{afile}' (KVCOMPRESS_CACHE, or cache_dir=) cannot hold the cache: {afile} is a file, not a directory",
+               f"hydra.run.dir={afile / 'sub'}: {afile} is a file, not a directory", f"hydra.sweep.dir={afile / 'sweep'}: {afile} is a file"]
+    for needle, p in zip(needles, run_cli_batch(runs, tmp_path / "batch")):
+        errors = [line for line in p.stderr.splitlines() if "error:" in line]
+        assert p.returncode == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "r0").exists() and afile.read_text() == "not a directory"
+
+
 def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
     """stats= from another model of the same shape, and validate on an earlier run's books of another model: refused in one
     line before the model loads (tiny_qwen2 with tiny_llama's kv_stats validated and passed); the earlier run is untouched."""
