@@ -263,7 +263,8 @@ class RunConfig(Frozen):
         if not self.stages:
             raise ValueError(f"stages must name at least one of {', '.join(STAGES)}")
         if self.stats and not Path(self.stats).is_file():
-            raise ValueError(f"stats={self.stats!r} does not exist (expected a kv_stats.safetensors)")
+            raise ValueError(f"stats={self.stats!r} " + ("is a directory" if Path(self.stats).is_dir() else "does not exist")
+                             + " (expected a kv_stats.safetensors)")
         if "export" in self.stages and self.export.name == "none":
             raise ValueError("stages contains export but export=none: choose export=trtllm or drop export from stages")
         rewrites = [s for s in ("fit", "tune") if s in self.stages]

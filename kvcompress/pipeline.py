@@ -121,6 +121,22 @@ def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str,
                         f"(fingerprint {fingerprint[:12]}): profile this model (drop stats= / add profile and fit to stages)")
 
 
+def note_stats_calib(cfg: RunConfig) -> None:
+    """stats= replaces profiling, so the run's calib settings are not used (config.json still records them): warned when they
+    differ from those the statistics were profiled with (their provenance, which the report carries)."""
+    theirs = KVStats.load(cfg.stats).header.get("provenance", {}).get("calib") or {}
+    mine = {"n_samples": cfg.calib.n_samples, "seq_len": cfg.calib.seq_len, "seed": cfg.calib.seed}
+    diff = [f"calib.{k}={v} (profiled with {theirs[k]})" for k, v in mine.items() if k in theirs and theirs[k] != v]
+    try:
+        texts = load_texts(cfg.calib)
+    except UserError:
+        texts = None  # files this run would not read anyway
+    if texts is not None and theirs.get("sha256") and texts.sha256 != theirs["sha256"]:
+        diff.append(f"calibration text {texts.origin} (profiled on {theirs.get('origin', 'other text')})")
+    if diff:
+        log.warning("stats=%s replaces profiling, so this run's calibration settings are not used: %s", cfg.stats, "; ".join(diff))
+
+
 def check_books_are_the_config(cfg: RunConfig, book_paths: dict[str, Path]) -> None:
     """Validate or export without fit reads the run directory's ScaleBooks: each must hold the format the config names for its
     role, or the run validates and ships one format while its config.json records another (stages=[validate] kv=int4 in a
@@ -250,6 +266,8 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         from kvcompress.targets.route import engine_status
 
         engine_status(cfg.export.build_engine)  # build_engine=always on a machine that cannot: fail first
+    if cfg.stats:
+        note_stats_calib(cfg)
     if needs_model(cfg):
         fingerprint = model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
         if cfg.stats:  # and on statistics of another model, before it loads
@@ -303,7 +321,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
 
         for spec in cfg.validated_specs().values():
             if not (spec is cfg.kv and cfg.tunes_layout) and (few := few_compressed_positions(spec, cfg.eval.seq_len)):
-                log.warning("before profiling: %s", few)
+                log.warning("before %s: %s", "fitting" if cfg.stats or "profile" not in cfg.stages else "profiling", few)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -268,6 +268,22 @@ def test_unusable_cache_and_run_directories_are_one_line_errors(tmp_path):
     assert not (tmp_path / "r0").exists() and afile.read_text() == "not a directory"
 
 
+def test_stats_given_says_the_calibration_settings_are_not_used(tmp_path):
+    """stats= replaces profiling: calibration settings that differ from those the statistics were profiled with are warned
+    (config.json records them, unused); the same settings are not; stats= a directory is one line."""
+    first = tmp_path / "first"
+    p = run_cli(*TINY, "stages=[profile]", "export=none", f"hydra.run.dir={first}", cache_dir=tmp_path / "c", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    stats = first / "kv_stats.safetensors"
+    runs = [([*TINY, "stages=[fit]", f"stats={stats}", "calib.seq_len=128", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path / "c"),
+            ([*TINY, "stages=[fit]", f"stats={stats}", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path / "c"),
+            ([*TINY, "stages=[fit]", f"stats={first}", f"hydra.run.dir={tmp_path / 'd'}"], tmp_path / "c")]
+    a, b, d = run_cli_batch(runs, tmp_path / "batch")
+    assert a.returncode == 0 and f"stats={stats} replaces profiling, so this run's calibration settings are not used: calib.seq_len=128 (profiled with 64)" in a.stdout, a.stdout
+    assert b.returncode == 0 and "replaces profiling" not in b.stdout, b.stdout
+    assert d.returncode == 2 and f"stats='{first}' is a directory (expected a kv_stats.safetensors)" in d.stderr and not (tmp_path / "d").exists(), d.stderr
+
+
 def test_statistics_and_scalebooks_of_another_model_are_refused(tmp_path):
     """stats= from another model of the same shape, and validate on an earlier run's books of another model: refused in one
     line before the model loads (tiny_qwen2 with tiny_llama's kv_stats validated and passed); the earlier run is untouched."""
