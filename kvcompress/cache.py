@@ -215,6 +215,16 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.book = book
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """transformers' Cache.update, after checking the model's K/V [B, kv heads, tokens, head_dim] at layer_idx against the
+        geometry the ScaleBook was fitted for (another model's book was an IndexError, or applied silently at one shape)."""
+        g = self.book.geometry
+        if not 0 <= layer_idx < g["n_layers"] or key_states.dim() != 4 or tuple(key_states.shape[1::2]) != (g["n_kv_heads"], g["head_dim"]):
+            raise UserError(f"CompressedCache: layer {layer_idx}'s keys are {list(key_states.shape)} [batch, kv heads, tokens, head_dim], but the "
+                            f"ScaleBook was fitted for {g['n_layers']} layers x {g['n_kv_heads']} kv heads x head_dim {g['head_dim']}"
+                            f" (model {self.book.profiled('model').get('name', '?')}): load the book of this model's run")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the real tensors held, by part, summed over layers."""
         out: dict[str, int] = {}

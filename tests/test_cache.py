@@ -146,3 +146,21 @@ def test_context_phase_prefill_then_decode_differs_from_decode_equivalent(lm_boo
         steps = torch.cat([lm.model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30)], 1)
     torch.testing.assert_close(chunk, plain, atol=1e-5, rtol=1e-5)  # context phase: the prompt is exact
     assert (steps - plain).abs().max() > 1e-3
+
+
+def test_a_book_of_another_geometry_is_one_clear_error(lm_book):
+    """Keys of another shape (another model's K/V) or a layer past the book's: one line naming both geometries (it was an
+    IndexError from transformers' Cache, or at one shape the book applied silently)."""
+    from kvcompress.errors import UserError
+
+    _, book = lm_book
+    g = book.geometry
+    cache = CompressedCache(book)
+    ok = torch.randn(1, g["n_kv_heads"], 3, g["head_dim"])
+    with pytest.raises(UserError, match=rf"layer 0's keys are \[1, {g['n_kv_heads'] + 1}, 3, {g['head_dim']}\] .* fitted for {g['n_layers']} layers x "
+                                        rf"{g['n_kv_heads']} kv heads x head_dim {g['head_dim']}"):
+        cache.update(torch.randn(1, g["n_kv_heads"] + 1, 3, g["head_dim"]), ok, 0)
+    with pytest.raises(UserError, match=f"layer {g['n_layers']}'s keys"):
+        cache.update(ok, ok, g["n_layers"])
+    k, _ = cache.update(ok, ok, 0)  # the book's own shape: stored
+    assert k.shape == ok.shape and cache.get_seq_length() == 3
