@@ -272,7 +272,12 @@ class RunConfig(Frozen):
             raise ValueError(f"stages={self.stages}: {' and '.join(rewrites)} (re)writes the ScaleBooks and export ships only what validate "
                              "measured: add validate to stages")
         for name in self.eval.compare:
-            kv_preset(name)  # a bad name fails here, before any work
+            if kv_preset(name).is_auto:  # a bad name fails in kv_preset, before any work
+                from kvcompress.paths import preset_names
+
+                fixed = [n for n in preset_names("kv") if not kv_preset(n).is_auto]
+                raise ValueError(f"eval.compare contains {name}, which chooses its per-layer formats in the tune stage (run for the kv format "
+                                 f"only): run it as kv={name}, or compare a fixed preset: {', '.join(fixed)}")
         if self.kv.validate_only and "export" in self.stages:
             raise ValueError(f"kv={self.kv.name} uses {self.kv.validate_only}, a comparison format "
                              "that is validated but never shipped: add export=none")
