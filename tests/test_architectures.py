@@ -403,3 +403,20 @@ def test_chunked_layers_are_counted_as_holding_one_chunk():
     types = lm.model.config.layer_types
     assert g.sliding_windows == tuple(16 if t == "chunked_attention" else 0 for t in types) and "full_attention" in types
     assert [g.stored_tokens(i, 1000) for i in range(len(types))] == [16 if t == "chunked_attention" else 1000 for t in types]
+
+
+def test_tiny_model_takes_model_dtype():
+    """model.dtype casts the tiny model's weights as from_pretrained casts a checkpoint's (it was ignored: a run of
+    model.dtype=bfloat16 measured float32 under a config.json saying bfloat16); RoPE's inverse frequencies stay float32, so the
+    export's RoPE check still holds; the weights are the float32 ones rounded."""
+    import torch
+
+    from kvcompress.config import ModelConfig
+    from kvcompress.models import load_model
+    from kvcompress.paths import load_preset
+
+    lms = {d: load_model(ModelConfig.model_validate({**load_preset("model", "tiny_llama"), "dtype": d}), None) for d in ("float32", "bfloat16")}
+    w32, w16 = (dict(lm.model.named_parameters()) for lm in lms.values())
+    assert {p.dtype for p in w16.values()} == {torch.bfloat16} and {p.dtype for p in w32.values()} == {torch.float32}
+    assert all(torch.equal(w16[k], w32[k].to(torch.bfloat16)) for k in w32)
+    assert lms["bfloat16"].model.model.rotary_emb.inv_freq.dtype == torch.float32

@@ -5,7 +5,7 @@ import torch
 
 from kvcompress.hashing import obj_hash
 from kvcompress.models import SOURCES
-from kvcompress.models.base import Geometry, LoadedModel
+from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.tokenizer import ByteTokenizer
 
 
@@ -67,5 +67,9 @@ def build_tiny(arch="llama", layers=2, hidden=128, heads=6, kv_heads=2, head_dim
 def load_tiny(cfg, cache_dir) -> LoadedModel:
     t = cfg.tiny
     model = build_tiny(t.arch, t.layers, t.hidden, t.heads, t.kv_heads, t.head_dim, t.max_position, t.seed).to(cfg.device)
+    # built in float32 (the same seed gives the same weights whatever model.dtype), then its weights cast to model.dtype as
+    # from_pretrained loads a checkpoint's: computed buffers (RoPE's inverse frequencies) stay float32 (model.dtype was ignored)
+    for p in model.parameters():
+        p.data = p.data.to(DTYPES[cfg.dtype])
     identity = {"name": cfg.name, "source": "tiny", "sha256": obj_hash(t.model_dump()), "tiny": t.model_dump()}
     return LoadedModel(model, ByteTokenizer(), Geometry.from_hf_config(model.config), identity)
