@@ -256,7 +256,6 @@ class RunConfig(Frozen):
     stages: list[Literal["profile", "fit", "tune", "validate", "export"]]
     stats: Optional[str] = None  # an existing kv_stats.safetensors: fit without loading the model
     cache_dir: str
-    seed: int = 0
 
     @model_validator(mode="after")
     def _stages(self) -> "RunConfig":

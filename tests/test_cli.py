@@ -31,6 +31,7 @@ BAD = [
     # a tuned preset as a comparison: profiled and fitted, then "stage validate needs the run's scalebooks: add fit to stages"
     (["eval.compare=[auto]"], "eval.compare contains auto, which chooses its per-layer formats in the tune stage"),
     (["eval.compare=[int4,int8k_budget]"], "eval.compare contains int8k_budget, which chooses its per-layer formats in the tune stage"),
+    (["seed=3"], "seed is not a known key; known top-level keys:"),  # a top-level seed nothing read (each section has its own)
     (["stages=[profile,fit,export]"], "fit (re)writes the ScaleBooks and export ships only what validate measured: add validate to stages"),
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
