@@ -141,12 +141,17 @@ def check_books_are_the_config(cfg: RunConfig, book_paths: dict[str, Path]) -> N
     """Validate or export without fit reads the run directory's ScaleBooks: each must hold the format the config names for its
     role, or the run validates and ships one format while its config.json records another (stages=[validate] kv=int4 in a
     directory fitted for int8k_asym_rotv validated int8k_asym_rotv and rewrote config.json to int4). A format tune chooses
-    (kv=auto, rot_split, int8k_budget) is not compared: its book holds tune's per-layer choice, not the config's spec."""
+    (kv=auto, rot_split, int8k_budget) is not compared field by field: its book must hold a per-layer choice tune made for it."""
     for role, spec in cfg.validated_specs().items():
         path = book_paths[role]
-        if spec.is_auto or not path.is_file():
+        if not path.is_file():
             continue
         theirs = ScaleBook.load(path).spec
+        if spec.is_auto:
+            if not (theirs.is_mixed and theirs.name == spec.name):
+                raise UserError(f"{path} holds kv={theirs.name}" + (" (per-layer)" if theirs.is_mixed else "") + f", not the per-layer formats the "
+                                f"tune stage chooses for this run's kv={spec.name}: add fit and tune to stages")
+            continue
         if theirs != spec:
             mine, old = _flat(spec.model_dump(mode="json")), _flat(theirs.model_dump(mode="json"))
             diff = [f"{k}: {old.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(mine.keys() | old.keys()) if mine.get(k) != old.get(k) and k != "kv.name"]

@@ -230,7 +230,8 @@ def test_validate_and_export_read_only_the_books_validate_measured(tmp_path):
     config = (run / "config.json").read_text()
     refused = {("stages=[validate]", "kv=int4"): "scalebook.safetensors holds kv=int8k_asym_rotv, not this run's kv=int4 (kv.key.bits: 8 there, 4 here",
                ("stages=[export]", "kv=int4"): "scalebook.safetensors holds kv=int8k_asym_rotv, not this run's kv=int4",
-               ("stages=[validate,export]", "kv.window=64"): "was fitted with other settings than this run's kv=int8k_asym_rotv (kv.window: 128 there, 64 here)"}
+               ("stages=[validate,export]", "kv.window=64"): "was fitted with other settings than this run's kv=int8k_asym_rotv (kv.window: 128 there, 64 here)",
+               ("stages=[validate]", "kv=auto"): "scalebook.safetensors holds kv=int8k_asym_rotv, not the per-layer formats the tune stage chooses for this run's kv=auto"}
     for (args, needle), p in zip(refused.items(), run_cli_batch([([*TINY, *a, f"hydra.run.dir={run}"], cache) for a in refused], tmp_path / "b1")):
         errors = [line for line in p.stderr.splitlines() if "error:" in line]
         assert p.returncode == 2 and len(errors) == 1 and needle in errors[0], (args, p.stderr[-2000:])
