@@ -80,10 +80,10 @@ class Run:
                 for role, spec in self.cfg.validated_specs().items()}
 
     def fit(self, stats_path: Path) -> dict[str, Path]:
-        stats = KVStats.load(stats_path)
-        paths = self.book_paths()
         from kvcompress.stages.validate import REPORT_FILE
 
+        stats = KVStats.load(stats_path)
+        paths = self.book_paths()
         if (self.dir / REPORT_FILE).is_file() and "validate" not in self.cfg.stages:  # export then refuses them (check_validated)
             log.warning("fit: %s in %s measured the ScaleBooks fit now rewrites: run validate again before reading it or exporting",
                         REPORT_FILE, self.dir)
@@ -326,7 +326,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
 
         for spec in cfg.validated_specs().values():
             if not (spec is cfg.kv and cfg.tunes_layout) and (few := few_compressed_positions(spec, cfg.eval.seq_len)):
-                log.warning("before %s: %s", "fitting" if cfg.stats or "profile" not in cfg.stages else "profiling", few)
+                log.warning("%s: %s", "ahead of validate" if cfg.stats or "profile" not in cfg.stages else "before profiling", few)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}
