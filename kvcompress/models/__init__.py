@@ -33,10 +33,7 @@ def model_fingerprint(cfg) -> str:
         return cfg.sha256
     if cfg.source == "gguf_package":
         p = gguf.gguf_path(cfg)
-        if not p.is_file():
-            from kvcompress.errors import UserError
-
-            raise UserError(f"model.path={str(p)!r} " + ("is a directory" if p.is_dir() else "does not exist") + " (expected a .gguf file)")
+        gguf.check_gguf_file(p)
         return file_fingerprint(p)
     if cfg.source == "hf_dir":
         return dir_fingerprint(hf_dir.check_dir(cfg))

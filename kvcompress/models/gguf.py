@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvcompress.errors import UserError
+from kvcompress.errors import UserError, cause
 from kvcompress.hashing import file_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
@@ -90,8 +90,13 @@ def check_gguf(path: Path) -> None:
     try:
         GGUFReader(str(path))
     except (ValueError, KeyError, IndexError, struct.error, OSError) as e:
-        raise UserError(f"model.path={str(path)!r} is not a readable GGUF file (truncated or not GGUF: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+        raise UserError(f"model.path={str(path)!r} is not a readable GGUF file (truncated or not GGUF: {cause(e, 120)})") from None
+
+
+def check_gguf_file(path: Path) -> None:
+    """model.path (or the packaged file) must be a file: a directory or a missing path is one line."""
+    if not path.is_file():
+        raise UserError(f"model.path={str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist") + " (expected a .gguf file)")
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -103,7 +108,7 @@ def _convert(gguf: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError) as e:  # e.g. an architecture transformers' GGUF loader does not know
-        raise UserError(f"model.path={str(gguf)!r}: transformers cannot load this GGUF ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise UserError(f"model.path={str(gguf)!r}: transformers cannot load this GGUF ({cause(e)})") from None
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -126,8 +131,7 @@ def load_gguf(cfg, cache_dir) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path(cfg, cache_dir)
-    if not gguf.is_file():
-        raise UserError(f"model.path={str(gguf)!r} " + ("is a directory" if gguf.is_dir() else "does not exist") + " (expected a .gguf file)")
+    check_gguf_file(gguf)
     # joined parts were checked against model.sha256 (join_parts): the same fingerprint model_fingerprint gives, which
     # file_fingerprint's edge hash of a file over 1 GiB would not be (stats= and earlier ScaleBooks are checked against it)
     fp = cfg.sha256 if cfg.parts and cfg.sha256 and not cfg.path else file_fingerprint(gguf)

@@ -5,7 +5,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvcompress.errors import UserError
+from kvcompress.errors import UserError, cause
 from kvcompress.hashing import dir_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
@@ -27,7 +27,7 @@ def check_safetensors(p: Path, given: str) -> None:
             with safe_open(str(f), "pt"):
                 pass
         except Exception as e:  # SafetensorError (a bad header), OSError: one line naming the file
-            raise UserError(f"model.path={given!r}: {f.name} is not a readable safetensors file ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+            raise UserError(f"model.path={given!r}: {f.name} is not a readable safetensors file ({cause(e, 120)})") from None
 
 
 def check_dir(cfg) -> Path:
@@ -76,7 +76,7 @@ def load_hf_dir(cfg, cache_dir) -> LoadedModel:
     try:
         tok = HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
     except (OSError, ValueError) as e:  # tokenizer files transformers cannot read
-        raise UserError(f"model.path={cfg.path!r}: its tokenizer cannot be loaded ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
+        raise UserError(f"model.path={cfg.path!r}: its tokenizer cannot be loaded ({cause(e)})") from None
     identity = {"name": cfg.name, "source": "hf_dir", "path": str(p.resolve()), "sha256": dir_fingerprint(p)}
     wrapper = multimodal_arch(p)
     if wrapper:
