@@ -207,8 +207,8 @@ def check_formats(cfg: RunConfig, lm) -> None:
 def check_context(cfg: RunConfig, max_position: int) -> None:
     """Refuse, before profiling, a sequence the run would feed the model past its context (max_position_embeddings):
     positions it was not trained or configured for, and past where asymmetric static keys' ranges hold
-    (kv.key.max_position, the model's by default). A task's few answer tokens follow its prompt of eval.tasks.lengths, so a
-    task at the full context (eval=long's 8192 on SmolLM2) scores them just past it. Validation windows and task prompts past
+    (kv.key.max_position, the model's by default). A task sample of eval.tasks.lengths feeds that many tokens, its answer
+    included (eval.tasks.base.assemble), so a task at the full context scores nothing past it. Validation windows and task prompts past
     a validated format's kv.key.max_position (positions its asymmetric key ranges were fitted for) are refused as well."""
     lengths = []
     if "profile" in cfg.stages and not cfg.stats:

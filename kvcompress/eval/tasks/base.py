@@ -27,7 +27,9 @@ def haystack(tokenizer, corpus_ids: list[int], n: int, rng: random.Random) -> li
 
 
 def assemble(tokenizer, corpus_ids, length, depth, facts: list[str], question: str, answer: str, rng, window: int, task: str, seed: int) -> Sample:
-    """Haystack of `length` tokens with facts inserted at `depth` (fraction of the haystack), then the question.
+    """Haystack with facts inserted at `depth` (fraction of the haystack), then the question: `length` tokens fed to the
+    model with the answer but its last token (which is only predicted), so no answer token is scored at a position
+    past a context of `length` (eval=long's 8192 on an 8192-token model).
 
     The facts end at least `window` + FACT_GAP tokens before the last prompt token, so the last query reads
     them from the compressed store, never from the fp16 window; a length too short for that is refused.
@@ -35,7 +37,7 @@ def assemble(tokenizer, corpus_ids, length, depth, facts: list[str], question: s
     fact_ids = [tokenizer.encode(" " + f + " ") for f in facts]
     q_ids = tokenizer.encode(question)
     a_ids = tokenizer.encode(answer)
-    body = max(1, length - len(q_ids) - sum(map(len, fact_ids)))
+    body = max(1, length - len(q_ids) - sum(map(len, fact_ids)) - (len(a_ids) - 1))
     hay = haystack(tokenizer, corpus_ids, body, rng)
     latest = body - window - FACT_GAP - sum(map(len, fact_ids))
     if latest < 0:  # the facts would sit in the fp16 window: the sample would not test the compressed store
