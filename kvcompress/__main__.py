@@ -115,10 +115,45 @@ def check_output_dir(argv: list[str]) -> None:
             fail(f"{key}={path}: {why}" if key.startswith("hydra") else f"{key}: {why}; give hydra.run.dir=<a writable directory>")
 
 
+def check_sweep(argv: list[str]) -> None:
+    """A sweep (`-m`) runs its jobs one after another, so a bad value in a later job (`eval.seq_len=1024,-5`) stopped the
+    sweep only after the earlier jobs ran (hours on a real model). Every job's config is composed and validated as its
+    job would be (RunConfig), before the first runs. What needs the model (its context, head_dim) is still checked per job."""
+    if not {"-m", "--multirun"} & set(argv):
+        return
+    from itertools import product
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from kvcompress.config import to_run_config
+
+    given = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException:
+        return  # Hydra's own message, as without a sweep
+    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+               for o in parsed]
+    jobs = list(product(*choices))
+    if len(jobs) < 2:
+        return
+    swept = [j for j, o in enumerate(parsed) if o.is_sweep_override()]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="kvcompress"):
+        for i, job in enumerate(jobs, 1):
+            try:
+                cfg = compose(config_name="config", overrides=list(job))
+                to_run_config(OmegaConf.to_container(cfg, resolve=True), {o.partition("=")[0].lstrip("+~") for o in job})
+            except (UserError, HydraException) as e:
+                fail(f"sweep job {i} of {len(jobs)} ({' '.join(job[j] for j in swept)}): {str(e).splitlines()[0] if str(e) else type(e).__name__}; no job was run")
+
+
 def main() -> None:
     sys.unraisablehook = _unraisable
     check_overrides(sys.argv[1:])
     check_output_dir(sys.argv[1:])
+    check_sweep(sys.argv[1:])
     hydra_main()
 
 

@@ -273,6 +273,20 @@ def test_unusable_cache_and_run_directories_are_one_line_errors(tmp_path):
     assert not (tmp_path / "r0").exists() and afile.read_text() == "not a directory"
 
 
+def test_a_sweep_with_a_bad_later_job_runs_no_job(tmp_path):
+    """`-m` runs its jobs in order: a bad value in job 3 of 4 stopped the sweep only after jobs 1 and 2 ran. Every job's
+    config is validated first: one line naming the job and its bad value, exit 2, nothing run; a good sweep runs every job."""
+    runs = [(["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", "kv.window=8,-1", f"hydra.sweep.dir={tmp_path / 'bad'}"], tmp_path / "c"),
+            (["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c")]
+    bad, good = run_cli_batch(runs, tmp_path / "batch")
+    errors = [line for line in bad.stderr.splitlines() if "error:" in line]
+    assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "sweep job 2 of 4 (kv=int8 kv.window=-1): kv.window=-1 is invalid" in errors[0] and errors[0].endswith("no job was run"), errors
+    assert not (tmp_path / "bad").exists()
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert sorted(p.parent.name for p in (tmp_path / "good").glob("*/*/kv_stats.safetensors")) == ["int4", "int8"]
+
+
 def test_stats_given_says_the_calibration_settings_are_not_used(tmp_path):
     """stats= replaces profiling: calibration settings that differ from those the statistics were profiled with are warned
     (config.json records them, unused); the same settings are not; stats= a directory is one line."""
