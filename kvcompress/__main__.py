@@ -116,29 +116,40 @@ def check_output_dir(argv: list[str]) -> None:
 
 
 def check_sweep(argv: list[str]) -> None:
-    """A sweep (`-m`) runs its jobs one after another, so a bad value in a later job (`eval.seq_len=1024,-5`) stopped the
-    sweep only after the earlier jobs ran (hours on a real model). Every job's config is composed and validated as its
-    job would be (RunConfig), before the first runs. What needs the model (its context, head_dim) is still checked per job."""
-    if not {"-m", "--multirun"} & set(argv):
-        return
+    """Hydra's messages for an override it cannot parse (`kv.window=[1,`) or several values without `-m` span several lines
+    (exit 1): one line each. A sweep (`-m`) runs its jobs one after another, so a bad value in a later job
+    (`eval.seq_len=1024,-5`) stopped the sweep only after the earlier jobs ran (hours on a real model): every job's config is
+    composed and validated as its job would be (RunConfig) before the first runs. What needs the model (its context,
+    head_dim) is still checked as each job starts."""
     from itertools import product
 
-    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from kvcompress.config import to_run_config
-
-    given = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-    try:
-        parsed = OverridesParser.create().parse_overrides(given)
+    parser, parsed = OverridesParser.create(), []
+    for arg in (a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))):
+        try:
+            parsed += parser.parse_overrides([arg])
+        except HydraException as e:
+            fail(f"{arg} cannot be parsed: {str(e).splitlines()[0]} (Hydra's override grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)")
+    multirun = bool({"-m", "--multirun"} & set(argv))
+    for o in parsed:
+        if o.is_sweep_override() and not multirun:
+            fail(f"{o.input_line} gives several values: add -m to run one job per value, write a list as [a,b], or quote a string with commas")
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            fail(f"{o.input_line}: a sweep here takes values (a,b), range() or choice(); interval() needs an optimizing sweeper")
+    try:  # each job's overrides as Hydra's basic sweeper forms them (quoting kept)
+        choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+                   for o in parsed]
     except HydraException:
-        return  # Hydra's own message, as without a sweep
-    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
-               for o in parsed]
+        return  # glob() of a key's values: Hydra's basic sweeper launches no job
     jobs = list(product(*choices))
     if len(jobs) < 2:
         return
+    from hydra import compose, initialize_config_dir
+
+    from kvcompress.config import to_run_config
+
     swept = [j for j, o in enumerate(parsed) if o.is_sweep_override()]
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="kvcompress"):
         for i, job in enumerate(jobs, 1):

@@ -31,7 +31,9 @@ BAD = [
     # a tuned preset as a comparison: profiled and fitted, then "stage validate needs the run's scalebooks: add fit to stages"
     (["eval.compare=[auto]"], "eval.compare contains auto, which chooses its per-layer formats in the tune stage"),
     (["eval.compare=[int4,int8k_budget]"], "eval.compare contains int8k_budget, which chooses its per-layer formats in the tune stage"),
-    (["seed=3"], "seed is not a known key; known top-level keys:"),  # a top-level seed nothing read (each section has its own)
+    (["seed=3"], "seed is not a known key; known top-level keys:"),
+    (["kv.window=8,16"], "kv.window=8,16 gives several values: add -m to run one job per value, write a list as [a,b]"),  # Hydra's 5 lines, exit 1
+    (["eval.tasks.names=[passkey"], "eval.tasks.names=[passkey cannot be parsed: no viable alternative at input '[passkey'"),  # Hydra's 4 lines  # a top-level seed nothing read (each section has its own)
     (["stages=[profile,fit,export]"], "fit (re)writes the ScaleBooks and export ships only what validate measured: add validate to stages"),
     (["kv=native_fp8", "export.native_kv=INT8"], "export.native_kv=INT8 contradicts kv=native_fp8"),
     (["model.device=gpu0"], "model.device='gpu0' is not a device"),
@@ -277,8 +279,10 @@ def test_a_sweep_with_a_bad_later_job_runs_no_job(tmp_path):
     """`-m` runs its jobs in order: a bad value in job 3 of 4 stopped the sweep only after jobs 1 and 2 ran. Every job's
     config is validated first: one line naming the job and its bad value, exit 2, nothing run; a good sweep runs every job."""
     runs = [(["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", "kv.window=8,-1", f"hydra.sweep.dir={tmp_path / 'bad'}"], tmp_path / "c"),
-            (["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c")]
-    bad, good = run_cli_batch(runs, tmp_path / "batch")
+            (["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c"),
+            (["-m", *TINY, "export=none", "kv.window=interval(1,2)"], tmp_path / "c")]  # Hydra's traceback
+    bad, good, interval = run_cli_batch(runs, tmp_path / "batch")
+    assert interval.returncode == 2 and interval.stderr.strip().endswith("interval() needs an optimizing sweeper"), interval.stderr[-2000:]
     errors = [line for line in bad.stderr.splitlines() if "error:" in line]
     assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "sweep job 2 of 4 (kv=int8 kv.window=-1): kv.window=-1 is invalid" in errors[0] and errors[0].endswith("no job was run"), errors
