@@ -46,12 +46,29 @@ def check_overrides(argv: list[str]) -> None:
             sub = OmegaConf.select(node, parent) if parent else node
             if not OmegaConf.is_dict(sub) or leaf not in sub:
                 known = ", ".join(sub.keys()) if OmegaConf.is_dict(sub) else "(none)"
+                if schema_has(group, rest):  # a field the preset leaves at its default: Hydra adds a key only with +
+                    fail(f"{key} is not set by the preset {group}={selected[group]} (it takes the default): add it with +{key}=...; "
+                         f"the preset's keys here: {known}")
                 fail(f"{key} is not a known key of {group}={selected[group]}; known keys here: {known}")
         elif group not in GROUPS and group not in top:
             fail(f"{key} is not a known key; known top-level keys: {', '.join(k for k in top if k != 'defaults')}, {', '.join(GROUPS)}")
         elif group not in GROUPS and rest and not (OmegaConf.is_dict(top[group]) and rest in top[group]):
             known = ", ".join(top[group].keys()) if OmegaConf.is_dict(top[group]) else "(none)"
             fail(f"{key} is not a known key of {group}; known keys here: {known}")
+
+
+def schema_has(group: str, dotted: str) -> bool:
+    """Whether RunConfig's section `group` has the (nested) field `dotted`, e.g. kv, "key.rotate"."""
+    from pydantic import BaseModel
+
+    from kvcompress.config import RunConfig
+
+    model = RunConfig.model_fields[group].annotation
+    for part in dotted.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields):
+            return False
+        model = model.model_fields[part].annotation
+    return True
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -22,6 +22,8 @@ BAD = [
     (["eval.source=files", "eval.paths=[EMPTY]", "eval.seq_len=200"], "eval text"),
     (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[100]"], "eval.tasks.lengths contains 100: task prompts must be longer than the fp16 window + 16"),
     (["kv.foo=1"], "kv.foo is not a known key"),
+    # a field the preset leaves at its default: Hydra adds a key only with +, which the message did not say
+    (["kv.key.rotate=hadamard"], "kv.key.rotate is not set by the preset kv=int8k_asym_rotv (it takes the default): add it with +kv.key.rotate=..."),
     (["eval.tasks.prompt=foo"], "eval.tasks.prompt='foo' is invalid: Input should be 'auto', 'context' or 'decode'"),
     (["stages=[fit]", "stats=/nope.safetensors"], "stats='/nope.safetensors'"),
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
