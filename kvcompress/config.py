@@ -110,7 +110,7 @@ class TasksConfig(Frozen):
     """Generated long-context tasks (kvcompress/eval/tasks): names x lengths x depths x seeds."""
 
     names: list[Literal["passkey", "multikey", "vartrack", "copy_uuid", "copy_json"]] = []
-    lengths: list[int] = [1024, 2048]
+    lengths: list[int] = [1024, 2048]  # tokens a sample feeds the model: its prompt, then its answer but the last token
     depths: list[float] = [0.1, 0.5, 0.9]
     seeds: int = Field(2, ge=1)
     greedy: bool = True  # also generate greedily through the real CompressedCache
@@ -129,7 +129,7 @@ class TasksConfig(Frozen):
     @classmethod
     def _lengths(cls, v: list[int]) -> list[int]:
         if not v or min(v) < 1:
-            raise ValueError(f"must be a non-empty list of prompt lengths in tokens; got {v}")
+            raise ValueError(f"must be a non-empty list of sample lengths in tokens (the prompt and the answer fed to the model); got {v}")
         return v
 
 

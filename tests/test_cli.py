@@ -79,7 +79,7 @@ BAD = [
     (["kv.key.max_position=1100", "eval.tasks.lengths=[2048]"], "eval.tasks.lengths contains 2048, past kv.key.max_position=1100"),
     (["eval.tasks.depths=[1.5]"], "eval.tasks.depths: must be a non-empty list of fractions of the prompt in [0, 1] where the facts go; got [1.5]"),
     # a task length the estimate before loading the model lets through (window + 16 < 150) but the prompt's facts do not fit
-    (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey prompt needs at least"),
+    (["eval.tasks.names=[passkey]", "eval.tasks.lengths=[150]"], "eval.tasks.lengths contains 150: a passkey sample needs at least"),
     # under kv=auto the facts must sit before any window tune may choose (its windows are chosen after profile and fit)
     (["kv=auto", "tune.windows=[32,512]", "eval.tasks.names=[passkey]", "eval.tasks.lengths=[300]"],
      "eval.tasks.lengths contains 300: task prompts must be longer than the fp16 window (the largest kv=auto may choose from tune.windows) + 16 (528 tokens)"),

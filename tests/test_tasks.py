@@ -51,7 +51,7 @@ def test_task_facts_sit_outside_the_fp16_window_and_short_lengths_are_refused():
         # a sample of length n feeds n tokens, prompt and answer but its last (only predicted): at a length equal to
         # the model's context (eval=long's 8192 on SmolLM2) no answer token is scored past it
         assert len(s.prompt) + len(s.answer) - 1 == 1024 and len(s.answer) > 1, name
-        with pytest.raises(UserError, match=f"eval.tasks.lengths contains 80: a {name} prompt needs at least"):
+        with pytest.raises(UserError, match=f"eval.tasks.lengths contains 80: a {name} sample needs at least"):
             TASKS.get(name)(lm.tokenizer, corpus, 80, 0.5, 0, window)
 
 

@@ -37,12 +37,12 @@ def assemble(tokenizer, corpus_ids, length, depth, facts: list[str], question: s
     fact_ids = [tokenizer.encode(" " + f + " ") for f in facts]
     q_ids = tokenizer.encode(question)
     a_ids = tokenizer.encode(answer)
-    body = max(1, length - len(q_ids) - sum(map(len, fact_ids)) - (len(a_ids) - 1))
-    hay = haystack(tokenizer, corpus_ids, body, rng)
+    body = length - len(q_ids) - sum(map(len, fact_ids)) - (len(a_ids) - 1)
     latest = body - window - FACT_GAP - sum(map(len, fact_ids))
     if latest < 0:  # the facts would sit in the fp16 window: the sample would not test the compressed store
-        raise UserError(f"eval.tasks.lengths contains {length}: a {task} prompt needs at least {length - latest} tokens so its facts "
+        raise UserError(f"eval.tasks.lengths contains {length}: a {task} sample needs at least {length - latest} tokens (prompt and answer) so its facts "
                         f"end {window} + {FACT_GAP} tokens before the question, outside the fp16 window")
+    hay = haystack(tokenizer, corpus_ids, body, rng)
     pos = max(0, min(int(depth * body), latest))
     # spread several facts over [pos, latest]
     cuts = sorted({pos + int(i * max(0, latest - pos) / max(1, len(fact_ids))) for i in range(len(fact_ids))})
