@@ -11,6 +11,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kvcompress.errors import UserError
 from kvcompress.paths import CONF_DIR, default_presets, preset_names
@@ -78,10 +79,13 @@ def hydra_main(cfg) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    overridden = {o.partition("=")[0].lstrip("+~") for o in hc.overrides.task}
+    overridden = {o.partition("=")[0].lstrip("+~") for o in OmegaConf.to_container(hc.overrides.task, resolve=False)}  # as typed
     try:
-        run_cfg = to_run_config(OmegaConf.to_container(cfg, resolve=True), overridden)
-        run(run_cfg, run_dir)
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # an interpolation that cannot resolve (`cache_dir=${oc.env:UNSET}`): Hydra printed 3 lines
+            raise UserError(f"{getattr(e, 'full_key', None) or 'the config'}: {str(e).splitlines()[0]}") from None
+        run(to_run_config(data, overridden), run_dir)
     except UserError as e:
         remove_if_empty(run_dir)
         fail(str(e))
@@ -173,7 +177,7 @@ def check_sweep(argv: list[str]) -> None:
             try:
                 cfg = compose(config_name="config", overrides=list(job))
                 to_run_config(OmegaConf.to_container(cfg, resolve=True), {o.partition("=")[0].lstrip("+~") for o in job})
-            except (UserError, HydraException) as e:
+            except (UserError, HydraException, OmegaConfBaseException) as e:
                 fail(f"sweep job {i} of {len(jobs)} ({' '.join(job[j] for j in swept)}): {str(e).splitlines()[0] if str(e) else type(e).__name__}; no job was run")
 
 

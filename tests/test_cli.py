@@ -34,6 +34,7 @@ BAD = [
     (["eval.compare=[auto]"], "eval.compare contains auto, which chooses its per-layer formats in the tune stage"),
     (["eval.compare=[int4,int8k_budget]"], "eval.compare contains int8k_budget, which chooses its per-layer formats in the tune stage"),
     (["seed=3"], "seed is not a known key; known top-level keys:"),
+    (["cache_dir=${oc.env:KVC_TEST_UNSET_VARIABLE}"], "cache_dir: KeyError raised while resolving interpolation: \"Environment variable 'KVC_TEST_UNSET_VARIABLE' not found\""),  # Hydra's traceback
     (["kv.window=8,16"], "kv.window=8,16 gives several values: add -m to run one job per value, write a list as [a,b]"),  # Hydra's 5 lines, exit 1
     (["eval.tasks.names=[passkey"], "eval.tasks.names=[passkey cannot be parsed: no viable alternative at input '[passkey'"),  # Hydra's 4 lines  # a top-level seed nothing read (each section has its own)
     (["stages=[profile,fit,export]"], "fit (re)writes the ScaleBooks and export ships only what validate measured: add validate to stages"),
@@ -282,8 +283,10 @@ def test_a_sweep_with_a_bad_later_job_runs_no_job(tmp_path):
     config is validated first: one line naming the job and its bad value, exit 2, nothing run; a good sweep runs every job."""
     runs = [(["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", "kv.window=8,-1", f"hydra.sweep.dir={tmp_path / 'bad'}"], tmp_path / "c"),
             (["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c"),
-            (["-m", *TINY, "export=none", "kv.window=interval(1,2)"], tmp_path / "c")]  # Hydra's traceback
-    bad, good, interval = run_cli_batch(runs, tmp_path / "batch")
+            (["-m", *TINY, "export=none", "kv.window=interval(1,2)"], tmp_path / "c"),  # Hydra's traceback
+            (["-m", *TINY, "export=none", "kv=int8,int4", "cache_dir=${oc.env:KVC_TEST_UNSET_VARIABLE}"], tmp_path / "c")]  # a traceback
+    bad, good, interval, unset = run_cli_batch(runs, tmp_path / "batch")
+    assert unset.returncode == 2 and unset.stderr.strip().startswith("kvcompress: error: sweep job 1 of 2 (kv=int8): KeyError raised while resolving"), unset.stderr[-2000:]
     assert interval.returncode == 2 and interval.stderr.strip().endswith("interval() needs an optimizing sweeper"), interval.stderr[-2000:]
     errors = [line for line in bad.stderr.splitlines() if "error:" in line]
     assert bad.returncode == 2 and len(errors) == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
