@@ -140,8 +140,8 @@ def check_sweep(argv: list[str]) -> None:
     """Hydra's messages for an override it cannot parse (`kv.window=[1,`) or several values without `-m` span several lines
     (exit 1): one line each. A sweep (`-m`) runs its jobs one after another, so a bad value in a later job
     (`eval.seq_len=1024,-5`) stopped the sweep only after the earlier jobs ran (hours on a real model): every job's config is
-    composed and validated as its job would be (RunConfig) before the first runs. What needs the model (its context,
-    head_dim) is still checked as each job starts."""
+    composed and validated as its job would be (RunConfig), and checked against its model as its run would check it before
+    profiling (pipeline.prepare: context, head_dim, export shapes, texts), before the first runs."""
     from itertools import product
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -172,13 +172,37 @@ def check_sweep(argv: list[str]) -> None:
     from kvcompress.config import to_run_config
 
     swept = [j for j, o in enumerate(parsed) if o.is_sweep_override()]
+
+    def refuse(i: int, e: Exception) -> None:
+        fail(f"sweep job {i} of {len(jobs)} ({' '.join(jobs[i - 1][j] for j in swept)}): {str(e).splitlines()[0] if str(e) else type(e).__name__}; no job was run")
+
+    configs = []
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="kvcompress"):
         for i, job in enumerate(jobs, 1):
             try:
                 cfg = compose(config_name="config", overrides=list(job))
-                to_run_config(OmegaConf.to_container(cfg, resolve=True), {o.partition("=")[0].lstrip("+~") for o in job})
+                configs.append(to_run_config(OmegaConf.to_container(cfg, resolve=True), {o.partition("=")[0].lstrip("+~") for o in job}))
             except (UserError, HydraException, OmegaConfBaseException) as e:
-                fail(f"sweep job {i} of {len(jobs)} ({' '.join(job[j] for j in swept)}): {str(e).splitlines()[0] if str(e) else type(e).__name__}; no job was run")
+                refuse(i, e)
+    # then what each job checks against its model before profiling (its context, head_dim, the export's shapes, the texts):
+    # each model loaded once for the jobs that use it; its warnings are the job's to print
+    import logging
+
+    from kvcompress.pipeline import prepare
+
+    print(f"kvcompress: sweep of {len(jobs)} jobs: checking each job against its model before the first runs", flush=True)
+    logger, models = logging.getLogger("kvcompress"), {}
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        for i, run_cfg in enumerate(configs, 1):
+            try:
+                prepare(run_cfg, None, progress=False, models=models)
+            except UserError as e:
+                refuse(i, e)
+    finally:
+        logger.setLevel(level)
+        models.clear()
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ class Run:
     """Lazily loads what the stages need (the model only when a stage needs it)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: bool = True):
-        self.cfg, self.dir, self.progress = cfg, Path(run_dir), progress
+        self.cfg, self.dir, self.progress = cfg, (Path(run_dir) if run_dir is not None else None), progress
         self._lm = None
         self.baseline = None  # metrics.Baseline kept by validate for export's re-measurement
 
@@ -182,6 +182,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copyfile(src, tmp)
     tmp.replace(dst)
+    tmp.unlink(missing_ok=True)  # dst already a hard link of src (a rerun in the same directory): rename(2) does nothing then
 
 
 def needs_model(cfg: RunConfig) -> bool:
@@ -262,9 +263,11 @@ def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
     atomic_write_json(run_dir / "provenance.json", prov)
 
 
-def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
-    """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
-    run_dir = Path(run_dir)
+def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models: dict | None = None) -> Run:
+    """Everything run() checks before the run directory exists (and before profiling): bad paths, text, model, formats,
+    context, export. `run_dir` None: a sweep's job checked before the sweep's first job runs (kvcompress.__main__.check_sweep;
+    the job's directory is Hydra's to make), the checks of an earlier run's directory left to the job. `models`: loaded
+    models by model config, shared by the jobs of a sweep that use one model."""
     if needs_model(cfg) or "profile" in cfg.stages:  # converted weights and statistics are cached there
         check_cache_dir(cfg.cache_dir)
     if "export" in cfg.stages:
@@ -289,17 +292,22 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
             raise UserError(f"eval.tasks.lengths contains {short[0]}: task prompts must be longer than the fp16 window{which} + {FACT_GAP} "
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
-    if needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model and this config?
+    if run_dir is not None and needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model and this config?
         for path in r.book_paths().values():
             if path.is_file():
                 check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}")
         check_books_are_the_config(cfg, r.book_paths())
-    if "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
+    if run_dir is not None and "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
         from kvcompress.stages.export import check_validated
 
         check_validated(run_dir, {} if "fit" in cfg.stages else r.book_paths())
     if needs_model(cfg):
+        key = json.dumps([cfg.model.model_dump(mode="json"), str(cfg.cache_dir)], sort_keys=True)
+        if models is not None and key in models:
+            r._lm = models[key]
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
+        if models is not None:
+            models[key] = r.lm
         check_formats(cfg, r.lm)  # what each format itself refuses, before what the export cannot carry
     if "export" in cfg.stages:
         from kvcompress.targets.route import check_exportable, disk_warning, hf_only, tp_advice
@@ -312,7 +320,7 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         n_params = sum(p.numel() for p in r.lm.model.parameters())  # a streamed model's skeleton counts as well
         if not hf_only(r.lm.model) and (advice := tp_advice(2 * n_params, cfg.export.tp_sizes, cfg.export.gpu_memory_gb, r.lm.geometry, r.lm.model.config)):
             log.warning("export: %s (estimated at 2 bytes a parameter; FP8 weights kept as stored take half)", advice)
-        if disk := disk_warning(run_dir, n_params, cfg.export.tp_sizes, hf_only(r.lm.model)):
+        if run_dir is not None and (disk := disk_warning(run_dir, n_params, cfg.export.tp_sizes, hf_only(r.lm.model))):
             log.warning("export: %s", disk)
     if needs_model(cfg):
         check_context(cfg, r.lm.geometry.max_position)
@@ -327,6 +335,13 @@ def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str,
         for spec in cfg.validated_specs().values():
             if not (spec is cfg.kv and cfg.tunes_layout) and (few := few_compressed_positions(spec, cfg.eval.seq_len)):
                 log.warning("%s: %s", "ahead of validate" if cfg.stats or "profile" not in cfg.stages else "before profiling", few)
+    return r
+
+
+def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
+    """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
+    run_dir = Path(run_dir)
+    r = prepare(cfg, run_dir, progress)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)
     out: dict[str, Path] = {}

@@ -280,12 +280,18 @@ def test_unusable_cache_and_run_directories_are_one_line_errors(tmp_path):
 
 def test_a_sweep_with_a_bad_later_job_runs_no_job(tmp_path):
     """`-m` runs its jobs in order: a bad value in job 3 of 4 stopped the sweep only after jobs 1 and 2 ran. Every job's
-    config is validated first: one line naming the job and its bad value, exit 2, nothing run; a good sweep runs every job."""
+    config is validated first, and checked against its model as its run would before profiling (a calibration length past
+    the model's context): one line naming the job and its bad value, exit 2, nothing run; a good sweep runs every job, each in
+    its own directory (jobs of one model and kv, kv.window=8,16, shared <model>/<kv>/: the last overwrote the others)."""
     runs = [(["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", "kv.window=8,-1", f"hydra.sweep.dir={tmp_path / 'bad'}"], tmp_path / "c"),
-            (["-m", *TINY, "export=none", "stages=[profile]", "kv=int8,int4", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c"),
+            (["-m", *TINY, "export=none", "stages=[profile,fit]", "kv=int8,int4", "kv.window=8,16", f"hydra.sweep.dir={tmp_path / 'good'}"], tmp_path / "c"),
             (["-m", *TINY, "export=none", "kv.window=interval(1,2)"], tmp_path / "c"),  # Hydra's traceback
-            (["-m", *TINY, "export=none", "kv=int8,int4", "cache_dir=${oc.env:KVC_TEST_UNSET_VARIABLE}"], tmp_path / "c")]  # a traceback
-    bad, good, interval, unset = run_cli_batch(runs, tmp_path / "batch")
+            (["-m", *TINY, "export=none", "kv=int8,int4", "cache_dir=${oc.env:KVC_TEST_UNSET_VARIABLE}"], tmp_path / "c"),  # a traceback
+            (["-m", *TINY, "export=none", "stages=[profile]", "calib.seq_len=64,5000", f"hydra.sweep.dir={tmp_path / 'long'}"], tmp_path / "c")]
+    bad, good, interval, unset, long = run_cli_batch(runs, tmp_path / "batch")
+    assert long.returncode == 2 and long.stderr.strip() == ("kvcompress: error: sweep job 2 of 2 (calib.seq_len=5000): calib.seq_len=5000 is past "
+                                                            "model tiny_llama's context (max_position_embeddings=4096): use at most 4096; no job was run"), long.stderr[-2000:]
+    assert not (tmp_path / "long").exists()
     assert unset.returncode == 2 and unset.stderr.strip().startswith("kvcompress: error: sweep job 1 of 2 (kv=int8): KeyError raised while resolving"), unset.stderr[-2000:]
     assert interval.returncode == 2 and interval.stderr.strip().endswith("interval() needs an optimizing sweeper"), interval.stderr[-2000:]
     errors = [line for line in bad.stderr.splitlines() if "error:" in line]
@@ -293,7 +299,11 @@ def test_a_sweep_with_a_bad_later_job_runs_no_job(tmp_path):
     assert "sweep job 2 of 4 (kv=int8 kv.window=-1): kv.window=-1 is invalid" in errors[0] and errors[0].endswith("no job was run"), errors
     assert not (tmp_path / "bad").exists()
     assert good.returncode == 0, good.stderr[-2000:]
-    assert sorted(p.parent.name for p in (tmp_path / "good").glob("*/*/kv_stats.safetensors")) == ["int4", "int8"]
+    jobs = {p.relative_to(tmp_path / "good").as_posix(): json.loads(p.read_text())["kv"]["window"] for p in (tmp_path / "good").glob("*/*/*/config.json")}
+    assert jobs == {"tiny_llama/int8/0/config.json": 8, "tiny_llama/int8/1/config.json": 16,
+                    "tiny_llama/int4/2/config.json": 8, "tiny_llama/int4/3/config.json": 16}, jobs
+    assert all((p.parent / "scalebook.safetensors").is_file() for p in (tmp_path / "good").glob("*/*/*/config.json"))
+    assert not list((tmp_path / "good").rglob("*.tmp"))
 
 
 def test_stats_given_says_the_calibration_settings_are_not_used(tmp_path):
@@ -410,6 +420,10 @@ def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
     # the run directories reference the cached statistics instead of copying them
     cached = list((cache / "stats").glob("*.safetensors"))
     assert len(cached) == 1 and (run2 / "kv_stats.safetensors").samefile(cached[0]) and (run1 / "kv_stats.safetensors").samefile(cached[0])
+    # profiling again in a directory that holds the cache's hard link left .kv_stats.safetensors.tmp behind (rename(2) of one
+    # hard link onto another of the same file does nothing)
+    p = run_cli(*TINY, "stages=[profile]", f"hydra.run.dir={run2}", cache_dir=cache, timeout=60)
+    assert p.returncode == 0 and (run2 / "kv_stats.safetensors").samefile(cached[0]) and not list(run2.glob(".*.tmp")), p.stderr
 
     run3 = tmp_path / "r3"
     stats = run1 / "kv_stats.safetensors"
