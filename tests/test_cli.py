@@ -399,6 +399,23 @@ def test_bad_input_leaves_no_directory_under_runs(tmp_path):
     assert p.returncode != 0 and [q.name for q in (tmp_path / "runs").iterdir()] == ["earlier"]
 
 
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    """Two runs of one model and kv started in the same second (a shell loop with &, one per GPU) shared
+    runs/<model>/<kv>/<time to the second>/, each writing over the other's files: the time is to the microsecond."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**__import__("os").environ, "KVCOMPRESS_CACHE": str(tmp_path / "c"), "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "kvcompress", *TINY, "kv=int8", "export=none", "stages=[profile,fit]", f"kv.window={w}"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in (8, 16)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    runs = sorted((tmp_path / "runs" / "tiny_llama" / "int8").iterdir())
+    assert len(runs) == 2 and sorted(json.loads((r / "config.json").read_text())["kv"]["window"] for r in runs) == [8, 16], runs
+
+
 def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
     cache = tmp_path / "cache"
     run1 = tmp_path / "r1"

@@ -235,6 +235,35 @@ def test_split_gguf_is_joined_checked_and_reused(tmp_path):
     assert not list((tmp_path / "cache2").iterdir())  # nothing half-written left behind
 
 
+def test_concurrent_runs_joining_or_converting_one_gguf_do_not_collide(tmp_path):
+    """Two runs on one machine share the cache: join_parts wrote every run's chunks into one fixed temp name (a concurrent
+    run's half-written file renamed as the joined one), and the conversion's rename of its directory onto one another run
+    had just published was an OSError traceback."""
+    from kvcompress.models.gguf import publish_dir
+
+    parts = [tmp_path / "m.gguf.part00", tmp_path / "m.gguf.part01"]
+    parts[0].write_bytes(b"GGUF" + b"a" * 64)
+    parts[1].write_bytes(b"b" * 9)
+    out = tmp_path / "cache" / "m.gguf"
+    out.parent.mkdir()
+    other = out.with_name(out.name + ".tmp")  # another run's temp file, being written
+    other.write_bytes(b"GGUF half")
+    assert join_parts(parts, hashlib.sha256(b"GGUF" + b"a" * 64 + b"b" * 9).hexdigest(), out).read_bytes() == b"GGUF" + b"a" * 64 + b"b" * 9
+    assert other.read_bytes() == b"GGUF half" and sorted(p.name for p in out.parent.iterdir()) == ["m.gguf", "m.gguf.tmp"]
+    done, mine = tmp_path / "models" / "abc", tmp_path / "models" / "abc.tmp1"
+    for d in (done, mine):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(d.name)
+    publish_dir(mine, done)  # the other run's directory stays; this one's copy goes
+    assert (done / "config.json").read_text() == "abc" and not mine.exists()
+    broken = tmp_path / "models" / "half"
+    broken.mkdir()
+    (broken / "x").write_text("")  # a non-empty directory that is not a conversion: the error stands
+    (mine := tmp_path / "models" / "abc.tmp2").mkdir()
+    with pytest.raises(OSError):
+        publish_dir(mine, broken)
+
+
 def test_parts_need_the_joined_sha256():
     part = {"package": "p", "file": "f"}
     with pytest.raises(ValueError, match="model.sha256"):

@@ -51,10 +51,11 @@ def join_parts(parts: list[Path], sha256: str, out: Path) -> Path:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")  # its own: another run may be joining them too
+    tmp = Path(name)
     h = hashlib.sha256()
     try:
-        with tmp.open("wb") as f:
+        with open(fd, "wb") as f:
             for part in parts:
                 with part.open("rb") as src:
                     for block in iter(lambda: src.read(1 << 22), b""):
@@ -62,7 +63,7 @@ def join_parts(parts: list[Path], sha256: str, out: Path) -> Path:
                         f.write(block)
         if h.hexdigest() != sha256:
             raise UserError(f"model.sha256={sha256!r} but the joined chunks hash to {h.hexdigest()!r} (wrong or incomplete model.parts)")
-        tmp.rename(out)
+        tmp.replace(out)  # a concurrent run's identical file, if there, replaced whole
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -120,10 +121,22 @@ def _convert(gguf: Path, out: Path) -> None:
         cfg["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(str(tmp))
-        tmp.rename(out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`. Another run converting the same file at the same time may have
+    renamed its own there first (rename(2) of a directory onto a non-empty one fails): its copy is the same weights, so
+    this one is dropped rather than failing the run with a traceback."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @SOURCES.register("gguf_package")
