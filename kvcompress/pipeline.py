@@ -293,6 +293,10 @@ def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models:
                             f"({need} tokens) so their facts are read from the compressed store; give longer lengths or eval.tasks.names=[]")
     r = Run(cfg, run_dir, progress)
     if run_dir is not None and needs_model(cfg) and not {"fit", "tune"} & set(cfg.stages):  # validate or export an earlier run's books: of this model and this config?
+        missing = [path.name for path in r.book_paths().values() if not path.is_file()]
+        if missing and "validate" in cfg.stages:  # was found after profiling (hours on a large model)
+            raise UserError(f"stage validate needs the run's ScaleBooks and {run_dir} has no {', '.join(missing)}: add "
+                            f"{'fit and tune' if cfg.tunes_layout else 'fit'} to stages, or give hydra.run.dir=<the run directory that fitted them>")
         for path in r.book_paths().values():
             if path.is_file():
                 check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}")

@@ -29,6 +29,8 @@ BAD = [
     (["calib=files", "calib.paths=[data.csv]"], "allowed: .txt, .jsonl"),
     (["export=none", "stages=[profile,fit,validate,export]"], "stages contains export but export=none"),
     (["export=trtllm", "stages=[profile,fit,validate]"], "export=trtllm was selected but stages="),
+    # validate without fit in a directory with no ScaleBooks: found after profiling (hours on a large model)
+    (["export=none", "stages=[profile,validate]"], "stage validate needs the run's ScaleBooks and "),
     # fit without validate before export shipped the refitted books under the old report
     # a tuned preset as a comparison: profiled and fitted, then "stage validate needs the run's scalebooks: add fit to stages"
     (["eval.compare=[auto]"], "eval.compare contains auto, which chooses its per-layer formats in the tune stage"),
