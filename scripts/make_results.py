@@ -195,6 +195,16 @@ def render(results: dict[str, dict]) -> str:
                     + "; ".join(f"{f['name']} " + " / ".join(f"{b['kl_mean']:.1e}" for b in f["quality"]["by_position"])
                                 + (f" (clip {f['quality']['by_position'][-1]['key_clip_rate']:.1e})" if f["quality"]["by_position"][-1].get("key_clip_rate") is not None else "")
                                 for f in r["formats"]) + "."]
+        split = [f for f in r["formats"] if len(((f["tasks"] or {}).get("retrieval") or {}).get("by_length") or []) > 1]
+        if split:  # eval.tasks.lengths (files made before by_length have none)
+            def by_len(g: dict | None, key: str) -> str:
+                return " / ".join(f"{b[key]:.2f}" for b in g["by_length"]) if g and g.get("by_length") else "not run"
+
+            ls = [b["length"] for b in split[0]["tasks"]["retrieval"]["by_length"]]
+            out += ["", f"Task exact match by sample length ({' / '.join(f'{n} tokens' for n in ls)}), retrieval | copy: fp16 "
+                    f"{by_len(split[0]['tasks']['retrieval'], 'fp16')} | {by_len(split[0]['tasks'].get('exact_copy'), 'fp16')}; "
+                    + "; ".join(f"{f['name']} {by_len(f['tasks']['retrieval'], 'compressed')} | {by_len(f['tasks'].get('exact_copy'), 'compressed')}"
+                                for f in split) + "."]
         attributed = [f for f in r["formats"] if f.get("attribution")]
         if attributed:  # eval.attribute
             out += ["", "KL mean with only the keys / only the values compressed (eval.attribute): " + "; ".join(

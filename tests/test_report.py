@@ -78,11 +78,17 @@ def test_skipping_tasks_does_not_turn_the_verdict_into_fail(tmp_path):
 def test_fail_on_gate_exits_nonzero_and_report_says_fail(tmp_path):
     run = tmp_path / "r"
     p = run_cli("model=tiny_llama", "calib=smoke", "eval=smoke", "kv.window=0", "+eval.gates=[{name: kl_mean, max: 0.0}]",
-                "eval.fail_on_gate=true", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
+                "eval.fail_on_gate=true", "eval.tasks.lengths=[300,400]", f"hydra.run.dir={run}", cache_dir=tmp_path / "c")
     assert p.returncode == 2 and "gates failed or inconclusive: kl_mean" in p.stderr
     r = json.loads((run / "report.json").read_text())
     assert r["verdict"] == "fail" and r["gates"][0]["status"] == "fail"
-    assert (run / "report.md").read_text().count("Verdict (int8k_asym_rotv): FAIL") == 1
+    md = (run / "report.md").read_text()
+    assert md.count("Verdict (int8k_asym_rotv): FAIL") == 1
+    # task accuracy per eval.tasks.lengths, under the pooled rows
+    by_len = r["tasks"]["retrieval"]["by_length"]
+    assert [b["length"] for b in by_len] == [300, 400] and sum(b["n"] for b in by_len) == r["tasks"]["retrieval"]["n"]
+    assert f"|   retrieval exact at 300 tokens (n={by_len[0]['n']}) | {by_len[0]['fp16']:.2f} | {by_len[0]['compressed']:.2f} |" in md, md
+    assert "exact copy at 400 tokens" in md
     assert not (run / "export").exists()  # a failed release is not exported
 
 

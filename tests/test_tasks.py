@@ -120,3 +120,30 @@ def test_greedy_cross_check_runs_per_task_or_once_per_group_for_stepwise_prompts
         t = run_tasks(lm, {"b": book}, corpus, cfg, 4, progress=False)["b"]
         assert t["prompt"] == ("decode" if mode == "auto" else "context")
         assert t["greedy_check"]["checked"] == n and t["greedy_check"]["agree"] == n, (mode, t["greedy_check"])
+
+
+def test_task_summaries_split_accuracy_by_sample_length():
+    """retrieval and exact copy carry their accuracy per eval.tasks.lengths (the pooled figure hid whether a move is at 2K
+    or at 8K), fp16 and compressed from the same rows; make_results renders it under a table."""
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+    from kvcompress.eval.retrieval import summarise
+
+    rows = [{"task": t, "length": n, "depth": 0.5, "seed": s, "fp16": (0.0, ok), "x": (0.0, ok and s == 0)}
+            for t in ("passkey", "copy_uuid") for n, ok in ((2048, True), (8192, False)) for s in range(2)]
+    out = summarise(rows, "x", None)
+    assert out["retrieval"]["by_length"] == [{"length": 2048, "n": 2, "fp16": 1.0, "compressed": 0.5},
+                                             {"length": 8192, "n": 2, "fp16": 0.0, "compressed": 0.0}]
+    assert out["exact_copy"]["by_length"] == out["retrieval"]["by_length"] and out["retrieval"]["fp16"] == 0.5
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    name, r = "long8k_all", json.loads(json.dumps(mr.load_results()["long8k_all"]))
+    assert "by sample length" not in mr.render({name: r})  # a file made before by_length
+    for f in r["formats"]:
+        f["tasks"]["retrieval"] = out["retrieval"]
+        f["tasks"]["exact_copy"] = out["exact_copy"]
+    assert ("Task exact match by sample length (2048 tokens / 8192 tokens), retrieval | copy: fp16 1.00 / 0.00 | 1.00 / 0.00; "
+            f"{r['formats'][0]['name']} 0.50 / 0.00 | 0.50 / 0.00; ") in mr.render({name: r})

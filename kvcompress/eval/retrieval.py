@@ -212,8 +212,11 @@ def _group(rows, name, tasks) -> dict:
         return None
     base = [r["fp16"][1] for r in sel]
     comp = [r[name][1] for r in sel]
+    lengths = sorted({r["length"] for r in sel})  # eval.tasks.lengths: how accuracy falls with the sample's length
     return {"n": len(sel), "fp16": sum(base) / len(sel), "compressed": sum(comp) / len(sel),
-            "fp16_ci": wilson(sum(base), len(sel)), "compressed_ci": wilson(sum(comp), len(sel)), "drop": paired_drop(base, comp)}
+            "fp16_ci": wilson(sum(base), len(sel)), "compressed_ci": wilson(sum(comp), len(sel)), "drop": paired_drop(base, comp),
+            "by_length": [{"length": n, "n": len(rs), "fp16": sum(r["fp16"][1] for r in rs) / len(rs), "compressed": sum(r[name][1] for r in rs) / len(rs)}
+                          for n in lengths for rs in [[r for r in sel if r["length"] == n]]]}
 
 
 def summarise(rows: list[dict], name: str, greedy: list[int] | None, mode: str = "context") -> dict:

@@ -130,6 +130,10 @@ def quality_rows(r: Report) -> tuple[list[str], list[tuple[str, ...]]]:
             rows.append((f"{label} (n={g0['n']}, 95% CI)", f"{g0['fp16']:.2f}{_ci(g0['fp16_ci'])}",
                          *[f"{f.tasks[key]['compressed']:.2f}{_ci(f.tasks[key]['compressed_ci'])}; drop {f.tasks[key]['drop']['drop']:+.3f} "
                            f"[{f.tasks[key]['drop']['ci_low']:+.3f}, {f.tasks[key]['drop']['ci_high']:+.3f}]" for f in fr]))
+            split = g0.get("by_length") or []  # eval.tasks.lengths
+            for i, b in enumerate(split if len(split) > 1 else []):
+                rows.append((f"  {label} at {b['length']} tokens (n={b['n']})", f"{b['fp16']:.2f}",
+                             *[f"{f.tasks[key]['by_length'][i]['compressed']:.2f}" for f in fr]))
         for name, t0 in fr[0].tasks["tasks"].items():
             rows.append((f"  {name} exact (n={t0['n']})", f"{t0['exact_fp16']:.2f}{_ci(t0['exact_fp16_ci'])}",
                          *[f"{f.tasks['tasks'][name]['exact_compressed']:.2f}{_ci(f.tasks['tasks'][name]['exact_compressed_ci'])}" for f in fr]))
