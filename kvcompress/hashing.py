@@ -26,6 +26,19 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def edge_hashed_stats(path: str | Path | None) -> list[list]:
+    """[name, size, mtime_ns] of each file under `path` (a file, or a model directory's weight files) that
+    file_fingerprint hashes by its edges only (over 1 GiB). A per-machine cache key adds them: a checkpoint rewritten in
+    place whose changed bytes all sit between the edges (a fine-tune merged into some projections of a large shard) keeps
+    its fingerprint, and its cached statistics or converted weights would be reused. Not part of the fingerprint itself,
+    which must stay the same for a copy of the model on another machine (stats= and ScaleBooks are checked against it)."""
+    if not path:
+        return []
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for pat in ("*.safetensors", "*.gguf") for f in p.glob(pat)) if p.is_dir() else []
+    return [[f.name, st.st_size, st.st_mtime_ns] for f in files if (st := f.stat()).st_size > FULL_HASH_LIMIT]
+
+
 def dir_fingerprint(path: str | Path, patterns=("*.json", "*.safetensors", "*.gguf", "*.model")) -> str:
     """Fingerprint of a model directory: its config/tokenizer/weight files, by name and content."""
     p = Path(path)

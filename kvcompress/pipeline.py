@@ -13,7 +13,7 @@ from kvcompress.data import EVAL_IS_CALIB, load_texts, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
-from kvcompress.hashing import obj_hash
+from kvcompress.hashing import edge_hashed_stats, obj_hash
 from kvcompress.models import load_model, model_fingerprint
 from kvcompress.paths import check_cache_dir
 from kvcompress.provenance import base_provenance
@@ -53,6 +53,7 @@ class Run:
             {
                 "format": STATS_VERSION,
                 "model": model_fingerprint(self.cfg.model),
+                **({"rewritten": big} if (big := edge_hashed_stats(self.cfg.model.path)) else {}),  # (no key change for small files)
                 "dtype": self.cfg.model.dtype,
                 "text": texts.sha256,
                 "calib": [c.n_samples, c.seq_len, c.seed, c.sample_tokens],

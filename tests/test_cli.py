@@ -584,3 +584,44 @@ def test_embedded_smollm2_end_to_end(tmp_path):
     assert mem["fits"] and 250e6 < mem["weights_bytes"] < 300e6 and mem["max_seq_len"] == 8192, mem
     assert "custom-tier engine: fp16 weights" in p.stdout + p.stderr
     assert all(c["status"] == "passed" for c in r["export"]["checks"])
+
+
+def test_a_large_checkpoint_rewritten_in_place_is_not_taken_for_its_cached_self(tmp_path, monkeypatch):
+    """A weight file over 1 GiB is fingerprinted by its size and edges, so a checkpoint rewritten in place with the change
+    between them (a fine-tune merged into some projections of a shard) kept its fingerprint, and the machine's cached
+    kv_stats of the old weights were reused: the cache key adds such files' size and modification time (the fingerprint,
+    which a copy on another machine must share, is unchanged). Small files are hashed whole and add nothing."""
+    import os
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import kvcompress.pipeline as pipeline
+    from kvcompress.config import to_run_config
+    from kvcompress.data import TextSet
+    from kvcompress.hashing import FULL_HASH_LIMIT, edge_hashed_stats, file_fingerprint
+
+    model = tmp_path / "m"
+    model.mkdir()
+    big = model / "model-00001-of-00002.safetensors"
+    with big.open("wb") as f:
+        f.truncate(FULL_HASH_LIMIT + 4096)  # sparse: no disk used
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"small")
+    os.utime(big, ns=(10**18, 10**18))
+    fp, listed = file_fingerprint(big), edge_hashed_stats(model)
+    assert listed == [[big.name, FULL_HASH_LIMIT + 4096, 10**18]]
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = to_run_config(OmegaConf.to_container(compose("config", overrides=["model=llama3_8b", f"model.path={model}"]), resolve=True))
+    monkeypatch.setattr(pipeline, "model_fingerprint", lambda _: "fingerprint")  # the directory is no loadable model
+    texts = TextSet.__new__(TextSet)
+    object.__setattr__(texts, "sha256", "text")
+    key = pipeline.Run(cfg, tmp_path / "run").stats_cache_path(texts)
+    with big.open("r+b") as f:  # the merge: bytes between the edges
+        f.seek(FULL_HASH_LIMIT // 2)
+        f.write(b"merged")
+    os.utime(big, ns=(10**18 + 10**9, 10**18 + 10**9))
+    assert file_fingerprint(big) == fp  # the fingerprint cannot see it
+    assert pipeline.Run(cfg, tmp_path / "run").stats_cache_path(texts) != key
+    big.unlink()
+    assert edge_hashed_stats(model) == [] and edge_hashed_stats(None) == []
