@@ -185,24 +185,35 @@ def check_sweep(argv: list[str]) -> None:
             except (UserError, HydraException, OmegaConfBaseException) as e:
                 refuse(i, e)
     # then what each job checks against its model before profiling (its context, head_dim, the export's shapes, the texts):
-    # each model loaded once for the jobs that use it; its warnings are the job's to print
+    # the jobs of one model together, each model loaded once and freed before the next; warnings are the job's to print
+    import gc
     import logging
 
-    from kvcompress.pipeline import prepare
+    import torch
+
+    from kvcompress.pipeline import model_key, prepare
+
+    def free(models: dict) -> None:
+        models.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     print(f"kvcompress: sweep of {len(jobs)} jobs: checking each job against its model before the first runs", flush=True)
     logger, models = logging.getLogger("kvcompress"), {}
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        for i, run_cfg in enumerate(configs, 1):
+        for i in sorted(range(len(configs)), key=lambda i: model_key(configs[i])):
+            if model_key(configs[i]) not in models:
+                free(models)
             try:
-                prepare(run_cfg, None, progress=False, models=models)
+                prepare(configs[i], None, progress=False, models=models)
             except UserError as e:
-                refuse(i, e)
+                refuse(i + 1, e)
     finally:
         logger.setLevel(level)
-        models.clear()
+        free(models)  # the jobs load their own
 
 
 def main() -> None:

@@ -264,6 +264,11 @@ def write_run_header(cfg: RunConfig, run_dir: Path) -> None:
     atomic_write_json(run_dir / "provenance.json", prov)
 
 
+def model_key(cfg: RunConfig) -> str:
+    """Runs with the same key load the same model (prepare's `models`)."""
+    return json.dumps([cfg.model.model_dump(mode="json"), str(cfg.cache_dir)], sort_keys=True)
+
+
 def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models: dict | None = None) -> Run:
     """Everything run() checks before the run directory exists (and before profiling): bad paths, text, model, formats,
     context, export. `run_dir` None: a sweep's job checked before the sweep's first job runs (kvcompress.__main__.check_sweep;
@@ -307,7 +312,7 @@ def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models:
 
         check_validated(run_dir, {} if "fit" in cfg.stages else r.book_paths())
     if needs_model(cfg):
-        key = json.dumps([cfg.model.model_dump(mode="json"), str(cfg.cache_dir)], sort_keys=True)
+        key = model_key(cfg)
         if models is not None and key in models:
             r._lm = models[key]
         _ = r.lm  # loaded (and checked: eval.attention.check_supported) before the run directory exists
