@@ -70,6 +70,9 @@ class ModelConfig(Frozen):
     def _source_fields(self) -> "ModelConfig":
         if self.source == "tiny" and self.tiny is None:
             raise ValueError("model.tiny is required when model.source=tiny")
+        if self.source == "tiny" and self.path:  # was ignored: the run measured the random tiny model
+            raise ValueError(f"model.path={self.path!r} is not read by model.source=tiny (a random model built in code from model.tiny); "
+                             "for a checkpoint directory use a preset that reads one, e.g. model=llama3_8b model.path=...")
         if self.streaming is True and self.source == "tiny":
             raise ValueError("model.streaming=true needs a checkpoint directory (model.source=hf_dir or gguf_package); the tiny model is built in code")
         if self.streaming is True and self.device == "auto":

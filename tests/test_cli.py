@@ -14,6 +14,7 @@ BAD = [
     (["kv.window=-1"], "kv.window=-1"),
     (["model=llama70b"], "model.path is required"),
     (["model=llama70b", "model.path=/does/not/exist"], "/does/not/exist"),
+    (["model.path=/tmp"], "model.path='/tmp' is not read by model.source=tiny"),  # was ignored
     (["calib=files", "calib.paths=[EMPTY]"], "has no text"),
     (["calib=files"], "calib.paths is empty"),
     (["calib=files", "calib.paths=[BINFILE]"], "is not UTF-8 text (byte 0: invalid start byte); allowed: UTF-8 text or JSON lines"),  # was a traceback
