@@ -29,11 +29,24 @@ def collect(root: Path, model: str | None, skipped: list[str] | None = None) -> 
                 "run": str(p.parent), "model": r["model"].get("name"), "kv": r["kv"]["name"], "bits": m["bits_per_element"],
                 "bytes": m["bytes_per_token_compressed"], "ratio": m["compression_ratio"], "ppl_rel": q["ppl_delta_rel"],
                 "kl": q["kl_mean"], "top1": q["top1_agree"], "retrieval_drop": drop, "gates": len(r.get("gates", [])), "verdict": r.get("verdict", "pass"),
+                "kv_overrides": kv_overrides(p.parent),
             })
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON (ValueError), or JSON of another shape
             if skipped is not None:
                 skipped.append(f"{p}: not a kvcompress report ({type(e).__name__}: {e})")
     return rows
+
+
+def kv_overrides(run: Path) -> str:
+    """The kv.* overrides a run was given (Hydra's .hydra/overrides.yaml), e.g. "kv.window=64": what tells apart the jobs of
+    a sweep over one preset's settings, whose kv names are the same. "" when none (or no record)."""
+    import yaml
+
+    try:
+        given = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # a run directory without Hydra's record, or an unreadable one: nothing to show
+        return ""
+    return " ".join(str(o) for o in given if str(o).lstrip("+~").startswith("kv.")) if isinstance(given, list) else ""
 
 
 def best(rows: list[dict]) -> dict | None:
@@ -56,12 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"kvcompress: error: no {'readable ' if skipped else ''}report.json under {str(a.root)!r}" + (f" for model {a.model}" if a.model else ""), file=sys.stderr)
         return 2
-    print(f"{'model':<14} {'kv':<14} {'bits/el':>7} {'ratio':>6} {'ppl delta':>10} {'KL mean':>9} {'top-1':>7} {'retr drop':>9} {'gates':>5} verdict  run")
+    print(f"{'model':<14} {'kv':<14} {'bits/el':>7} {'ratio':>6} {'ppl delta':>10} {'KL mean':>9} {'top-1':>7} {'retr drop':>9} {'gates':>5} verdict  run  (kv overrides)")
     for r in sorted(rows, key=lambda r: (r["model"], -r["bytes"])):
         drop = "n/a" if r["retrieval_drop"] is None else f"{r['retrieval_drop']:+.3f}"
-        print(f"{r['model']:<14} {r['kv']:<14} {r['bits']:7.2f} {r['ratio']:6.2f} {100 * r['ppl_rel']:+9.3f}% {r['kl']:9.2e} {100 * r['top1']:6.2f}% {drop:>9} {r['gates']:>5} {r['verdict']:<8} {r['run']}")
+        print(f"{r['model']:<14} {r['kv']:<14} {r['bits']:7.2f} {r['ratio']:6.2f} {100 * r['ppl_rel']:+9.3f}% {r['kl']:9.2e} {100 * r['top1']:6.2f}% {drop:>9} {r['gates']:>5} {r['verdict']:<8} {r['run']}" + (f"  ({r['kv_overrides']})" if r["kv_overrides"] else ""))
     b = best(rows)
-    print(f"most aggressive config passing every gate: {b['kv']} ({b['bits']:.2f} bits/element, {b['run']})" if b else "no run passes a non-empty set of gates")
+    print(f"most aggressive config passing every gate: {b['kv']}{' ' + b['kv_overrides'] if b['kv_overrides'] else ''} ({b['bits']:.2f} bits/element, {b['run']})"
+          if b else "no run passes a non-empty set of gates")
     return 0
 
 

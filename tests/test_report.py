@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -126,8 +127,15 @@ def test_sweep_and_summary(tmp_path):
     rows = collect(sweep, "tiny_llama")
     assert {r["kv"] for r in rows} == {"int8", "int4"}
     assert best(rows)["kv"] == "int4"  # fewer bytes, and the (loose) gate passes
+    assert all(r["kv_overrides"] == "" for r in rows)  # kv=int8 is the preset, not a kv.* setting
+    # jobs of one preset (a sweep of kv.window) share their kv name: the row names the kv.* overrides from Hydra's record
+    int4 = next(r for r in rows if r["kv"] == "int4")
+    record = Path(int4["run"]) / ".hydra" / "overrides.yaml"
+    record.write_text(record.read_text() + "- kv.window=64\n- +kv.key.rotate=hadamard\n")
+    assert next(r for r in collect(sweep, "tiny_llama") if r["kv"] == "int4")["kv_overrides"] == "kv.window=64 +kv.key.rotate=hadamard"
     out = subprocess.run([__import__("sys").executable, "-m", "kvcompress.summary", str(sweep)], capture_output=True, text=True)
-    assert out.returncode == 0 and "most aggressive config passing every gate: int4" in out.stdout
+    assert out.returncode == 0 and "most aggressive config passing every gate: int4 kv.window=64 +kv.key.rotate=hadamard (" in out.stdout, out.stdout
+    assert f"{int4['run']}  (kv.window=64 +kv.key.rotate=hadamard)" in out.stdout
     # a report.json that is not JSON, or JSON of another shape, is skipped and named (it was a traceback); the table stays
     (sweep / "broken").mkdir()
     (sweep / "broken" / "report.json").write_text("{not json")
