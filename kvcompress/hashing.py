@@ -7,6 +7,7 @@ from pathlib import Path
 
 FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole
 EDGE_BYTES = 16 << 20  # larger files: size + first and last 16 MiB
+FINGERPRINTED = ("*.json", "*.safetensors", "*.gguf", "*.model")  # a model directory's files that make its fingerprint
 
 
 def file_fingerprint(path: str | Path) -> str:
@@ -35,11 +36,11 @@ def edge_hashed_stats(path: str | Path | None) -> list[list]:
     if not path:
         return []
     p = Path(path)
-    files = [p] if p.is_file() else sorted(f for pat in ("*.safetensors", "*.gguf") for f in p.glob(pat)) if p.is_dir() else []
+    files = [p] if p.is_file() else sorted(f for pat in FINGERPRINTED for f in p.glob(pat)) if p.is_dir() else []
     return [[f.name, st.st_size, st.st_mtime_ns] for f in files if (st := f.stat()).st_size > FULL_HASH_LIMIT]
 
 
-def dir_fingerprint(path: str | Path, patterns=("*.json", "*.safetensors", "*.gguf", "*.model")) -> str:
+def dir_fingerprint(path: str | Path, patterns=FINGERPRINTED) -> str:
     """Fingerprint of a model directory: its config/tokenizer/weight files, by name and content."""
     p = Path(path)
     h = hashlib.sha256()

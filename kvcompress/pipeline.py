@@ -33,7 +33,7 @@ TUNE_FILE = "tune.json"
 class Run:
     """Lazily loads what the stages need (the model only when a stage needs it)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, progress: bool = True):
+    def __init__(self, cfg: RunConfig, run_dir: Path | None, progress: bool = True):  # None: a sweep's job checked ahead (prepare)
         self.cfg, self.dir, self.progress = cfg, (Path(run_dir) if run_dir is not None else None), progress
         self._lm = None
         self.baseline = None  # metrics.Baseline kept by validate for export's re-measurement
