@@ -3,52 +3,103 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
-FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole
-EDGE_BYTES = 16 << 20  # larger files: size + first and last 16 MiB
+MEMO_MIN = 1 << 30  # a file this large keeps its sha256 in the machine's cache (hashing it again reads it all)
+LEGACY_EDGE_BYTES = 16 << 20  # fingerprints before whole-file hashing: size + first and last 16 MiB of a file over 1 GiB
 FINGERPRINTED = ("*.json", "*.safetensors", "*.gguf", "*.model")  # a model directory's files that make its fingerprint
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """sha256 of a file (whole up to 1 GiB; beyond that of its size and first/last 16 MiB)."""
-    p = Path(path)
+def _sha256(p: Path, size: int) -> str:
     h = hashlib.sha256()
-    size = p.stat().st_size
+    bar = None
+    if size > MEMO_MIN:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {p.name}", leave=False)
     with p.open("rb") as f:
-        if size <= FULL_HASH_LIMIT:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        else:
-            h.update(str(size).encode())
-            h.update(f.read(EDGE_BYTES))
-            f.seek(size - EDGE_BYTES)
-            h.update(f.read(EDGE_BYTES))
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
     return h.hexdigest()
 
 
-def edge_hashed_stats(path: str | Path | None) -> list[list]:
-    """[name, size, mtime_ns] of each file under `path` (a file, or a model directory's weight files) that
-    file_fingerprint hashes by its edges only (over 1 GiB). A per-machine cache key adds them: a checkpoint rewritten in
-    place whose changed bytes all sit between the edges (a fine-tune merged into some projections of a large shard) keeps
-    its fingerprint, and its cached statistics or converted weights would be reused. Not part of the fingerprint itself,
-    which must stay the same for a copy of the model on another machine (stats= and ScaleBooks are checked against it)."""
-    if not path:
-        return []
+def _memo_path(p: Path, st: os.stat_result) -> Path:
+    """Where the sha256 of a large file is remembered: keyed by its path, inode and size and its modification and change
+    times (any write moves the change time, which no tool can set back), so a file rewritten in place is hashed again."""
+    from kvcompress.paths import default_cache_dir
+
+    key = obj_hash([str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return default_cache_dir() / "hashes" / key[:32]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of a file's bytes, all of them. A file over 1 GiB (a weight shard) is read once per machine: its hash is
+    remembered under <cache>/hashes until the file changes (_memo_path)."""
     p = Path(path)
-    files = [p] if p.is_file() else sorted(f for pat in FINGERPRINTED for f in p.glob(pat)) if p.is_dir() else []
-    return [[f.name, st.st_size, st.st_mtime_ns] for f in files if (st := f.stat()).st_size > FULL_HASH_LIMIT]
+    st = p.stat()
+    if st.st_size <= MEMO_MIN:
+        return _sha256(p, st.st_size)
+    memo = _memo_path(p, st)
+    try:
+        known = memo.read_text().strip()
+        if _HEX64.fullmatch(known):
+            return known
+    except OSError:
+        pass
+    digest = _sha256(p, st.st_size)
+    try:  # a cache directory that cannot be written costs a re-read next time, nothing else
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(memo)
+    except OSError:
+        pass
+    return digest
 
 
-def dir_fingerprint(path: str | Path, patterns=FINGERPRINTED) -> str:
+def dir_fingerprint(path: str | Path, patterns=FINGERPRINTED, file_hash=file_fingerprint) -> str:
     """Fingerprint of a model directory: its config/tokenizer/weight files, by name and content."""
     p = Path(path)
     h = hashlib.sha256()
     for pat in patterns:
         for f in sorted(p.glob(pat)):
             h.update(f.name.encode())
-            h.update(file_fingerprint(f).encode())
+            h.update(file_hash(f).encode())
     return h.hexdigest()
+
+
+def legacy_file_fingerprint(path: str | Path) -> str:
+    """The fingerprint kvcompress gave a file before it hashed files whole (statistics and ScaleBooks made then carry it):
+    the same for files up to 1 GiB; beyond, the sha256 of its size and first and last 16 MiB."""
+    p = Path(path)
+    size = p.stat().st_size
+    if size <= MEMO_MIN:
+        return file_fingerprint(p)
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        h.update(str(size).encode())
+        h.update(f.read(LEGACY_EDGE_BYTES))
+        f.seek(size - LEGACY_EDGE_BYTES)
+        h.update(f.read(LEGACY_EDGE_BYTES))
+    return h.hexdigest()
+
+
+def legacy_dir_fingerprint(path: str | Path) -> str:
+    return dir_fingerprint(path, file_hash=legacy_file_fingerprint)
+
+
+def has_large_files(path: str | Path) -> bool:
+    """Whether a file, or a model directory's fingerprinted files, has one over 1 GiB (whose legacy fingerprint differs)."""
+    p = Path(path)
+    files = [p] if p.is_file() else [f for pat in FINGERPRINTED for f in p.glob(pat)] if p.is_dir() else []
+    return any(f.stat().st_size > MEMO_MIN for f in files)
 
 
 def text_hash(text: str) -> str:

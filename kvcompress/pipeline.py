@@ -13,8 +13,8 @@ from kvcompress.data import EVAL_IS_CALIB, load_texts, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
-from kvcompress.hashing import edge_hashed_stats, obj_hash
-from kvcompress.models import load_model, model_fingerprint
+from kvcompress.hashing import obj_hash
+from kvcompress.models import legacy_fingerprint, load_model, model_fingerprint
 from kvcompress.paths import check_cache_dir
 from kvcompress.provenance import base_provenance
 from kvcompress.scalebook import ScaleBook
@@ -53,7 +53,6 @@ class Run:
             {
                 "format": STATS_VERSION,
                 "model": model_fingerprint(self.cfg.model),
-                **({"rewritten": big} if (big := edge_hashed_stats(self.cfg.model.path)) else {}),  # (no key change for small files)
                 "dtype": self.cfg.model.dtype,
                 "text": texts.sha256,
                 "calib": [c.n_samples, c.seq_len, c.seed, c.sample_tokens],
@@ -108,15 +107,22 @@ class Run:
 
     def scalebook(self, path: Path) -> ScaleBook:
         book = ScaleBook.load(path, self.lm.geometry.to_dict())
-        check_profiled_on(book.profiled("model"), self.lm.identity.get("sha256"), self.cfg.model.name, f"scalebook {path}")
+        check_profiled_on(book.profiled("model"), self.lm.identity.get("sha256"), self.cfg.model.name, f"scalebook {path}", self.cfg.model)
         return book
 
 
-def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str, what: str) -> None:
+def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str, what: str, model_cfg=None) -> None:
     """Refuse statistics (or a ScaleBook fitted from them) profiled on another model than the run's: its scales would be
     validated and shipped for a model they were never measured on (a geometry check passes between models of one shape).
-    `profiled`: the model record of their provenance (profile's lm.identity); `fingerprint`: the run's model's."""
+    `profiled`: the model record of their provenance (profile's lm.identity); `fingerprint`: the run's model's. Files
+    profiled before weight files were hashed whole carry the legacy fingerprint of a model with a file over 1 GiB
+    (models.legacy_fingerprint of `model_cfg`): accepted with a warning, as that hash saw only each file's edges."""
     theirs = (profiled or {}).get("sha256")
+    if theirs and fingerprint and theirs != fingerprint and model_cfg is not None and theirs == legacy_fingerprint(model_cfg):
+        log.warning("%s was profiled by an older kvcompress, which fingerprinted weight files over 1 GiB by their size and first "
+                    "and last 16 MiB; it matches this run's model %s by that hash only (a change between a file's edges would not "
+                    "show): profile again to tie it to the whole files", what, name)
+        return
     if theirs and fingerprint and theirs != fingerprint:
         raise UserError(f"{what} was profiled on model {profiled.get('name', '?')} (fingerprint {theirs[:12]}), not on this run's model {name} "
                         f"(fingerprint {fingerprint[:12]}): profile this model (drop stats= / add profile and fit to stages)")
@@ -285,7 +291,7 @@ def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models:
     if needs_model(cfg):
         fingerprint = model_fingerprint(cfg.model)  # fail on a bad model path before anything is written
         if cfg.stats:  # and on statistics of another model, before it loads
-            check_profiled_on(KVStats.load(cfg.stats).header.get("provenance", {}).get("model"), fingerprint, cfg.model.name, f"stats={cfg.stats}")
+            check_profiled_on(KVStats.load(cfg.stats).header.get("provenance", {}).get("model"), fingerprint, cfg.model.name, f"stats={cfg.stats}", cfg.model)
     calib = load_texts(cfg.calib) if "profile" in cfg.stages and not cfg.stats else None  # and on bad text files, before the model loads
     held_out = load_texts(cfg.eval, "eval") if {"validate", "export"} & set(cfg.stages) else None
     if calib is not None and held_out is not None and calib.sha256 == held_out.sha256:  # validate's check (stages.validate), before profiling
@@ -305,7 +311,7 @@ def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models:
                             f"{'fit and tune' if cfg.tunes_layout else 'fit'} to stages, or give hydra.run.dir=<the run directory that fitted them>")
         for path in r.book_paths().values():
             if path.is_file():
-                check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}")
+                check_profiled_on(ScaleBook.load(path).profiled("model"), fingerprint, cfg.model.name, f"scalebook {path}", cfg.model)
         check_books_are_the_config(cfg, r.book_paths())
     if run_dir is not None and "export" in cfg.stages and "validate" not in cfg.stages:  # export into an earlier run's directory: its report and books, before the model loads
         from kvcompress.stages.export import check_validated

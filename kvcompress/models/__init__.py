@@ -21,7 +21,7 @@ def load_model(cfg, cache_dir) -> LoadedModel:
     return SOURCES.get(cfg.source)(cfg, cache_dir)
 
 
-__all__ = ["SOURCES", "Geometry", "LoadedModel", "load_model", "model_fingerprint"]
+__all__ = ["SOURCES", "Geometry", "LoadedModel", "legacy_fingerprint", "load_model", "model_fingerprint"]
 
 
 def model_fingerprint(cfg) -> str:
@@ -38,3 +38,17 @@ def model_fingerprint(cfg) -> str:
     if cfg.source == "hf_dir":
         return dir_fingerprint(hf_dir.check_dir(cfg))
     return obj_hash(cfg.tiny.model_dump())
+
+
+def legacy_fingerprint(cfg) -> str | None:
+    """The fingerprint kvcompress gave this model before it hashed weight files whole (hashing.legacy_file_fingerprint),
+    when it differs from model_fingerprint's (a weight file over 1 GiB); else None."""
+    from kvcompress.hashing import has_large_files, legacy_dir_fingerprint, legacy_file_fingerprint
+
+    if cfg.source == "gguf_package" and not (cfg.parts and not cfg.path):
+        p = gguf.gguf_path(cfg)
+        return legacy_file_fingerprint(p) if has_large_files(p) else None
+    if cfg.source == "hf_dir":
+        p = hf_dir.check_dir(cfg)
+        return legacy_dir_fingerprint(p) if has_large_files(p) else None
+    return None  # joined GGUF parts are fingerprinted by model.sha256, tiny models by their config: unchanged

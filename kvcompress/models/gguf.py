@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvcompress.errors import UserError, cause
-from kvcompress.hashing import edge_hashed_stats, file_fingerprint, obj_hash
+from kvcompress.hashing import file_fingerprint
 from kvcompress.models import SOURCES
 from kvcompress.models.base import DTYPES, Geometry, LoadedModel
 from kvcompress.models.streaming import load_streamed, should_stream
@@ -145,11 +145,9 @@ def load_gguf(cfg, cache_dir) -> LoadedModel:
 
     gguf = gguf_path(cfg, cache_dir)
     check_gguf_file(gguf)
-    # joined parts were checked against model.sha256 (join_parts): the same fingerprint model_fingerprint gives, which
-    # file_fingerprint's edge hash of a file over 1 GiB would not be (stats= and earlier ScaleBooks are checked against it)
+    # joined parts were checked against model.sha256 (join_parts): the same fingerprint model_fingerprint gives
     fp = cfg.sha256 if cfg.parts and cfg.sha256 and not cfg.path else file_fingerprint(gguf)
-    big = edge_hashed_stats(gguf)  # a file over 1 GiB rewritten in place is converted again (hashing.edge_hashed_stats)
-    out = Path(cache_dir) / "models" / (fp[:16] if not big else f"{fp[:16]}-{obj_hash(big)[:8]}")
+    out = Path(cache_dir) / "models" / fp[:16]
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"[kvcompress] dequantizing {gguf.name} once; float weights cached in {out}")
