@@ -24,11 +24,14 @@ Sinks are the first cache slots (with left padding these are pad slots).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from kvcompress import reference as ref
 from kvcompress.errors import UserError
+from kvcompress.hashing import dir_fingerprint, file_fingerprint, has_large_files, legacy_dir_fingerprint, legacy_file_fingerprint
 from kvcompress.scalebook import ScaleBook
 
 _STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "k_scale", "k_gscale", "k_gmin")
@@ -197,10 +200,32 @@ class _HpLayer(_Fp16Layer):
         return keys, values
 
 
+def check_book_model(book: ScaleBook, model_path: str | Path) -> None:
+    """Refuse a ScaleBook not profiled on the model at `model_path` (a directory of config/tokenizer/weight files, or a GGUF
+    file): the fingerprint a run records (hashing.dir_fingerprint / file_fingerprint) against the book's provenance.
+    A book fingerprinted by the old edge hash (before 2026-12-07) is accepted when that hash matches."""
+    p = Path(model_path)
+    if not p.exists():
+        raise UserError(f"CompressedCache: model_path={str(model_path)!r} does not exist (give the model's directory or GGUF file)")
+    theirs = book.profiled("model").get("sha256")
+    if not theirs:
+        raise UserError("CompressedCache: this ScaleBook records no model fingerprint to check model_path against (drop model_path)")
+    mine = dir_fingerprint(p) if p.is_dir() else file_fingerprint(p)
+    if theirs == mine or (has_large_files(p) and theirs == (legacy_dir_fingerprint(p) if p.is_dir() else legacy_file_fingerprint(p))):
+        return
+    raise UserError(f"CompressedCache: the ScaleBook was profiled on model {book.profiled('model').get('name', '?')} (fingerprint "
+                    f"{theirs[:12]}), not on {model_path} (fingerprint {mine[:12]}): load the book of this model's run")
+
+
 class CompressedCache(Cache):
     """A transformers Cache holding a ScaleBook's compressed format (see module docstring)."""
 
-    def __init__(self, book: ScaleBook):
+    def __init__(self, book: ScaleBook, model_path: str | Path | None = None):
+        """`model_path`: the model's directory (or GGUF file) this cache will serve; the book is then refused unless it was
+        profiled on those very files (its fingerprint, as a run checks it). Without it, only K/V shapes are checked
+        (`update`): another model of the same shape (a fine-tune of this one) is not caught."""
+        if model_path is not None:
+            check_book_model(book, model_path)
         if book.spec.is_native:
             raise UserError(
                 f"kv.format={book.spec.format} is TensorRT-LLM's own cache: serve it there (export=trtllm); "

@@ -164,3 +164,29 @@ def test_a_book_of_another_geometry_is_one_clear_error(lm_book):
         cache.update(ok, ok, g["n_layers"])
     k, _ = cache.update(ok, ok, 0)  # the book's own shape: stored
     assert k.shape == ok.shape and cache.get_seq_length() == 3
+
+
+def test_model_path_refuses_a_book_profiled_on_another_model_of_the_same_shape(lm_book, tmp_path):
+    """CompressedCache(book, model_path=...): the book's model fingerprint against the files at model_path (a fine-tune
+    of the same shape passes the K/V shape check); a GGUF file is fingerprinted as a run does. Bad paths: one line."""
+    from kvcompress.errors import UserError
+    from kvcompress.hashing import dir_fingerprint, file_fingerprint
+
+    _, book = lm_book
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    stamp = lambda fp: dataclasses.replace(book, provenance={**book.provenance, "stats": {"model": {"name": "m", "sha256": fp}}})  # noqa: E731
+    ours = stamp(dir_fingerprint(model))
+    assert isinstance(CompressedCache(ours, model_path=model), CompressedCache)
+    assert isinstance(CompressedCache(stamp(file_fingerprint(gguf)), model_path=gguf), CompressedCache)
+    (model / "model.safetensors").write_bytes(b"fine-tuned")  # same shapes, other weights
+    with pytest.raises(UserError, match=r"profiled on model m \(fingerprint .*\), not on .*model"):
+        CompressedCache(ours, model_path=model)
+    with pytest.raises(UserError, match="model_path='/nonexistent' does not exist"):
+        CompressedCache(ours, model_path="/nonexistent")
+    with pytest.raises(UserError, match="records no model fingerprint"):
+        CompressedCache(dataclasses.replace(book, provenance={}), model_path=model)
