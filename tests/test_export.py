@@ -1004,3 +1004,40 @@ def test_custom_tier_steps_follow_what_the_bundle_holds(tmp_path):
     assert "--out engine_custom --tp 2 && mpirun -n 2 python build_engine.py --tier custom --check engine_custom" in steps
     assert steps.count("mpirun") == 1
 
+
+
+def test_a_failed_reexport_keeps_the_earlier_export(tmp_path, monkeypatch):
+    """An earlier export/ stays whole when a new export into the run fails; a successful one replaces it. The replacement
+    moves the earlier export aside (it was deleted, so a process killed before the rename left no export/), and an
+    earlier export left aside by a killed process is put back by the next export."""
+    from types import SimpleNamespace
+
+    import kvcompress.stages.export as ex
+
+    run = SimpleNamespace(dir=tmp_path, scalebook=lambda p: None)
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "earlier").write_text("x")
+    monkeypatch.setattr(ex, "check_validated", lambda d, b: None)
+
+    def failing(run, books, report, out):
+        out.mkdir()
+        (out / "half").write_text("y")
+        raise RuntimeError("export failed")
+
+    def written(run, books, report, out):
+        out.mkdir()
+        (out / "new").write_text("z")
+        return {"artifacts": {}, "checks": [], "engine_built": False, "engine_reason": "test"}, False
+
+    monkeypatch.setattr(ex, "export", failing)
+    with pytest.raises(RuntimeError):
+        ex.export_run(run, {})
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["earlier"] and not list(tmp_path.glob(".export*"))
+    (tmp_path / "export").rename(tmp_path / ".export.old")  # killed between moving the earlier export aside and the rename
+    with pytest.raises(RuntimeError):
+        ex.export_run(run, {})
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["earlier"] and not list(tmp_path.glob(".export*"))
+    monkeypatch.setattr(ex, "export", written)
+    ex.export_run(run, {})
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["manifest.json", "new"] and not list(tmp_path.glob(".export*"))

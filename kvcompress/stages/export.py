@@ -298,17 +298,24 @@ def export_run(run, book_paths: dict[str, Path]) -> dict[str, Path]:
     check_validated(run.dir, book_paths)
     report = json.loads(report_path.read_text())
     books = {role: run.scalebook(Path(p)) for role, p in book_paths.items()}
-    final, tmp = run.dir / "export", run.dir / ".export.tmp"
+    final, tmp, old = run.dir / "export", run.dir / ".export.tmp", run.dir / ".export.old"
     shutil.rmtree(tmp, ignore_errors=True)
+    if old.exists() and not final.exists():  # a process killed between the two renames below: its earlier export
+        old.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     try:
         manifest, build = export(run, books, report, tmp)
         atomic_write_json(tmp / "manifest.json", manifest)  # last: a directory with a manifest is complete
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with uninterruptible():  # an earlier export moved aside, not deleted, until the new one is in place
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         with uninterruptible():
             shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not final.exists():  # the earlier export back in place
+                old.rename(final)
         raise
     if build:
         manifest["engine_build"] = _build(final / "trtllm_ckpt" / f"tp{run.cfg.export.tp_sizes[0]}", final / "engine")
