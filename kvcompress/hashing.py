@@ -54,6 +54,8 @@ def file_fingerprint(path: str | Path) -> str:
     except OSError:
         pass
     digest = _sha256(p, st.st_size)
+    if _memo_path(p, p.stat()) != memo:  # written to while it was read: the hash is of no one version, not remembered
+        return digest
     try:  # a cache directory that cannot be written costs a re-read next time, nothing else
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
