@@ -141,7 +141,10 @@ def test_task_summaries_split_accuracy_by_sample_length():
     mr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mr)
     name, r = "long8k_all", json.loads(json.dumps(mr.load_results()["long8k_all"]))
-    assert "by sample length" not in mr.render({name: r})  # a file made before by_length
+    for f in r["formats"]:  # as a file made before by_length
+        for k in ("retrieval", "exact_copy"):
+            f["tasks"][k].pop("by_length", None)
+    assert "by sample length" not in mr.render({name: r})
     for f in r["formats"]:
         f["tasks"]["retrieval"] = out["retrieval"]
         f["tasks"]["exact_copy"] = out["exact_copy"]
