@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from kvcompress import reference as ref
 from kvcompress.errors import UserError
-from kvcompress.hashing import dir_fingerprint, file_fingerprint, has_large_files, legacy_dir_fingerprint, legacy_file_fingerprint
+from kvcompress.hashing import fingerprint_match, legacy_path_fingerprint, path_fingerprint, warn_legacy
 from kvcompress.scalebook import ScaleBook
 
 _STORE = ("k_payload", "k_outliers", "v_payload", "v_scale", "v_min", "k_scale", "k_gscale", "k_gmin")
@@ -202,16 +202,19 @@ class _HpLayer(_Fp16Layer):
 
 def check_book_model(book: ScaleBook, model_path: str | Path) -> None:
     """Refuse a ScaleBook not profiled on the model at `model_path` (a directory of config/tokenizer/weight files, or a GGUF
-    file): the fingerprint a run records (hashing.dir_fingerprint / file_fingerprint) against the book's provenance.
-    A book fingerprinted by the old edge hash (before 2026-12-07) is accepted when that hash matches."""
+    file): the fingerprint a run records (hashing.path_fingerprint) against the book's provenance.
+    A book fingerprinted by the old edge hash (before 2026-12-07) is accepted, with a warning, when that hash matches."""
     p = Path(model_path)
     if not p.exists():
         raise UserError(f"CompressedCache: model_path={str(model_path)!r} does not exist (give the model's directory or GGUF file)")
     theirs = book.profiled("model").get("sha256")
     if not theirs:
         raise UserError("CompressedCache: this ScaleBook records no model fingerprint to check model_path against (drop model_path)")
-    mine = dir_fingerprint(p) if p.is_dir() else file_fingerprint(p)
-    if theirs == mine or (has_large_files(p) and theirs == (legacy_dir_fingerprint(p) if p.is_dir() else legacy_file_fingerprint(p))):
+    mine = path_fingerprint(p)
+    match = fingerprint_match(theirs, mine, lambda: legacy_path_fingerprint(p))
+    if match == "legacy":
+        warn_legacy("this ScaleBook", str(model_path))
+    if match:
         return
     raise UserError(f"CompressedCache: the ScaleBook was profiled on model {book.profiled('model').get('name', '?')} (fingerprint "
                     f"{theirs[:12]}), not on {model_path} (fingerprint {mine[:12]}): load the book of this model's run")

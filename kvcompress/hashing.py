@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -102,6 +103,38 @@ def has_large_files(path: str | Path) -> bool:
     p = Path(path)
     files = [p] if p.is_file() else [f for pat in FINGERPRINTED for f in p.glob(pat)] if p.is_dir() else []
     return any(f.stat().st_size > MEMO_MIN for f in files)
+
+
+def path_fingerprint(path: str | Path) -> str:
+    """Fingerprint of a model's files: a directory's (dir_fingerprint) or one file's (a GGUF; file_fingerprint)."""
+    p = Path(path)
+    return dir_fingerprint(p) if p.is_dir() else file_fingerprint(p)
+
+
+def legacy_path_fingerprint(path: str | Path) -> str | None:
+    """path_fingerprint as kvcompress computed it before it hashed files whole, when that differs (a file over 1 GiB); else None."""
+    p = Path(path)
+    if not has_large_files(p):
+        return None
+    return legacy_dir_fingerprint(p) if p.is_dir() else legacy_file_fingerprint(p)
+
+
+def fingerprint_match(theirs: str | None, mine: str, legacy=None) -> str | None:
+    """How a recorded model fingerprint (`theirs`) matches a model's: "whole" (equal to `mine`), "legacy" (equal to the old
+    edge hash of the same files; `legacy` is a callable returning it or None, called only when needed), or None."""
+    if theirs == mine:
+        return "whole"
+    if theirs and legacy is not None and theirs == legacy():
+        return "legacy"
+    return None
+
+
+def warn_legacy(what: str, name: str) -> None:
+    """The one warning for `what` (statistics, a ScaleBook) accepted for model `name` by its legacy fingerprint only."""
+    logging.getLogger("kvcompress").warning(
+        "%s was profiled by an older kvcompress, which fingerprinted weight files over 1 GiB by their size and first and last "
+        "16 MiB; it matches model %s by that hash only (a change between a file's edges would not show): profile again to tie "
+        "it to the whole files", what, name)
 
 
 def text_hash(text: str) -> str:

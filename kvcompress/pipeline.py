@@ -13,7 +13,7 @@ from kvcompress.data import EVAL_IS_CALIB, load_texts, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
-from kvcompress.hashing import obj_hash
+from kvcompress.hashing import fingerprint_match, obj_hash, warn_legacy
 from kvcompress.models import legacy_fingerprint, load_model, model_fingerprint
 from kvcompress.paths import check_cache_dir
 from kvcompress.provenance import base_provenance
@@ -118,12 +118,12 @@ def check_profiled_on(profiled: dict | None, fingerprint: str | None, name: str,
     profiled before weight files were hashed whole carry the legacy fingerprint of a model with a file over 1 GiB
     (models.legacy_fingerprint of `model_cfg`): accepted with a warning, as that hash saw only each file's edges."""
     theirs = (profiled or {}).get("sha256")
-    if theirs and fingerprint and theirs != fingerprint and model_cfg is not None and theirs == legacy_fingerprint(model_cfg):
-        log.warning("%s was profiled by an older kvcompress, which fingerprinted weight files over 1 GiB by their size and first "
-                    "and last 16 MiB; it matches this run's model %s by that hash only (a change between a file's edges would not "
-                    "show): profile again to tie it to the whole files", what, name)
+    if not (theirs and fingerprint):
         return
-    if theirs and fingerprint and theirs != fingerprint:
+    match = fingerprint_match(theirs, fingerprint, None if model_cfg is None else lambda: legacy_fingerprint(model_cfg))
+    if match == "legacy":
+        warn_legacy(what, f"this run's model {name}")
+    if not match:
         raise UserError(f"{what} was profiled on model {profiled.get('name', '?')} (fingerprint {theirs[:12]}), not on this run's model {name} "
                         f"(fingerprint {fingerprint[:12]}): profile this model (drop stats= / add profile and fit to stages)")
 

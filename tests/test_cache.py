@@ -190,3 +190,22 @@ def test_model_path_refuses_a_book_profiled_on_another_model_of_the_same_shape(l
         CompressedCache(ours, model_path="/nonexistent")
     with pytest.raises(UserError, match="records no model fingerprint"):
         CompressedCache(dataclasses.replace(book, provenance={}), model_path=model)
+
+
+def test_model_path_accepts_a_book_fingerprinted_by_the_old_edge_hash_with_a_warning(lm_book, tmp_path, monkeypatch, caplog):
+    """A book made before whole-file hashing carries the edge hash of a model with a file over 1 GiB: CompressedCache
+    accepts it for those files as a run does (pipeline.check_profiled_on, the same hashing helpers), with the warning."""
+    import logging
+
+    from kvcompress.hashing import MEMO_MIN, legacy_dir_fingerprint
+
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))
+    _, book = lm_book
+    model = tmp_path / "model"
+    model.mkdir()
+    with (model / "model.safetensors").open("wb") as f:
+        f.truncate(MEMO_MIN + 4096)  # sparse, over 1 GiB: its legacy fingerprint differs
+    legacy = dataclasses.replace(book, provenance={**book.provenance, "stats": {"model": {"name": "m", "sha256": legacy_dir_fingerprint(model)}}})
+    with caplog.at_level(logging.WARNING, logger="kvcompress"):
+        assert isinstance(CompressedCache(legacy, model_path=model), CompressedCache)
+    assert "profiled by an older kvcompress" in caplog.text and "this ScaleBook" in caplog.text

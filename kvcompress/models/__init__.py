@@ -41,14 +41,12 @@ def model_fingerprint(cfg) -> str:
 
 
 def legacy_fingerprint(cfg) -> str | None:
-    """The fingerprint kvcompress gave this model before it hashed weight files whole (hashing.legacy_file_fingerprint),
+    """The fingerprint kvcompress gave this model before it hashed weight files whole (hashing.legacy_path_fingerprint),
     when it differs from model_fingerprint's (a weight file over 1 GiB); else None."""
-    from kvcompress.hashing import has_large_files, legacy_dir_fingerprint, legacy_file_fingerprint
+    from kvcompress.hashing import legacy_path_fingerprint
 
     if cfg.source == "gguf_package" and not (cfg.parts and not cfg.path):
-        p = gguf.gguf_path(cfg)
-        return legacy_file_fingerprint(p) if has_large_files(p) else None
+        return legacy_path_fingerprint(gguf.gguf_path(cfg))
     if cfg.source == "hf_dir":
-        p = hf_dir.check_dir(cfg)
-        return legacy_dir_fingerprint(p) if has_large_files(p) else None
+        return legacy_path_fingerprint(hf_dir.check_dir(cfg))
     return None  # joined GGUF parts are fingerprinted by model.sha256, tiny models by their config: unchanged
