@@ -191,6 +191,7 @@ def check_sweep(argv: list[str]) -> None:
 
     import torch
 
+    from kvcompress.hashing import memo_under
     from kvcompress.pipeline import model_key, prepare
 
     def free(models: dict) -> None:
@@ -208,7 +209,8 @@ def check_sweep(argv: list[str]) -> None:
             if model_key(configs[i]) not in models:
                 free(models)
             try:
-                prepare(configs[i], None, progress=False, models=models)
+                with memo_under(configs[i].cache_dir):
+                    prepare(configs[i], None, progress=False, models=models)
             except UserError as e:
                 refuse(i + 1, e)
     finally:

@@ -6,12 +6,26 @@ import json
 import logging
 import os
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 MEMO_MIN = 1 << 30  # a file this large keeps its sha256 in the machine's cache (hashing it again reads it all)
 LEGACY_EDGE_BYTES = 16 << 20  # fingerprints before whole-file hashing: size + first and last 16 MiB of a file over 1 GiB
 FINGERPRINTED = ("*.json", "*.safetensors", "*.gguf", "*.model")  # a model directory's files that make its fingerprint
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_MEMO_ROOT: ContextVar[Path | None] = ContextVar("kvcompress_hash_memo_root", default=None)  # None: paths.default_cache_dir()
+
+
+@contextmanager
+def memo_under(cache_dir: str | Path):
+    """Remember large files' hashes under `cache_dir`/hashes while inside (a run's cache_dir=, pipeline.run); outside, under
+    the default cache directory ($KVCOMPRESS_CACHE, else ~/.cache/kvcompress)."""
+    token = _MEMO_ROOT.set(Path(cache_dir))
+    try:
+        yield
+    finally:
+        _MEMO_ROOT.reset(token)
 
 
 def _sha256(p: Path, size: int) -> str:
@@ -37,12 +51,12 @@ def _memo_path(p: Path, st: os.stat_result) -> Path:
     from kvcompress.paths import default_cache_dir
 
     key = obj_hash([str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
-    return default_cache_dir() / "hashes" / key[:32]
+    return (_MEMO_ROOT.get() or default_cache_dir()) / "hashes" / key[:32]
 
 
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a file's bytes, all of them. A file over 1 GiB (a weight shard) is read once per machine: its hash is
-    remembered under <cache>/hashes until the file changes (_memo_path)."""
+    remembered under <cache>/hashes until the file changes (_memo_path; <cache>: memo_under's, else the default)."""
     p = Path(path)
     st = p.stat()
     if st.st_size <= MEMO_MIN:

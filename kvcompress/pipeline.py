@@ -13,7 +13,7 @@ from kvcompress.data import EVAL_IS_CALIB, load_texts, text_ids, token_windows
 from kvcompress.errors import UserError
 from kvcompress.eval.attention import check_supported
 from kvcompress.eval.tasks.base import FACT_GAP
-from kvcompress.hashing import fingerprint_match, obj_hash, warn_legacy
+from kvcompress.hashing import fingerprint_match, memo_under, obj_hash, warn_legacy
 from kvcompress.models import legacy_fingerprint, load_model, model_fingerprint
 from kvcompress.paths import check_cache_dir
 from kvcompress.provenance import base_provenance
@@ -355,8 +355,13 @@ def prepare(cfg: RunConfig, run_dir: Path | None, progress: bool = True, models:
 
 
 def run(cfg: RunConfig, run_dir: str | Path, progress: bool = True) -> dict[str, Path]:
-    """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary."""
-    run_dir = Path(run_dir)
+    """Run cfg.stages in order; returns the artifact paths written. Ends with a console summary. Large files' hashes are
+    remembered under the run's cache_dir (hashing.memo_under)."""
+    with memo_under(cfg.cache_dir):
+        return _run(cfg, Path(run_dir), progress)
+
+
+def _run(cfg: RunConfig, run_dir: Path, progress: bool) -> dict[str, Path]:
     r = prepare(cfg, run_dir, progress)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_header(cfg, run_dir)

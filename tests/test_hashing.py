@@ -89,3 +89,29 @@ def test_legacy_fingerprint_of_model_configs(tmp_path, monkeypatch):
     big.unlink()
     assert legacy_fingerprint(SimpleNamespace(source="hf_dir", path=model)) is None
     assert legacy_fingerprint(SimpleNamespace(source="tiny")) is None
+
+
+def test_a_run_remembers_hashes_under_its_cache_dir(tmp_path, monkeypatch):
+    """cache_dir= moves the whole per-machine cache of a run, large files' hashes too (they went to the default cache
+    directory, which may not be writable where cache_dir= was given for that reason); outside a run: the default."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from kvcompress import pipeline
+    from kvcompress.config import to_run_config
+
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "default"))
+    monkeypatch.setattr(hashing, "MEMO_MIN", -1)  # every file hashed is remembered: the run's books and statistics
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_llama", "calib=smoke", "eval=smoke", "export=none", "stages=[profile,fit,validate]",
+                                           "eval.tasks.names=[]", f"cache_dir={tmp_path / 'c'}"])
+    pipeline.run(to_run_config(OmegaConf.to_container(cfg, resolve=True)), tmp_path / "run", progress=False)
+    assert list((tmp_path / "c" / "hashes").iterdir()) and not (tmp_path / "default" / "hashes").exists()
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    hashing.file_fingerprint(f)
+    assert len(list((tmp_path / "default" / "hashes").iterdir())) == 1
+    with hashing.memo_under(tmp_path / "elsewhere"):
+        hashing.file_fingerprint(f)
+    assert (tmp_path / "elsewhere" / "hashes").is_dir()
