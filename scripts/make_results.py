@@ -76,7 +76,7 @@ COMMANDS = {
     # Debian system ships, 3 x 8192 tokens (no tasks: their prompts are the built-in ones), the 8K table's custom formats
     "long8k_legal": "python -m kvcompress kv=rot8k_int4v eval=long export=none eval.source=files "
                     "eval.paths=[" + ",".join(f"/usr/share/common-licenses/{n}" for n in ("GPL-3", "GPL-2", "LGPL-2", "LGPL-3", "GFDL", "Artistic", "BSD"))
-                    + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4,rot7k_int5v]",
+                    + "] eval.n_windows=3 eval.tasks.names=[] eval.compare=[int8k_int4v,wf4,kivi_int4,rot7k_int5v,int8k_asym_rotv,wf5,wf6]",
 }
 
 
@@ -84,7 +84,8 @@ COMMANDS = {
 RATIOS = {
     "long8k_all": [("int8k_asym_rotv", "int8k_int4v"), ("wf4", "kivi_int4"), ("wf4", "native_nvfp4"), ("rot8k_int4v", "int8k_int4v")],
     "long8k_rot4": [("rot4", "kivi_int4")],
-    "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v"), ("rot7k_int5v", "int8k_int4v")],
+    "long8k_legal": [("wf4", "kivi_int4"), ("rot8k_int4v", "int8k_int4v"), ("rot7k_int5v", "int8k_int4v"), ("int8k_asym_rotv", "int8k_int4v"),
+                     ("wf5", "int8k_int4v"), ("wf6", "int8k_int4v")],
     "long8k_rot7k": [("rot7k_int5v", "int8k_int4v"), ("rot7k_int5v", "rot8k_int4v")],
     "long8k_wf": [("wf6", "int8k_int4v"), ("wf5", "int8k_int4v")],
     "long8k_wf3": [("wf3", "kivi_int4")],
