@@ -22,19 +22,33 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def git_sha() -> str | None:
-    """The commit of the kvcompress checkout (with '-dirty' when it has local changes), if any; read once per
-    process, so a run records the code it started with even if the checkout moves while it runs."""
-    root = Path(__file__).resolve().parents[1]
+@functools.lru_cache(maxsize=4)
+def git_state(root: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
+    """(commit, tracked paths with local changes) of the kvcompress checkout (or of `root`); (None, ()) outside a git
+    checkout. Read once per process, so a run records the code it started with even if the checkout moves while it runs."""
+    root = root or Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if sha.returncode:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+            return None, ()
+        changed = subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip(), tuple(sorted(line for line in changed.stdout.splitlines() if line.strip()))
     except (OSError, subprocess.TimeoutExpired):
-        return None
+        return None, ()
+
+
+@functools.lru_cache(maxsize=1)
+def git_sha() -> str | None:
+    """The commit of the kvcompress checkout (with '-dirty' when tracked files have local changes), if any."""
+    sha, changes = git_state()
+    return sha and sha + ("-dirty" if changes else "")
+
+
+def git_changes(limit: int = 50) -> list[str]:
+    """The tracked paths whose local changes '-dirty' stands for (the first `limit`, then a count of the rest), so a
+    reader can tell code edits from, say, a results file an earlier run wrote into the same checkout."""
+    changes = list(git_state()[1])
+    return changes[:limit] + ([f"... and {len(changes) - limit} more"] if len(changes) > limit else [])
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,5 +75,6 @@ def base_provenance() -> dict:
         "versions": package_versions(),
         "python": platform.python_version(),
         "git_sha": git_sha(),
+        "git_changes": git_changes(),
         "machine": machine(),
     }

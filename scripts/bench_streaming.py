@@ -31,7 +31,7 @@ BEGIN, END = "<!-- streaming-bench:begin (rendered by scripts/bench_streaming.py
 def render(r: dict) -> str:
     """The block of docs/models.md, from a results file of this benchmark."""
     s = r["synthetic"]
-    lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}, 2 CPU cores (`docs/bench/streaming.json`):", "",
+    lines = [BEGIN, "", f"Ran {r['ran'][:10]}, git {str(r['git_sha'])[:12]}{' with uncommitted changes' if str(r['git_sha']).endswith('-dirty') else ''}, 2 CPU cores (`docs/bench/streaming.json`):", "",
              "| measured | value |", "|---|---|",
              f"| synthetic Llama checkpoint | {s['layers']} layers, hidden {s['hidden']}, {s['checkpoint_bytes'] / 1e9:.2f} GB (float32, sharded) |",
              f"| streamed run (profile, fit, validate, export + read-back checks passed: {s['exported']}) | {s['seconds']:.0f} s; stages {', '.join(f'{k} {v:.0f} s' for k, v in s['stage_times_s'].items())} |",
@@ -154,7 +154,10 @@ def main() -> None:
     a = ap.parse_args()
     from datetime import datetime, timezone
 
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
+    sys.path.insert(0, str(ROOT))
+    from kvcompress.provenance import git_sha  # noqa: E402
+
+    sha = git_sha()  # '-dirty' when the checkout has uncommitted changes, as every run's provenance
     out = {"command": "python scripts/bench_streaming.py --render", "device": a.device, "ran": datetime.now(timezone.utc).isoformat(), "git_sha": sha}
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
         s = out["synthetic"] = synthetic_streamed_run(a.gb, Path(d), device=a.device)

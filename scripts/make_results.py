@@ -132,7 +132,7 @@ def summarise(report: dict, command: str, run_dir: Path) -> dict:
         "run_dir": str(run_dir),
         "model": {k: report["model"].get(k) for k in ("name", "architecture", "file", "path", "sha256", "dtype", "baseline")},
         "eval": {k: report["eval"].get(k) for k in ("origin", "sha256", "n_windows", "seq_len")},
-        "provenance": {k: report["provenance"].get(k) for k in ("versions", "python", "git_sha", "machine")},
+        "provenance": {k: report["provenance"].get(k) for k in ("versions", "python", "git_sha", "git_changes", "machine")},
         "formats": formats,
         "self_check": report.get("self_check"),
         "export": {name: {"validated_as": a["validated_as"], "remeasured": {k: a["remeasured"][k] for k in ("validated_kl", "remeasured_kl", "tolerance", "passed")}}
@@ -160,6 +160,34 @@ def run(name: str, command: str) -> dict:
         return summarise(json.loads((run_dir / "report.json").read_text()), command, run_dir)
 
 
+def _is_results_path(path: str) -> bool:
+    """docs/results/* and docs/results.md: what a rerun writes; changes there do not change what a run computes."""
+    return path == "docs/results.md" or path.startswith("docs/results/")
+
+
+def check_checkout(sha: str | None, changes: list[str] | tuple[str, ...]) -> None:
+    """Refuse to measure on a checkout with uncommitted changes outside the results files: a results file names the
+    commit it ran at, and that commit must be the code that ran. Earlier results written into the same checkout are
+    allowed (the run records them in git_changes) so that several commands can run one after another."""
+    other = [c for c in changes if not _is_results_path(c)]
+    if sha and other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise SystemExit(f"make_results: the checkout has uncommitted changes outside docs/results ({shown}); "
+                         "a results file records the commit it ran at: commit them, or rerun from a clean clone")
+
+
+def _git(r: dict) -> str:
+    """'git <sha12>' and what uncommitted changes the run's checkout had: none, only results files of earlier runs, or
+    unknown ones (files made before git_changes was recorded, or with code edits)."""
+    sha = str(r["provenance"]["git_sha"])
+    if not sha.endswith("-dirty"):
+        return f"git {sha[:12]}"
+    changes = r["provenance"].get("git_changes")
+    if changes and all(_is_results_path(c) for c in changes):
+        return f"git {sha[:12]} (uncommitted: only earlier results files)"
+    return f"git {sha[:12]} with uncommitted changes"
+
+
 def _on(r: dict) -> str:
     """' on <CPU> (<torch CPU capability>)': the machine the results file records."""
     m = r["provenance"]["machine"]
@@ -179,7 +207,7 @@ def render(results: dict[str, dict]) -> str:
     for name, r in sorted(results.items()):
         t = r["stage_times_s"]
         out += ["", f"`{r['command']}` ({r['model']['architecture']} {r['model']['name']}, baseline: {r['model']['baseline']}; "
-                f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}{_on(r)}, git {str(r['provenance']['git_sha'])[:12]}; "
+                f"{r['eval']['n_windows']} x {r['eval']['seq_len']} held-out tokens; ran {r['ran'][:10]}{_on(r)}, {_git(r)}; "
                 f"file `docs/results/{name}.json`{_ran_as(r)}):", ""]
         modes = {f["name"]: f["tasks"].get("prompt", "context") for f in r["formats"] if f["tasks"]}  # files made before eval.tasks.prompt: context
         kinds = set(modes.values())
@@ -248,6 +276,9 @@ def main() -> int:
     ap.add_argument("--only", default=None, choices=list(COMMANDS), help="rerun only this one")
     a = ap.parse_args()
     if not a.render:
+        from kvcompress.provenance import git_state
+
+        check_checkout(*git_state())
         RESULTS.mkdir(parents=True, exist_ok=True)
         for name, cmd in COMMANDS.items():
             if a.only and name != a.only:

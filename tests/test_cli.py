@@ -430,6 +430,8 @@ def test_tiny_end_to_end_then_cached_then_fit_without_model(tmp_path):
     assert cfg["kv"]["key"]["bits"] == 8 and cfg["kv"]["value"]["bits"] == 4 and cfg["kv"]["window"] == 128
     prov = json.loads((run1 / "provenance.json").read_text())
     assert prov["versions"]["torch"] and "git_sha" in prov
+    # '-dirty' exactly when the run names the checkout's changed files (a reader tells code edits from results files)
+    assert isinstance(prov["git_changes"], list) and (prov["git_sha"] is None or prov["git_sha"].endswith("-dirty") == bool(prov["git_changes"]))
     assert prov["machine"]["arch"] and prov["machine"]["torch_cpu_capability"]  # metrics' last digits depend on the CPU's GEMMs
     assert "reusing cached" not in p.stderr + p.stdout
 

@@ -109,3 +109,33 @@ def test_task_columns_name_the_prompt_semantics_each_format_used():
     for f in with_tasks:
         f["tasks"]["prompt"] = "decode"
     assert "retrieval (decode-equivalent prompt) | exact copy (decode-equivalent prompt)" in mr.render({name: r})
+
+
+def test_make_results_measures_only_committed_code():
+    """A rerun refuses a checkout with uncommitted changes outside the results files (its files name the commit they
+    ran at); results files an earlier rerun wrote into the same checkout are allowed and recorded."""
+    mr = _make_results()
+    mr.check_checkout("abc", [])
+    mr.check_checkout("abc", ["docs/results.md", "docs/results/long8k_wf.json"])
+    mr.check_checkout(None, [])  # not a git checkout: the results record no commit
+    with pytest.raises(SystemExit, match=r"uncommitted changes outside docs/results \(kvcompress/reference.py\); .*clean clone"):
+        mr.check_checkout("abc", ["docs/results.md", "kvcompress/reference.py"])
+    with pytest.raises(SystemExit, match=r"\(a0, a1, a2, a3, a4 and 2 more\)"):
+        mr.check_checkout("abc", [f"a{i}" for i in range(7)])
+
+
+def test_results_headers_say_what_a_dirty_checkout_held():
+    """The header of a table names its commit and, when its checkout had uncommitted changes, whether they were only
+    earlier results files (recorded in git_changes) or unknown."""
+    mr = _make_results()
+    name, r = next(iter(mr.load_results().items()))
+    r = json.loads(json.dumps(r))
+    prov = r["provenance"]
+    prov["git_sha"], prov["git_changes"] = "0123456789abcdef", []
+    assert ", git 0123456789ab; file" in mr.render({name: r})
+    prov["git_sha"], prov["git_changes"] = "0123456789abcdef-dirty", ["docs/results/default.json", "docs/results.md"]
+    assert ", git 0123456789ab (uncommitted: only earlier results files); file" in mr.render({name: r})
+    prov["git_changes"] = ["docs/results.md", "kvcompress/cache.py"]
+    assert ", git 0123456789ab with uncommitted changes; file" in mr.render({name: r})
+    del prov["git_changes"]  # files made before git_changes was recorded
+    assert ", git 0123456789ab with uncommitted changes; file" in mr.render({name: r})

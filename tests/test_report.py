@@ -154,3 +154,30 @@ def test_a_run_records_the_commit_it_started_with():
     provenance.git_sha.cache_clear()
     first = provenance.git_sha()
     assert provenance.git_sha() == first and provenance.git_sha.cache_info().hits >= 1
+
+
+def test_provenance_names_the_uncommitted_changes_behind_dirty(tmp_path):
+    """git_state lists the tracked files with local changes (staged or not; untracked files are not the code's state)."""
+    import subprocess
+
+    from kvcompress import provenance
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.md").write_text("b\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    sha, changes = provenance.git_state(tmp_path)
+    assert len(sha) == 40 and changes == ()
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.md").write_text("c\n")
+    git("add", "b.md")
+    (tmp_path / "new.txt").write_text("untracked")
+    provenance.git_state.cache_clear()
+    assert provenance.git_state(tmp_path) == (sha, ("a.py", "b.md"))
+    provenance.git_state.cache_clear()
+    assert provenance.git_state(tmp_path / "not_a_repo_child") == (None, ())  # not a directory git can enter
+    provenance.git_state.cache_clear()
