@@ -124,6 +124,17 @@ def test_make_results_measures_only_committed_code():
         mr.check_checkout("abc", [f"a{i}" for i in range(7)])
 
 
+def test_recorded_results_ran_on_committed_code():
+    """A results file that records its checkout's changes (git_changes) ran on committed code: changes, if any, are
+    earlier results files only (make_results refuses any other)."""
+    mr = _make_results()
+    for name, r in mr.load_results().items():
+        changes = r["provenance"].get("git_changes")
+        if changes is not None:
+            assert all(mr._is_results_path(c) for c in changes), (name, changes)
+            assert str(r["provenance"]["git_sha"]).endswith("-dirty") == bool(changes), name
+
+
 def test_results_headers_say_what_a_dirty_checkout_held():
     """The header of a table names its commit and, when its checkout had uncommitted changes, whether they were only
     earlier results files (recorded in git_changes) or unknown."""
